@@ -1,0 +1,40 @@
+# Two entry points for a fresh machine: `make demo` (the main job on a built-in model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+DEMO_DIR ?= out/demo
+# llama.cpp (the parity reference) builds from source in ~4 minutes on 2 cores; pip caches the wheel.
+LLAMA_CPP_ARGS ?= -DGGML_NATIVE=OFF
+
+.PHONY: venv native parity test demo lint clean
+
+$(VENV)/.installed: requirements.txt requirements-test.txt setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -r requirements.txt -r requirements-test.txt
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+venv: $(VENV)/.installed
+
+native: venv
+	$(PY) setup.py -q build_ext --inplace
+
+$(VENV)/.parity: $(VENV)/.installed
+	CMAKE_ARGS="$(LLAMA_CPP_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(PIP) install -q llama-cpp-python==0.3.36 \
+		|| echo "warning: llama-cpp-python did not install; llama.cpp parity tests will be skipped"
+	touch $@
+
+parity: $(VENV)/.parity
+
+test: venv native parity
+	$(PY) -m pytest -q --timeout=1800 tests
+
+demo: venv native
+	$(PY) -m pocketmoe.demo --out $(DEMO_DIR)
+
+lint: venv
+	$(VENV)/bin/ruff check pocketmoe tests scripts
+
+clean:
+	rm -rf build $(VENV) out pocketmoe/_native*.so
