@@ -1,0 +1,109 @@
+"""Helpers every entry point shares: one-line user errors with exit codes, sizes, tables, host facts."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pocketmoe.errors import PocketMoEError
+
+EXIT_OK = 0
+EXIT_VALIDATION = 1  # the file was read but does not pass the checks asked for
+EXIT_USER_ERROR = 2  # bad file, bad flag, a budget that cannot fit (same code argparse uses)
+GIB = 2**30
+
+
+def error_line(err: BaseException) -> str:
+    """`error: <message>` on one line (newlines folded), the form every CLI prints for user errors."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return f"error: {text}"
+
+
+def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """Run `main`; a PocketMoEError or an OS error about a path becomes one stderr line and exit 2."""
+    try:
+        return main(argv)
+    except PocketMoEError as e:
+        print(error_line(e), file=sys.stderr)
+        return EXIT_USER_ERROR
+    except BrokenPipeError:  # output piped into `head` and closed: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as e:
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(error_line(OSError(f"{where}{e.strerror or e}")), file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+def gib(nbytes: float, digits: int = 2) -> str:
+    """Bytes as GiB text: `1.25 GiB`."""
+    return f"{nbytes / GIB:.{digits}f} GiB"
+
+
+def size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1: `512 B`, `3.4 MiB`, `1.25 GiB`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+_NUMBER = re.compile(r"^[-+]?[\d.,]+(e[-+]?\d+)?%?( [A-Za-z/]+)?$")
+
+
+def sizes(values: Sequence[float]) -> list[str]:
+    """Byte counts in one shared unit (GiB, MiB or KiB, by the largest), so a column compares at a glance."""
+    top = max((abs(v) for v in values), default=0)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if top >= scale / 2:
+            return [f"{v / scale:.2f} {unit}" for v in values]
+    return [f"{int(v)} B" for v in values]
+
+
+def _is_number(text: str) -> bool:
+    """A number, optionally with a unit: `12`, `3.5%`, `4.00 GiB`, `1.2 GB/s`."""
+    return bool(_NUMBER.match(text))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ") -> str:
+    """An aligned text table; columns whose cells all look numeric are right-aligned."""
+    cells = [[str(c) for c in r] for r in rows]
+    n = len(headers)
+    if any(len(r) != n for r in cells):
+        raise ValueError(f"every row needs {n} cells")
+    widths = [max([len(headers[i])] + [len(r[i]) for r in cells]) for i in range(n)]
+    right = [bool(cells) and all(_is_number(r[i]) or r[i] in ("", "-") for r in cells) for i in range(n)]
+
+    def line(vals: Sequence[str]) -> str:
+        parts = [v.rjust(w) if r else v.ljust(w) for v, w, r in zip(vals, widths, right, strict=True)]
+        return (indent + "  ".join(parts)).rstrip()
+
+    rule = indent + "  ".join("-" * w for w in widths)
+    return "\n".join([line(list(headers)), rule, *(line(r) for r in cells)])
+
+
+def host_memory_bytes() -> int:
+    """Total host memory: MemTotal from /proc/meminfo, else sysconf."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def cuda_memory_bytes() -> list[int]:
+    """Total memory of each visible CUDA device ([] when torch sees none)."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    return [int(torch.cuda.get_device_properties(i).total_memory) for i in range(torch.cuda.device_count())]
