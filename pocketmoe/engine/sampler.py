@@ -1,0 +1,200 @@
+"""Next-token sampling: penalties -> temperature -> top-k -> top-p -> min-p -> draw.
+
+Every request owns a `Sampler` with its own torch.Generator, so the same seed gives the same tokens.
+Sampling runs on the CPU in float32 whatever device the logits come from, so the draw does not depend
+on where the model ran.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pocketmoe.errors import PocketMoEError
+
+
+class SamplingParamsError(PocketMoEError, ValueError):
+    """A sampling parameter is out of range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature: 0 means greedy (argmax after penalties). top_k: 0 = off. top_p in (0, 1], 1 = off.
+    min_p in [0, 1], 0 = off: drop tokens whose probability is below min_p * the top probability.
+    repetition_penalty > 0, 1 = off (llama.cpp/HF: positive logits of seen tokens are divided by it,
+    negative ones multiplied). frequency_penalty and presence_penalty in [-2, 2] (OpenAI: subtract
+    count * frequency + presence from a seen token's logit). All three penalties look at the last
+    `penalty_last_n` tokens of prompt + output (0 = all of them).
+    stop: strings that end the output (not included in it); stop_token_ids: ids that end it;
+    ignore_eos: keep going past the model's end-of-generation tokens.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = [
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", ">= 0"),
+            (self.top_k >= 0, "top_k", ">= 0 (0 turns it off)"),
+            (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p", "in [0, 1]"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             "> 0 (1 turns it off)"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
+            (self.penalty_last_n >= 0, "penalty_last_n", ">= 0 (0 means the whole history)"),
+            (self.max_tokens >= 1, "max_tokens", ">= 1"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise SamplingParamsError(f"sampling parameter {name}={getattr(self, name)!r} must be {rule}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def end_ids(self, eot_ids: Sequence[int]) -> frozenset[int]:
+        """Token ids that end generation: stop_token_ids, plus the model's EOG ids unless ignore_eos."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(eot_ids)
+        return frozenset(ids)
+
+
+def apply_penalties(logits: torch.Tensor, history: Sequence[int], params: SamplingParams) -> torch.Tensor:
+    """logits [V] float32 (a new tensor). Penalises each distinct token of the history window."""
+    window = history[-params.penalty_last_n:] if params.penalty_last_n else history
+    if not window:
+        return logits.clone()
+    counts = Counter(int(t) for t in window)
+    ids = torch.tensor(list(counts), dtype=torch.long)
+    n = torch.tensor(list(counts.values()), dtype=torch.float32)
+    out = logits.clone()
+    seen = out[ids]
+    if params.repetition_penalty != 1.0:
+        p = params.repetition_penalty
+        seen = torch.where(seen > 0, seen / p, seen * p)
+    seen = seen - n * params.frequency_penalty - (n > 0).float() * params.presence_penalty
+    out[ids] = seen
+    return out
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits (ties at the boundary: lower ids first), the rest -> -inf."""
+    if k <= 0 or k >= logits.numel():
+        return logits
+    keep = torch.sort(logits, descending=True, stable=True).indices[:k]
+    out = torch.full_like(logits, -math.inf)
+    out[keep] = logits[keep]
+    return out
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest prefix of tokens sorted by probability whose mass reaches p."""
+    if p >= 1.0:
+        return logits
+    order = torch.sort(logits, descending=True, stable=True).indices
+    probs = torch.softmax(logits[order], dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop = order[mass_before >= p]
+    out = logits.clone()
+    out[drop] = -math.inf
+    return out
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the largest probability."""
+    if min_p <= 0.0:
+        return logits
+    # p_i >= min_p * p_max  <=>  logit_i >= logit_max + ln(min_p)
+    threshold = logits.max() + math.log(min_p)
+    return torch.where(logits >= threshold, logits, torch.full_like(logits, -math.inf))
+
+
+class Sampler:
+    """Picks the next token of one request from its logits and its token history."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = torch.Generator(device="cpu")
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def process(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
+        """The filtered, temperature-scaled logits [V] the draw is made from (-inf = excluded)."""
+        p = self.params
+        x = apply_penalties(logits.detach().to("cpu", torch.float32).reshape(-1), history, p)
+        if p.greedy:
+            return x
+        x = x / p.temperature
+        x = apply_top_k(x, p.top_k)
+        x = apply_top_p(x, p.top_p)
+        return apply_min_p(x, p.min_p)
+
+    def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+        x = self.process(logits, history)
+        if self.params.greedy:
+            return int(torch.argmax(x))
+        probs = torch.softmax(x, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    sample = __call__
+
+
+class StopChecker:
+    """Finds stop strings in streamed text, even when one spans several tokens.
+
+    `push(text)` returns (text safe to show now, stopped). Text that could be the start of a stop string
+    is held back until it is known not to be one; on a stop, the text before the stop string comes out
+    and the rest is dropped. `flush()` releases what is held when the stream ends without a stop.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = tuple(s for s in stop if s)
+        self._held = ""
+        self.stopped = False
+        self.matched: str | None = None
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        buf = self._held + text
+        hits = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
+        if hits:
+            i, s = min(hits)
+            self._held, self.stopped, self.matched = "", True, s
+            return buf[:i], True
+        keep = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:n]):
+                    keep = n
+                    break
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped else held

@@ -1,0 +1,121 @@
+"""python -m pocketmoe.bench: JSON report shape, the bytes-per-token bound, bad inputs, llama.cpp side."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+
+from pocketmoe.bench import render
+from pocketmoe.benchmark import matching_prefix, prompt_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_KEYS = {"backend", "prefill_tok_s", "decode_tok_s", "peak_rss_mib", "peak_anon_mib", "load_s"}
+FAST = ["--prompt-tokens", "8", "--gen-tokens", "4", "--threads", "1", "--bandwidth-mib", "32", "--json"]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "pocketmoe.bench", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pocketmoe.testing.synth import write_fixture
+
+    return write_fixture("deepseek2", "tiny", "Q4_K_M", tmp_path_factory.mktemp("bench") / "m.gguf")[0]
+
+
+@pytest.fixture(scope="module")
+def report(model: Path) -> dict:
+    proc = bench("--model", str(model), *FAST)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1
+    return json.loads(lines[0])
+
+
+def expected_bytes_per_token(path: Path) -> int:
+    """Independent of pocketmoe: k/E of each *_exps tensor, one token_embd row, everything else whole."""
+    r = gguf.GGUFReader(path)
+    n_expert = int(r.fields["deepseek2.expert_count"].contents())
+    k = int(r.fields["deepseek2.expert_used_count"].contents())
+    names = {t.name for t in r.tensors}
+    total = 0
+    for t in r.tensors:
+        if "_exps." in t.name:
+            total += int(t.n_bytes) // n_expert * k
+        elif t.name == "token_embd.weight" and "output.weight" in names:
+            total += int(t.n_bytes) // int(t.shape[-1])
+        else:
+            total += int(t.n_bytes)
+    return total
+
+
+def test_json_report(report: dict, model: Path) -> None:
+    assert {"model", "architecture", "file_bytes", "threads", "prompt_tokens", "gen_tokens", "pocketmoe",
+            "llama_cpp", "ratio", "bound"} <= report.keys()
+    assert report["architecture"] == "deepseek2"
+    assert report["file_bytes"] == model.stat().st_size
+    assert (report["prompt_tokens"], report["gen_tokens"], report["threads"]) == (8, 4, 1)
+    assert report["llama_cpp"] is None and report["ratio"] is None
+    ours = report["pocketmoe"]
+    assert ENGINE_KEYS <= ours.keys()
+    for key in ENGINE_KEYS - {"backend"}:
+        assert ours[key] > 0, key
+    bound = report["bound"]
+    for key in ("read_bandwidth_gbps", "bytes_per_token", "decode_tok_s_bound", "decode_fraction_of_bound"):
+        assert bound[key] > 0, key
+    assert bound["method"]
+    assert bound["decode_tok_s_bound"] == pytest.approx(
+        bound["read_bandwidth_gbps"] * 1e9 / bound["bytes_per_token"], rel=1e-2)
+
+
+def test_bytes_per_token_matches_gguf_reader(report: dict, model: Path) -> None:
+    assert report["bound"]["bytes_per_token"] == expected_bytes_per_token(model)
+    assert 0 < report["bound"]["routed_bytes_per_token"] < report["bound"]["bytes_per_token"]
+
+
+def test_table_render(report: dict) -> None:
+    text = render(report)
+    assert "pocketmoe" in text and "prefill tok/s" in text and "GB/s" in text
+
+
+def test_prompt_ids_deterministic_and_ordinary() -> None:
+    allowed = list(range(100, 200))
+    a = prompt_ids(64, 1000, allowed)
+    assert a == prompt_ids(64, 1000, allowed)
+    assert len(a) == 64 and set(a) <= set(allowed)
+    assert matching_prefix([1, 2, 3], [1, 2, 4]) == 2
+
+
+@pytest.mark.parametrize("args", [["--model", "/nonexistent/m.gguf"], ["--prompt-tokens", "0"],
+                                  ["--gen-tokens", "4", "--n-ctx", "8"]])
+def test_bad_inputs_one_line_exit_2(args: list[str], model: Path) -> None:
+    full = (["--model", str(model)] if "--model" not in args else []) + args + ["--threads", "1"]
+    proc = bench(*full)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.parity
+def test_llama_cpp_side_by_side(model: Path) -> None:
+    pytest.importorskip("llama_cpp")
+    proc = bench("--model", str(model), *FAST, "--llama-cpp")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    theirs = r["llama_cpp"]
+    assert ENGINE_KEYS | {"version"} <= theirs.keys()
+    assert theirs["version"].startswith("llama-cpp-python")
+    for key in ("prefill_tok_s", "decode_tok_s", "peak_rss_mib", "load_s"):
+        assert theirs[key] > 0, key
+    assert r["ratio"]["prefill"] > 0 and r["ratio"]["decode"] > 0
+    assert r["greedy_agreement"]["compared_tokens"] == 5

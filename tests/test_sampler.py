@@ -1,0 +1,181 @@
+"""Sampler checks against plain re-derivations (numpy / python loops / torch.topk)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pocketmoe.engine.sampler import (
+    Sampler,
+    SamplingParams,
+    SamplingParamsError,
+    StopChecker,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+)
+from pocketmoe.errors import PocketMoEError
+
+V = 64
+
+
+def _logits(seed: int, n: int = V) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _ref_penalties(logits: np.ndarray, history: list[int], rep: float, freq: float, pres: float) -> np.ndarray:
+    out = logits.astype(np.float64).copy()
+    for t in set(history):
+        if out[t] > 0:
+            out[t] /= rep
+        else:
+            out[t] *= rep
+        c = history.count(t)
+        out[t] -= c * freq + pres
+    return out
+
+
+def _ref_top_p_keep(logits: np.ndarray, p: float) -> set[int]:
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    keep, mass = set(), 0.0
+    for i in order:
+        keep.add(i)
+        mass += probs[i]
+        if mass >= p:
+            break
+    return keep
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(temperature=-1), dict(temperature=math.nan), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
+     dict(min_p=-0.1), dict(min_p=2), dict(repetition_penalty=0), dict(frequency_penalty=2.5),
+     dict(presence_penalty=-3), dict(max_tokens=0), dict(penalty_last_n=-1), dict(stop=[""])],
+)
+def test_params_validation(kwargs: dict) -> None:
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(**kwargs)
+    assert isinstance(e.value, PocketMoEError) and str(e.value).count(".") >= 1
+
+
+def test_params_defaults_and_lists() -> None:
+    p = SamplingParams(stop=["a", "bc"], stop_token_ids=[3, 4])
+    assert p.stop == ("a", "bc") and p.stop_token_ids == (3, 4)
+    assert p.end_ids([7]) == {3, 4, 7} and SamplingParams(ignore_eos=True).end_ids([7]) == set()
+    hash(p)
+
+
+def test_penalties_match_reference() -> None:
+    logits = _logits(0)
+    history = [1, 2, 2, 5, 9, 9, 9, 63]
+    p = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
+    ours = apply_penalties(logits, history, p).numpy()
+    ref = _ref_penalties(logits.numpy(), history, 1.3, 0.5, 0.25)
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6)
+    last = SamplingParams(repetition_penalty=2.0, penalty_last_n=3)
+    ours = apply_penalties(logits, history, last).numpy()
+    np.testing.assert_allclose(ours, _ref_penalties(logits.numpy(), history[-3:], 2.0, 0, 0), rtol=1e-6)
+    assert torch.equal(apply_penalties(logits, [], p), logits)
+
+
+def test_greedy_is_argmax_of_penalised_logits() -> None:
+    for seed in range(20):
+        logits = _logits(seed)
+        history = [int(torch.argmax(logits))]
+        assert Sampler(SamplingParams(temperature=0))(logits, history) == int(np.argmax(logits.numpy()))
+        p = SamplingParams(temperature=0, repetition_penalty=5.0, presence_penalty=2.0)
+        ref = _ref_penalties(logits.numpy(), history, 5.0, 0.0, 2.0)
+        assert Sampler(p)(logits, history) == int(np.argmax(ref))
+        assert Sampler(SamplingParams(top_k=1, seed=seed))(logits) == int(np.argmax(logits.numpy()))
+
+
+def test_top_k_matches_torch_topk() -> None:
+    for k in (1, 5, 17, V):
+        logits = _logits(k)
+        kept = torch.isfinite(apply_top_k(logits, k)).nonzero().flatten().tolist()
+        assert sorted(kept) == sorted(torch.topk(logits, k).indices.tolist())
+    assert torch.equal(apply_top_k(_logits(1), 0), _logits(1))
+
+
+def test_top_p_keeps_smallest_prefix() -> None:
+    for seed, p in [(0, 0.1), (1, 0.5), (2, 0.9), (3, 0.999), (4, 1.0)]:
+        logits = _logits(seed)
+        kept = set(torch.isfinite(apply_top_p(logits, p)).nonzero().flatten().tolist())
+        assert kept == _ref_top_p_keep(logits.numpy().astype(np.float64), p)
+
+
+def test_min_p_matches_reference() -> None:
+    logits = _logits(7)
+    probs = torch.softmax(logits.double(), -1).numpy()
+    for m in (0.01, 0.1, 0.5, 1.0):
+        kept = set(torch.isfinite(apply_min_p(logits, m)).nonzero().flatten().tolist())
+        assert kept == {i for i in range(V) if probs[i] >= m * probs.max() * (1 - 1e-9)}
+
+
+def test_process_order_penalties_temperature_filters() -> None:
+    logits, history = _logits(11), [3, 3, 8]
+    p = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.2, seed=0)
+    ref = _ref_penalties(logits.numpy(), history, 1.2, 0, 0) / 0.7
+    top20 = set(np.argsort(-ref, kind="stable")[:20].tolist())
+    masked = np.where([i in top20 for i in range(V)], ref, -np.inf)
+    keep = _ref_top_p_keep(masked, 0.8)
+    masked = np.where([i in keep for i in range(V)], masked, -np.inf)
+    probs = np.exp(masked - masked.max())
+    keep = {i for i in range(V) if probs[i] >= 0.05 * probs.max()}
+    out = Sampler(p).process(logits, history)
+    assert set(torch.isfinite(out).nonzero().flatten().tolist()) == keep
+    np.testing.assert_allclose(out[sorted(keep)].numpy(), ref[sorted(keep)], rtol=1e-5)
+
+
+def test_seed_determinism_and_distribution() -> None:
+    logits = _logits(3, 8)
+    a = [Sampler(SamplingParams(seed=42))(logits) for _ in range(3)]
+    s1, s2 = Sampler(SamplingParams(seed=42)), Sampler(SamplingParams(seed=42))
+    seq1 = [s1(logits) for _ in range(200)]
+    assert seq1 == [s2(logits) for _ in range(200)] and len(set(a)) == 1
+    s3 = Sampler(SamplingParams(seed=43))
+    assert seq1 != [s3(logits) for _ in range(200)]
+    draws = np.bincount([s1(logits) for _ in range(4000)], minlength=8) / 4000
+    probs = torch.softmax(logits.double(), -1).numpy()
+    np.testing.assert_allclose(draws, probs, atol=0.03)
+    assert Sampler(SamplingParams(seed=1))(logits.to(torch.bfloat16)) in range(8)
+
+
+def _run_stop(pieces: list[str], stop: list[str]) -> tuple[str, bool]:
+    sc = StopChecker(stop)
+    out = []
+    for piece in pieces:
+        text, stopped = sc.push(piece)
+        out.append(text)
+        if stopped:
+            return "".join(out), True
+    return "".join(out) + sc.flush(), False
+
+
+def test_stop_strings_across_tokens() -> None:
+    assert _run_stop(["Hel", "lo", " wo", "rld", "!"], ["o wor"]) == ("Hell", True)
+    assert _run_stop(["ab", "c<", "|e", "nd|>", "tail"], ["<|end|>"]) == ("abc", True)
+    assert _run_stop(["ab", "c<", "|x"], ["<|end|>"]) == ("abc<|x", False)
+    sc = StopChecker(["###"])
+    assert sc.push("a#") == ("a", False) and sc.push("#b") == ("##b", False) and sc.push("##") == ("", False)
+    assert sc.push("#") == ("", True) and sc.matched == "###"
+
+
+def test_stop_strings_random_splits() -> None:
+    rng = random.Random(0)
+    alphabet = "ab<|>\n "
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        hits = [text.find(s) for s in stops if s in text]
+        expected = (text[: min(hits)], True) if hits else (text, False)
+        assert _run_stop(pieces, stops) == expected, (text, stops, pieces)
