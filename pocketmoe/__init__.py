@@ -1,7 +1,25 @@
 """PocketMoE: run huge Mixture-of-Experts GGUF models on the hardware people own."""
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING
 
 from pocketmoe.errors import PocketMoEError
 
-__all__ = ["PocketMoEError", "__version__"]
+__version__ = "0.1.0"
+__all__ = ["LLM", "PocketMoEError", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from pocketmoe.engine.llm import LLM
+    from pocketmoe.engine.sampler import SamplingParams
+
+
+def __getattr__(name: str):
+    # The engine (and torch) load only when the API is used, so `inspect_gguf` starts fast.
+    if name == "LLM":
+        from pocketmoe.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from pocketmoe.engine.sampler import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'pocketmoe' has no attribute {name!r}")

@@ -1,0 +1,139 @@
+"""Build a model from a GGUF bundle and run it: chunked prefill, one-token decode, latent KV cache.
+
+Legend: T tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pocketmoe.engine.kv_cache import ContextLengthError, LatentKVCache
+from pocketmoe.errors import PocketMoEError
+from pocketmoe.layers.experts import ExpertBank, ExpertWeights, ReferenceExperts
+from pocketmoe.layers.linear import LinearBackend, QuantLinear, ReferenceBackend
+from pocketmoe.models import model_builder
+from pocketmoe.specs import spec_from_bundle
+
+if TYPE_CHECKING:
+    from pocketmoe.gguf import GGUFBundle
+    from pocketmoe.models.deepseek2 import ExpertsFactory
+
+WEIGHT_KINDS = ("attn", "dense", "shared", "router", "head")
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    n_ctx: int = 4096                 # positions in the KV cache (prompt + generated)
+    chunk_size: int = 256             # prefill tokens per forward
+    threads: int | None = None        # torch intra-op threads; None keeps torch's choice
+    # weight kinds whose dequantized float32 copy is kept after first use ("attn", "dense", "shared",
+    # "router", "head"); routed experts are never expanded
+    cache_kinds: tuple[str, ...] = ("attn", "dense", "shared", "router")
+    tile_rows: int | None = 8         # GEMMs in fixed row tiles: a row's result ignores the other rows
+    kv_dtype: str = "f32"
+
+    def __post_init__(self) -> None:
+        if self.n_ctx <= 0 or self.chunk_size <= 0:
+            raise PocketMoEError(f"n_ctx ({self.n_ctx}) and chunk_size ({self.chunk_size}) must be > 0.")
+        if self.threads is not None and self.threads <= 0:
+            raise PocketMoEError(f"threads must be > 0, got {self.threads}.")
+        if self.tile_rows is not None and self.tile_rows <= 0:
+            raise PocketMoEError(f"tile_rows must be > 0 or None, got {self.tile_rows}.")
+        unknown = set(self.cache_kinds) - set(WEIGHT_KINDS)
+        if unknown:
+            raise PocketMoEError(f"cache_kinds {sorted(unknown)} are not weight kinds ({', '.join(WEIGHT_KINDS)}).")
+        if self.kv_dtype not in KV_DTYPES:
+            raise PocketMoEError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}.")
+
+
+def load_config(bundle: GGUFBundle) -> object:
+    """The architecture's hyperparameters, after checking the bundle's tensors against its spec."""
+    spec = spec_from_bundle(bundle)
+    report = spec.validate(bundle)
+    if not report.ok:
+        errors = report.errors()
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        raise PocketMoEError(f"{bundle.paths[0]}: {errors[0]}{more}")
+    return spec.config
+
+
+class ModelRunner:
+    """One sequence: `forward(tokens, start_pos)` writes the cache at start_pos.. and returns logits."""
+
+    def __init__(self, bundle: GGUFBundle, cfg: RunnerConfig | None = None, *,
+                 backend: LinearBackend | None = None, make_experts: ExpertsFactory | None = None,
+                 model_config: object | None = None) -> None:
+        self.cfg = cfg = cfg or RunnerConfig()
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        self.bundle = bundle
+        self.backend = backend or ReferenceBackend(cfg.tile_rows)
+        self.model_config = model_config if model_config is not None else load_config(bundle)
+        build = model_builder(bundle.architecture)
+        self.model = build(bundle, self.model_config, self._make_linear, make_experts or self._make_experts)
+        self.cache = LatentKVCache(self.model.n_layer, cfg.n_ctx, self.model.cache_width,
+                                   dtype=KV_DTYPES[cfg.kv_dtype])
+
+    def _make_linear(self, name: str, kind: str) -> QuantLinear:
+        return QuantLinear.from_bundle(self.bundle, name, cache_dense=kind in self.cfg.cache_kinds,
+                                       backend=self.backend)
+
+    def _make_experts(self, layer: int, gate: ExpertWeights, up: ExpertWeights,
+                      down: ExpertWeights) -> ExpertBank:
+        return ReferenceExperts(gate, up, down, tile_rows=self.cfg.tile_rows)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        t = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        if t.numel() == 0:
+            raise PocketMoEError("forward needs at least one token, got none.")
+        bad = (t < 0) | (t >= self.vocab_size)
+        if bool(bad.any()):
+            raise PocketMoEError(f"token id {int(t[bad][0])} is outside the vocabulary of "
+                                 f"{self.vocab_size} tokens.")
+        return t
+
+    @torch.inference_mode()
+    def forward(self, tokens: Sequence[int] | torch.Tensor, start_pos: int,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens [T] at positions start_pos.. -> logits [T, V] float32 ([1, V] with last_only)."""
+        t = self._tokens(tokens)
+        if start_pos < 0 or start_pos + t.numel() > self.cfg.n_ctx:
+            raise ContextLengthError(
+                f"positions {start_pos}..{start_pos + t.numel() - 1} do not fit in the context of "
+                f"{self.cfg.n_ctx} tokens; raise n_ctx or shorten the input.")
+        out = []
+        step = self.cfg.chunk_size
+        for i in range(0, t.numel(), step):
+            chunk = t[i:i + step]
+            is_last = i + step >= t.numel()
+            if last_only and not is_last:
+                self.model(chunk, start_pos + i, self.cache, last_only=True)  # fills the cache
+                continue
+            out.append(self.model(chunk, start_pos + i, self.cache, last_only=last_only))
+        return torch.cat(out)
+
+    def decode(self, token: int, pos: int) -> torch.Tensor:
+        """One token at position pos -> logits [V]."""
+        return self.forward([token], pos)[0]
+
+    def generate_greedy(self, prompt: Sequence[int], max_tokens: int) -> list[int]:
+        """Argmax continuation of `prompt` (the cache is overwritten from position 0)."""
+        self.cache.check_fits(len(prompt), max_tokens)
+        logits = self.forward(prompt, 0, last_only=True)[0]
+        out: list[int] = []
+        pos = len(prompt)
+        while len(out) < max_tokens:
+            out.append(int(logits.argmax()))
+            if len(out) < max_tokens:
+                logits = self.decode(out[-1], pos)
+                pos += 1
+        return out

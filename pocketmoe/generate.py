@@ -1,0 +1,120 @@
+"""Generate text from a GGUF model on this machine.
+
+    python -m pocketmoe.generate --model PATH (--prompt TEXT | --chat TEXT | --token-ids 1,2,3)
+        [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S]
+        [--threads N] [--n-ctx C] [--stop STR ...] [--json] [--dump-logits FILE.npy]
+
+Text streams to stdout; `--json` prints one object instead. prefill_tok_s = prompt tokens / prefill
+wall time; decode_tok_s = tokens after the first / their wall time; loading is excluded from both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from pocketmoe.cli_util import run_cli
+from pocketmoe.errors import PocketMoEError
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pocketmoe.generate", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="GGUF file, any shard of a bundle, or its directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw text prompt (BOS added as the file asks)")
+    src.add_argument("--chat", help="one user message, rendered with the model's chat template")
+    src.add_argument("--token-ids", help="comma-separated prompt token ids (no BOS added)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--n-ctx", type=int, default=4096, help="context length (prompt + generated)")
+    p.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per forward pass")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--dump-logits", metavar="FILE.npy",
+                   help="write float32 [n_prompt_tokens, vocab] logits of every prompt position")
+    return p.parse_args(argv)
+
+
+def parse_token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise PocketMoEError(f"--token-ids must be comma-separated integers, got {text!r}.") from None
+    if not ids:
+        raise PocketMoEError("--token-ids is empty; give at least one token id.")
+    return ids
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from pocketmoe.engine.llm import LLM, CompletionOutput
+    from pocketmoe.engine.sampler import SamplingParams
+    from pocketmoe.memstat import MemoryWatch
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    mem = MemoryWatch()
+    t_load = time.perf_counter()
+    llm = LLM(args.model, n_ctx=args.n_ctx, threads=args.threads, chunk_size=args.chunk_size,
+              backend=args.backend)
+    load_s = time.perf_counter() - t_load
+    if not args.json:
+        print(f"[pocketmoe] {llm.bundle.architecture} from {llm.bundle.paths[0].name}: kernels "
+              f"{llm.backend_name}, loaded in {load_s:.2f} s", file=sys.stderr)
+    if args.chat is not None:
+        prompt = llm.encode_chat([{"role": "user", "content": args.chat}])
+    elif args.token_ids is not None:
+        prompt = parse_token_ids(args.token_ids)
+    else:
+        prompt = llm.encode_prompt(args.prompt)
+
+    if args.dump_logits:
+        import numpy as np
+
+        np.save(args.dump_logits, llm.prompt_logits(prompt).numpy().astype(np.float32))
+    out = CompletionOutput(prompt_token_ids=[])
+    for chunk in llm.stream(prompt, params, out):
+        mem.sample()
+        if not args.json and chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    mem.sample()
+    stats = {
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(out.token_ids),
+        "prefill_tok_s": round(out.prefill_tok_s, 3),
+        "decode_tok_s": round(out.decode_tok_s, 3),
+        "ttft_s": round(out.ttft_s, 4),
+        "load_s": round(load_s, 3),
+        "peak_rss_mib": round(mem.peak_rss_mib, 1),
+        "peak_anon_mib": round(mem.peak_anon_mib, 1),
+        "kv_cache_mib": round(llm.runner.cache.nbytes / 2**20, 1),
+        "finish_reason": out.finish_reason,
+        "backend": llm.backend_name,
+    }
+    if args.json:
+        print(json.dumps({"token_ids": out.token_ids, "text": out.text, **stats}, ensure_ascii=False))
+    else:
+        print(file=sys.stdout)
+        print("[pocketmoe] " + ", ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

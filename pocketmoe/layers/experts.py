@@ -1,0 +1,92 @@
+"""Routed experts: the ExpertBank interface and the plain-torch reference bank.
+
+Legend: T tokens, D hidden, K experts per token, E experts, F expert FFN width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pocketmoe.layers.linear import float_weight
+
+if TYPE_CHECKING:
+    from pocketmoe.gguf import GGUFBundle
+
+
+class ExpertBank(Protocol):
+    """Computes sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); where the experts live is its own business."""
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D] float32, ids [T, K] int64, weights [T, K] float32 -> [T, D] float32."""
+        ...
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One stacked routed-expert weight kept as raw blocks: uint8 [E, O, row_bytes] (or an F32 view)."""
+
+    raw: torch.Tensor
+    ggml_type: int
+    shape: tuple[int, int, int]  # [E, O, I]
+
+    @classmethod
+    def from_bundle(cls, bundle: GGUFBundle, name: str) -> ExpertWeights:
+        info = bundle.tensors[name]
+        return cls(bundle.raw_torch(name), info.ggml_type, tuple(info.shape))
+
+    def rows(self, start: int, stop: int) -> ExpertWeights:
+        """Output rows [start, stop) of every expert, zero-copy (splits a fused gate_up tensor)."""
+        e, _, i = self.shape
+        return ExpertWeights(self.raw[:, start:stop], self.ggml_type, (e, stop - start, i))
+
+    def expert(self, e: int) -> torch.Tensor:
+        """float32 [O, I] of expert e, dequantized from its own blocks only."""
+        return float_weight(self.raw[e], self.ggml_type, self.shape[1:])
+
+
+def combine(contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """contrib [T, K, D], weights [T, K] -> [T, D], summed in slot order 0..K-1 in fp32."""
+    y = contrib[:, 0] * weights[:, 0:1]
+    for k in range(1, contrib.shape[1]):
+        y = y + contrib[:, k] * weights[:, k:k + 1]
+    return y
+
+
+class ReferenceExperts:
+    """Per call, each active expert's blocks are dequantized and run on the tokens routed to it.
+
+    With `tile_rows`, every GEMM and activation of an expert runs on fixed [tile_rows, *] tiles (the last
+    one zero-padded), so a token's contribution is bit-identical whatever other tokens share the batch;
+    the slot-order combine fixes the sum order too.
+    """
+
+    def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights,
+                 tile_rows: int | None = None) -> None:
+        self.gate, self.up, self.down = gate, up, down
+        self.tile_rows = tile_rows
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate.shape[0]
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:  # x: [n, D] -> [n, D]
+        gate, up, down = self.gate.expert(e), self.up.expert(e), self.down.expert(e)
+        if self.tile_rows is None:
+            return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+        n, tile = x.shape[0], self.tile_rows
+        padded = torch.cat([x, x.new_zeros(-n % tile, x.shape[1])])
+        out = [F.linear(F.silu(F.linear(t, gate)) * F.linear(t, up), down) for t in padded.split(tile)]
+        return torch.cat(out)[:n]
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape
+        flat = ids.reshape(-1)  # [T*K], pair p = token p // K, slot p % K
+        contrib = x.new_zeros(t * k, x.shape[1])
+        for e in torch.unique(flat).tolist():
+            pairs = (flat == e).nonzero().squeeze(1)
+            contrib[pairs] = self.expert_forward(e, x[pairs // k])
+        return combine(contrib.view(t, k, -1), weights)

@@ -1,0 +1,108 @@
+"""The generate CLI and the LLM API on a tiny deepseek2 fixture: outputs, determinism, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pocketmoe import LLM, SamplingParams
+from pocketmoe.testing.synth import write_fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gen") / "tiny.gguf"
+    write_fixture("deepseek2", "tiny", "Q8_0", path, seed=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model) -> LLM:
+    return LLM(model, n_ctx=128, threads=1)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pocketmoe.generate", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+
+
+def test_json_output_matches_api(model, llm, tmp_path):
+    dump = tmp_path / "logits.npy"
+    r = run_cli("--model", str(model), "--token-ids", "5,17,99,3,250", "--max-tokens", "6",
+                "--json", "--dump-logits", str(dump), "--threads", "1", "--n-ctx", "128")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("token_ids", "text", "prompt_tokens", "prefill_tok_s", "decode_tok_s", "peak_rss_mib"):
+        assert key in out
+    assert out["prompt_tokens"] == 5  # --token-ids adds no BOS
+    api = llm.generate([[5, 17, 99, 3, 250]], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert out["token_ids"] == api.token_ids
+    assert out["text"] == api.text == llm.tokenizer.decode(api.token_ids)
+    logits = np.load(dump)
+    assert logits.dtype == np.float32 and logits.shape == (5, llm.runner.vocab_size)
+    np.testing.assert_array_equal(logits, llm.prompt_logits([5, 17, 99, 3, 250]).numpy())
+    # greedy: the first generated token is the argmax of the last prompt position
+    assert api.token_ids[0] == int(logits[-1].argmax())
+
+
+def test_greedy_is_repeatable_and_streaming_concatenates(llm):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a = llm.generate(["Hello world"], params)[0]
+    chunks = list(llm.stream("Hello world", params))
+    assert [c.token_id for c in chunks if c.token_id is not None] == a.token_ids
+    assert "".join(c.text for c in chunks) == a.text
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_seed_gives_same_tokens(llm):
+    p = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+    a = llm.generate(["seeded"], p)[0].token_ids
+    b = llm.generate(["seeded"], p)[0].token_ids
+    assert a == b
+    others = {tuple(llm.generate(["seeded"], SamplingParams(temperature=1.0, seed=s, max_tokens=10,
+                                                             ignore_eos=True))[0].token_ids)
+              for s in range(4)}
+    assert len(others) > 1
+
+
+def test_stop_string_ends_output(llm):
+    full = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    text = full.text
+    if len(text) < 3:
+        pytest.skip("the random model produced too little text to cut")
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=12, stop=[stop],
+                                               ignore_eos=True))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[:text.index(stop)]
+
+
+def test_chat_uses_template(llm):
+    ids = llm.encode_chat([{"role": "user", "content": "hi"}])
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert llm.tokenizer.decode(ids) == text
+    assert ids.count(llm.tokenizer.bos_id) == 1 if llm.tokenizer.bos_id is not None else True
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "/nonexistent/model.gguf", "--prompt", "x"], "nonexistent"),
+    (["--token-ids", "1,x,3"], "--token-ids"),
+    (["--token-ids", "1,999999"], "outside the vocabulary"),
+    (["--prompt", "word " * 200, "--n-ctx", "64"], "context"),
+    (["--prompt", "x", "--top-p", "0"], "top_p"),
+])
+def test_user_errors_are_one_line(model, args, needle):
+    if "--model" not in args:
+        args = ["--model", str(model), *args]
+    r = run_cli(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0], r.stderr

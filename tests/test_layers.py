@@ -1,0 +1,190 @@
+"""Layers vs independent references: HF transformers modules, gguf.quants.dequantize, plain torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from transformers import DeepseekV2Config, DeepseekV3Config
+from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf2
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf3
+
+from pocketmoe.engine import ContextLengthError, LatentKVCache
+from pocketmoe.errors import PocketMoEError
+from pocketmoe.gguf import open_bundle
+from pocketmoe.layers import (
+    ExpertWeights,
+    QuantEmbedding,
+    QuantLinear,
+    ReferenceExperts,
+    RMSNorm,
+    RopeConfig,
+    Rotary,
+    Router,
+    RouterConfig,
+    apply_rope,
+)
+from pocketmoe.layers.linear import tiled_linear
+from pocketmoe.quant.quantize import random_blocks
+
+QTYPES = [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.IQ2_XXS, Q.F16]
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def hf_config(cls: type, **kw: object) -> object:
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, kv_lora_rank=16,
+                q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=8,
+                moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3)
+    return cls(**{**base, **kw})
+
+
+@pytest.mark.parametrize("factor", [1.0, 4.0, 40.0])
+def test_rope_matches_hf(factor: float) -> None:
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if factor > 1:
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": factor,
+                "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 0.707, "mscale_all_dim": 0.707}
+    cfg = hf_config(DeepseekV2Config, rope_parameters=rope, max_position_embeddings=int(64 * max(factor, 2)))
+    pos = torch.arange(0, 120)[None]
+    freqs = hf2.DeepseekV2RotaryEmbedding(cfg)(torch.zeros(1), pos)
+    q, k = torch.randn(1, 2, 120, 16), torch.randn(1, 1, 120, 16)
+    ref_q, ref_k = hf2.apply_rotary_emb(q, k, freqs)
+    kind = "yarn" if factor > 1 else "none"
+    cos, sin = Rotary(RopeConfig(16, 10000.0, kind, factor, 64)).cos_sin(pos[0])
+    torch.testing.assert_close(apply_rope(q, cos, sin), ref_q, atol=2e-5, rtol=0)
+    torch.testing.assert_close(apply_rope(k, cos, sin), ref_k, atol=2e-5, rtol=0)
+
+
+def test_rope_config_errors() -> None:
+    with pytest.raises(PocketMoEError, match="even"):
+        RopeConfig(15, 10000.0)
+    with pytest.raises(PocketMoEError, match="original_context_length"):
+        RopeConfig(16, 10000.0, "yarn", 4.0, 0)
+
+
+def test_rmsnorm_matches_hf() -> None:
+    ref = hf2.DeepseekV2RMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(48))
+    x = torch.randn(5, 48) * 3
+    torch.testing.assert_close(RMSNorm(ref.weight.detach(), 1e-6)(x), ref(x), atol=1e-6, rtol=1e-6)
+
+
+def write_tensors(path: Path, tensors: dict[str, tuple[np.ndarray, Q]]) -> Path:
+    w = gguf.GGUFWriter(str(path), "test")
+    for name, (arr, qtype) in tensors.items():
+        w.add_tensor(name, arr, raw_dtype=None if qtype == Q.F32 else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=[q.name for q in QTYPES])
+def test_quant_linear_and_embedding(qtype: Q, tmp_path: Path) -> None:
+    shape = (24, 512)  # [out, in]
+    blocks = random_blocks(int(qtype), shape, rng(1))
+    bundle = open_bundle(write_tensors(tmp_path / "w.gguf", {"w": (blocks, qtype)}))
+    ref_w = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32)).reshape(shape)
+    x = torch.randn(7, 512)
+    for cache in (False, True):
+        lin = QuantLinear.from_bundle(bundle, "w", cache_dense=cache)
+        torch.testing.assert_close(lin(x), x @ ref_w.T, atol=1e-4, rtol=1e-5)
+        assert (lin._dense is not None) == cache
+    tokens = torch.tensor([3, 0, 23, 3])
+    torch.testing.assert_close(QuantEmbedding.from_bundle(bundle, "w")(tokens), ref_w[tokens], atol=0, rtol=0)
+
+
+def test_f32_weights_are_zero_copy_views(tmp_path: Path) -> None:
+    w = np.random.default_rng(2).standard_normal((6, 32, 64)).astype(np.float32)
+    bundle = open_bundle(write_tensors(tmp_path / "w.gguf", {"exps": (w, Q.F32), "lin": (w[0], Q.F32)}))
+    lin = QuantLinear.from_bundle(bundle, "lin")
+    assert lin.dense().data_ptr() == bundle.raw_torch("lin").data_ptr()
+    ex = ExpertWeights.from_bundle(bundle, "exps")
+    assert ex.expert(3).data_ptr() == bundle.raw_torch("exps")[3].data_ptr()
+    assert torch.equal(ex.expert(3), torch.from_numpy(w[3]))
+    assert torch.equal(ex.rows(8, 32).expert(5), torch.from_numpy(w[5, 8:]))
+
+
+def test_tiled_linear_is_batch_invariant() -> None:
+    w, x = torch.randn(96, 128), torch.randn(40, 128)
+    full = tiled_linear(x, w, 16)
+    torch.testing.assert_close(full, F.linear(x, w), atol=1e-5, rtol=1e-5)
+    for rows in ([5], [0, 39, 7], list(range(17))):
+        assert torch.equal(tiled_linear(x[rows], w, 16), full[rows])
+
+
+def hf_router_case(v3: bool) -> tuple[torch.nn.Module, Router]:
+    if v3:
+        cfg = hf_config(DeepseekV3Config, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+        ref = hf3.DeepseekV3TopkRouter(cfg)
+    else:
+        cfg = hf_config(DeepseekV2Config, topk_method="greedy", routed_scaling_factor=1.7)
+        ref = hf2.DeepseekV2TopkRouter(cfg)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(8, 32) / 32 ** 0.5 * 3)
+        if v3:
+            ref.e_score_correction_bias.copy_(0.3 * torch.randn(8))
+    rc = RouterConfig(8, 3, gating=2 if v3 else 1, n_groups=4 if v3 else 1, groups_used=2, norm=v3,
+                      scale=2.5 if v3 else 1.7)
+    bias = ref.e_score_correction_bias.detach() if v3 else None
+    return ref, Router(QuantLinear(ref.weight.detach(), 0, (8, 32)), rc, bias)
+
+
+@pytest.mark.parametrize("v3", [False, True], ids=["softmax", "sigmoid-bias-groups-norm"])
+def test_router_matches_hf(v3: bool) -> None:
+    ref, router = hf_router_case(v3)
+    x = torch.randn(50, 32)
+    _, ref_w, ref_ids = ref(x)
+    w, ids = router(x)
+    order = ref_ids.argsort(-1)
+    assert torch.equal(ids.sort(-1).values, ref_ids.gather(1, order))
+    torch.testing.assert_close(w.gather(1, ids.argsort(-1)), ref_w.gather(1, order), atol=1e-6, rtol=1e-6)
+
+
+def test_router_config_errors() -> None:
+    with pytest.raises(PocketMoEError, match="gating function 4"):
+        RouterConfig(8, 2, gating=4)
+    with pytest.raises(PocketMoEError, match="fewer than the 5 experts"):
+        RouterConfig(8, 5, n_groups=4, groups_used=2)
+
+
+def test_reference_experts_match_hf_and_are_batch_invariant() -> None:
+    cfg = hf_config(DeepseekV2Config, moe_intermediate_size=24)
+    ref = hf2.DeepseekV2Experts(cfg)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        ref.gate_up_proj.normal_(0, 0.2)
+        ref.down_proj.normal_(0, 0.2)
+    gu, down = ref.gate_up_proj.detach(), ref.down_proj.detach()
+    bank = ReferenceExperts(ExpertWeights(gu[:, :24], 0, (8, 24, 32)), ExpertWeights(gu[:, 24:], 0, (8, 24, 32)),
+                            ExpertWeights(down, 0, (8, 32, 24)), tile_rows=8)
+    x, ids, w = torch.randn(30, 32), torch.stack([torch.randperm(8)[:3] for _ in range(30)]), torch.rand(30, 3)
+    y = bank(x, ids, w)
+    torch.testing.assert_close(y, ref(x, ids, w), atol=1e-5, rtol=1e-5)
+    for rows in ([4], [29, 0, 11], list(range(0, 30, 2))):
+        assert torch.equal(bank(x[rows], ids[rows], w[rows]), y[rows])
+
+
+def test_latent_cache() -> None:
+    cache = LatentKVCache(n_layer=2, max_ctx=8, width=5)
+    a, b = torch.randn(3, 5), torch.randn(2, 5)
+    cache.update(1, 0, a)
+    assert torch.equal(cache.update(1, 3, b), torch.cat([a, b]))
+    assert cache.update(0, 0, b).shape == (2, 5)
+    with pytest.raises(ContextLengthError, match="6 tokens and 3 more were requested, 9 in all, but the "
+                                                 "context holds 8"):
+        cache.check_fits(6, 3)
+    with pytest.raises(ContextLengthError, match="position 8"):
+        cache.update(0, 7, b)
