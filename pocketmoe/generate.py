@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_s = time.perf_counter() - t_load
     if not args.json:
         print(f"[pocketmoe] {llm.bundle.architecture} from {llm.bundle.paths[0].name}: kernels "
-              f"{llm.backend_name}, loaded in {load_s:.2f} s", file=sys.stderr)
+              f"{llm.backend_name} ({llm.backend_detail}), loaded in {load_s:.2f} s", file=sys.stderr)
     if args.chat is not None:
         prompt = llm.encode_chat([{"role": "user", "content": args.chat}])
     elif args.token_ids is not None:

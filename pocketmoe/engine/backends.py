@@ -1,15 +1,106 @@
-"""Which kernels run the model: the native C++ CPU kernels when built, else the torch reference."""
+"""Which kernels run the model: the native C++ CPU kernels when built, else the torch reference.
+
+The native backend computes QuantLinear and routed experts straight from the file's blocks (no
+dequantized copies); whatever it has no kernel for (a type, a 3-D per-head weight, a CUDA tensor)
+falls back to the reference path for that one op.
+"""
 
 from __future__ import annotations
 
-from pocketmoe.engine.runner import RunnerConfig
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
 from pocketmoe.errors import PocketMoEError
+from pocketmoe.layers.experts import ExpertBank, ExpertWeights, ReferenceExperts
+from pocketmoe.layers.linear import QuantLinear, ReferenceBackend
+
+if TYPE_CHECKING:
+    from pocketmoe.engine.runner import RunnerConfig
 
 BACKENDS = ("auto", "native", "reference")
 
 
-def make_backends(name: str, cfg: RunnerConfig):
-    """-> (backend name, linear backend or None for the runner's default, experts factory or None)."""
+class NativeLinearBackend:
+    """y = x @ W.T by pocketmoe._native.gemm on raw blocks; other cases go to `fallback`."""
+
+    def __init__(self, fallback: ReferenceBackend) -> None:
+        from pocketmoe import native
+
+        self.native = native
+        self.types = native.supported_types()
+        self.fallback = fallback
+
+    def handles(self, layer: QuantLinear, x: torch.Tensor) -> bool:
+        return (layer.ggml_type in self.types and len(layer.shape) == 2 and x.device.type == "cpu"
+                and not layer.raw.is_floating_point() and layer.raw.is_contiguous())
+
+    def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        if not self.handles(layer, x):
+            return self.fallback.linear(layer, x)
+        w = layer.raw.reshape(layer.shape[0], -1)  # uint8 [O, row_bytes]
+        y = self.native.gemm(w, layer.ggml_type, x.float().contiguous())
+        return torch.from_numpy(y)
+
+
+class NativeExperts:
+    """Routed experts of one MoE layer by pocketmoe._native.moe_forward (fused, slot-order combine)."""
+
+    def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) -> None:
+        from pocketmoe import native
+
+        self.native = native
+        self.gate, self.up, self.down = gate, up, down
+        self.n_experts, self.ffn = gate.shape[0], gate.shape[1]
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        y = self.native.moe_forward(
+            x.float().contiguous(), ids.to(torch.int32).contiguous(), weights.float().contiguous(),
+            self.gate.raw, self.gate.ggml_type, self.up.raw, self.up.ggml_type,
+            self.down.raw, self.down.ggml_type, self.n_experts, self.ffn)
+        return torch.from_numpy(y)
+
+
+def native_can_run(gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, types: frozenset[int]) -> bool:
+    return all(w.ggml_type in types and w.raw.is_contiguous() and not w.raw.is_floating_point()
+               and w.raw.device.type == "cpu" for w in (gate, up, down))
+
+
+@dataclass(frozen=True)
+class Backends:
+    name: str                     # "native" | "reference", as printed at start
+    linear: object                # LinearBackend
+    make_experts: object          # (layer, gate, up, down) -> ExpertBank
+    cache_kinds: tuple[str, ...]  # weight kinds worth a dequantized copy with this backend
+    detail: str                   # e.g. the instruction set and threads, or why native is off
+
+
+def make_backends(name: str, cfg: RunnerConfig) -> Backends:
+    """Pick kernels: "auto" takes native when it is built and this CPU can run it."""
     if name not in BACKENDS:
         raise PocketMoEError(f"backend {name!r} is not one of {', '.join(BACKENDS)}.")
-    return "reference", None, None
+    from pocketmoe import native
+
+    reference = ReferenceBackend(cfg.tile_rows)
+
+    def reference_experts(layer: int, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) -> ExpertBank:
+        return ReferenceExperts(gate, up, down, tile_rows=cfg.tile_rows)
+
+    if name == "reference" or (name == "auto" and not native.available()):
+        why = "" if name == "reference" else f" ({native.unavailable_reason()})"
+        return Backends("reference", reference, reference_experts, cfg.cache_kinds, "torch reference" + why)
+    if not native.available():
+        raise PocketMoEError(f"--backend native was asked for but {native.unavailable_reason()}.")
+    if cfg.threads is not None:
+        native.set_num_threads(cfg.threads)
+    linear = NativeLinearBackend(reference)
+    types = linear.types
+
+    def native_experts(layer: int, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) -> ExpertBank:
+        if native_can_run(gate, up, down, types):
+            return NativeExperts(gate, up, down)
+        return reference_experts(layer, gate, up, down)
+
+    # Only the per-head 3-D attention weights (k_b, v_b) still go through dense(): keep those.
+    return Backends("native", linear, native_experts, ("attn",), native.describe())

@@ -6,6 +6,7 @@ request's tokens never depend on what else was asked: the same prompt and seed g
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -63,8 +64,10 @@ class LLM:
         self.bundle = open_bundle(model)
         self.tokenizer = Tokenizer.from_metadata(self.bundle.metadata)
         cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, threads=threads, kv_dtype=kv_dtype)
-        self.backend_name, linear, experts = make_backends(backend, cfg)
-        self.runner = ModelRunner(self.bundle, cfg, backend=linear, make_experts=experts)
+        backends = make_backends(backend, cfg)
+        self.backend_name, self.backend_detail = backends.name, backends.detail
+        cfg = dataclasses.replace(cfg, cache_kinds=backends.cache_kinds)
+        self.runner = ModelRunner(self.bundle, cfg, backend=backends.linear, make_experts=backends.make_experts)
         self.n_ctx = n_ctx
 
     # -- prompts -------------------------------------------------------------------------------

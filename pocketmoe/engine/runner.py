@@ -34,6 +34,9 @@ class RunnerConfig:
     # weight kinds whose dequantized float32 copy is kept after first use ("attn", "dense", "shared",
     # "router", "head"); routed experts are never expanded
     cache_kinds: tuple[str, ...] = ("attn", "dense", "shared", "router")
+    # at most this many bytes of dequantized float32 copies in all (the rest is dequantized per call),
+    # so anonymous memory stays bounded on full-size models
+    cache_budget_bytes: int = 1 << 30
     tile_rows: int | None = 8         # GEMMs in fixed row tiles: a row's result ignores the other rows
     kv_dtype: str = "f32"
 
@@ -42,6 +45,8 @@ class RunnerConfig:
             raise PocketMoEError(f"n_ctx ({self.n_ctx}) and chunk_size ({self.chunk_size}) must be > 0.")
         if self.threads is not None and self.threads <= 0:
             raise PocketMoEError(f"threads must be > 0, got {self.threads}.")
+        if self.cache_budget_bytes < 0:
+            raise PocketMoEError(f"cache_budget_bytes must be >= 0, got {self.cache_budget_bytes}.")
         if self.tile_rows is not None and self.tile_rows <= 0:
             raise PocketMoEError(f"tile_rows must be > 0 or None, got {self.tile_rows}.")
         unknown = set(self.cache_kinds) - set(WEIGHT_KINDS)
@@ -73,6 +78,7 @@ class ModelRunner:
             torch.set_num_threads(cfg.threads)
         self.bundle = bundle
         self.backend = backend or ReferenceBackend(cfg.tile_rows)
+        self.cached_bytes = 0  # float32 bytes promised to dequantized-weight caches so far
         self.model_config = model_config if model_config is not None else load_config(bundle)
         build = model_builder(bundle.architecture)
         self.model = build(bundle, self.model_config, self._make_linear, make_experts or self._make_experts)
@@ -80,8 +86,13 @@ class ModelRunner:
                                    dtype=KV_DTYPES[cfg.kv_dtype])
 
     def _make_linear(self, name: str, kind: str) -> QuantLinear:
-        return QuantLinear.from_bundle(self.bundle, name, cache_dense=kind in self.cfg.cache_kinds,
-                                       backend=self.backend)
+        info = self.bundle.tensors[name]
+        cache = False
+        if kind in self.cfg.cache_kinds and info.ggml_type != 0:  # F32 is a zero-copy view already
+            nbytes = 4 * info.n_elements
+            cache = self.cached_bytes + nbytes <= self.cfg.cache_budget_bytes
+            self.cached_bytes += nbytes if cache else 0
+        return QuantLinear.from_bundle(self.bundle, name, cache_dense=cache, backend=self.backend)
 
     def _make_experts(self, layer: int, gate: ExpertWeights, up: ExpertWeights,
                       down: ExpertWeights) -> ExpertBank:

@@ -1,0 +1,31 @@
+// Entry points of the native CPU engine: one thread pool and one reusable workspace per process.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace pocketmoe {
+
+// y[T, rows] = x[T, cols] @ W^T, W given as GGUF blocks: rows of row_bytes bytes.
+void gemm(const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens,
+          int cols, float* y);
+
+struct MoEWeights {
+  const uint8_t* data;   // [n_experts, out_features, row_bytes] GGUF blocks, experts contiguous
+  size_t nbytes;
+  int ggml_type;
+};
+
+// y[t] = sum over k = 0..K-1 of weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k],
+// accumulated in fp32 in slot order. x, y: [T, hidden]; ids, weights: [T, K].
+void moe_forward(const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
+                 int top_k, const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down,
+                 int n_experts, int ffn, float* y);
+
+void set_num_threads(int n);
+int get_num_threads();
+
+bool cpu_supported();          // AVX2, FMA, F16C and BMI2 present
+std::string describe();
+
+}  // namespace pocketmoe

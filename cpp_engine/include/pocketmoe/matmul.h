@@ -1,0 +1,33 @@
+// The per-type row kernels behind gemm and moe_forward.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pocketmoe {
+
+// out[t * out_stride + (r - row_begin)] = dot(weight row r, activation row t)
+// for r in [row_begin, row_end), t in [0, n_tokens). Each output is computed by one fixed sequence
+// of float operations whatever the tile, row range or token count, so results are bitwise stable.
+struct MatmulTask {
+  const uint8_t* weight;        // row 0 of a [rows, row_bytes] block matrix
+  size_t row_bytes;
+  int cols;
+  int row_begin;
+  int row_end;
+  const uint8_t* const* acts;   // n_tokens rows in the type's ActFormat
+  int n_tokens;
+  float* out;
+  ptrdiff_t out_stride;
+  uint8_t* scratch;             // matmul_scratch_bytes(type, cols) bytes, 64-byte aligned
+};
+
+using MatmulFn = void (*)(const MatmulTask& task);
+
+MatmulFn matmul_kernel(int ggml_type);               // throws std::invalid_argument when unsupported
+size_t matmul_scratch_bytes(int ggml_type, int cols);
+
+// Scalar dequantization of n values (n % block_values == 0); an independent reference for tests.
+void dequantize_row(int ggml_type, const uint8_t* src, int n, float* dst);
+
+}  // namespace pocketmoe

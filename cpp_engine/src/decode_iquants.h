@@ -1,0 +1,99 @@
+// Block decoders for IQ2_XXS, IQ1_M and IQ4_XS (layouts: SPECS.md section 4), as kfamily.h expects.
+#pragma once
+
+#include "decode_kquants.h"
+#include "iq_tables.h"
+#include "simd.h"
+
+namespace pocketmoe::decode {
+
+// IQ2_XXS, 66 bytes: d, then per 32 weights two u32: four grid indices, and four 7-bit sign indices
+// plus a 4-bit scale s in the top bits; w = d * (2s+1)/8 * grid * sign. Weights are stored + 64.
+struct IQ2XXS {
+  static constexpr int kBytes = 66;
+  static constexpr bool kCanonical = false;
+  static constexpr bool kSigned = false, kOffset = true, kMin = false;
+  using Head = KHead;
+  static PM_INLINE Head head(const uint8_t* b) {
+    alignas(16) int16_t ls[8];
+    for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>(2 * (load_u32(b + 6 + 8 * g) >> 28) + 1);
+    const __m128i sc = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
+    const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 6));
+    return {0.125f * fp16(b), 0.0f, corr, _mm256_broadcastsi128_si256(sc)};
+  }
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
+    const uint32_t grid = load_u32(b + 2 + 8 * G), sign = load_u32(b + 6 + 8 * G);
+    const uint64_t* t = tables::kIq2xxs;
+    const uint64_t* s = tables::kSigns;
+    const __m256i g = set_u64x4(t[grid & 255], t[(grid >> 8) & 255], t[(grid >> 16) & 255], t[grid >> 24]);
+    const __m256i sg = set_u64x4(s[sign & 127], s[(sign >> 7) & 127], s[(sign >> 14) & 127], s[(sign >> 21) & 127]);
+    return _mm256_add_epi8(_mm256_sign_epi8(g, sg), _mm256_set1_epi8(64));
+  }
+  template <int G>
+  static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
+    return broadcast_i16<G>(h.sc);
+  }
+};
+
+// IQ1_M, 56 bytes: qs[32], qh[16], scales[8]; per 8 weights an 11-bit grid index and a delta sign,
+// per 16 weights a 3-bit scale s; the fp16 d sits in the top nibbles of the four u16 scale words.
+// w = d * (2s+1) * (grid + delta/8), stored as 8*grid + delta + 16 with d/8 as the block scale.
+struct IQ1M {
+  static constexpr int kBytes = 56;
+  static constexpr bool kCanonical = false;
+  static constexpr bool kSigned = false, kOffset = true, kMin = false;
+  using Head = KHead;
+  static PM_INLINE Head head(const uint8_t* b) {
+    uint16_t s[4];
+    for (int i = 0; i < 4; ++i) s[i] = load_u16(b + 48 + 2 * i);
+    const uint16_t dbits = static_cast<uint16_t>((s[0] >> 12) | ((s[1] >> 8) & 0x00F0) | ((s[2] >> 4) & 0x0F00) |
+                                                 (s[3] & 0xF000));
+    alignas(16) int8_t ls[16];
+    for (int i = 0; i < 16; ++i) ls[i] = static_cast<int8_t>(2 * ((s[i / 4] >> (3 * (i % 4))) & 7) + 1);
+    const __m128i raw = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
+    const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 4));
+    return {0.125f * _cvtsh_ss(dbits), 0.0f, corr, split_scales_i16(raw)};
+  }
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
+    const uint8_t* qs = b + 4 * G;
+    const uint32_t h0 = b[32 + 2 * G], h1 = b[33 + 2 * G];
+    const uint64_t* t = tables::kIq1m;
+    return set_u64x4(t[qs[0] | ((h0 & 0x0F) << 8)], t[qs[1] | ((h0 >> 4) << 8)], t[qs[2] | ((h1 & 0x0F) << 8)],
+                     t[qs[3] | ((h1 >> 4) << 8)]);
+  }
+  template <int G>
+  static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
+    return broadcast_i16<G>(h.sc);
+  }
+};
+
+// IQ4_XS, 136 bytes: d, scales_h (u16), scales_l[4], qs[128]; per 32 weights a 6-bit scale minus 32;
+// weights are the 16 non-linear IQ4_NL values indexed by nibbles (16 low nibbles, then 16 high).
+struct IQ4XS {
+  static constexpr int kBytes = 136;
+  static constexpr bool kCanonical = false;
+  static constexpr bool kSigned = true, kOffset = false, kMin = false;
+  using Head = KHead;
+  static PM_INLINE Head head(const uint8_t* b) {
+    const uint32_t sh = load_u16(b + 2);
+    alignas(16) int16_t ls[8];
+    for (int j = 0; j < 8; ++j)
+      ls[j] = static_cast<int16_t>((((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32);
+    const __m128i sc = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
+    return {fp16(b), 0.0f, _mm256_setzero_si256(), _mm256_broadcastsi128_si256(sc)};
+  }
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
+    const __m256i values = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                            -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return _mm256_shuffle_epi8(values, load_nibbles(b + 8 + 16 * G));
+  }
+  template <int G>
+  static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
+    return broadcast_i16<G>(h.sc);
+  }
+};
+
+}  // namespace pocketmoe::decode

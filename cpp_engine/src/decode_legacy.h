@@ -1,0 +1,109 @@
+// Block decoders for 32-value types (layouts: SPECS.md section 4), as lfamily.h expects, and the
+// float weight loaders for ffamily.h.
+#pragma once
+
+#include "simd.h"
+
+namespace pocketmoe::decode {
+
+using namespace simd;
+
+// Byte i of the result is 0xFF when bit i of the 32 bits at p is set, else 0.
+PM_INLINE __m256i expand_bits(const uint8_t* p) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(load_u32(p))),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+}
+
+PM_INLINE __m256 fp16_scales8(const uint8_t* const* blk) {
+  return _mm256_cvtph_ps(_mm_setr_epi16(
+      static_cast<int16_t>(load_u16(blk[0])), static_cast<int16_t>(load_u16(blk[1])),
+      static_cast<int16_t>(load_u16(blk[2])), static_cast<int16_t>(load_u16(blk[3])),
+      static_cast<int16_t>(load_u16(blk[4])), static_cast<int16_t>(load_u16(blk[5])),
+      static_cast<int16_t>(load_u16(blk[6])), static_cast<int16_t>(load_u16(blk[7]))));
+}
+
+// Q4_0, 18 bytes: d, qs[16] (low nibbles = weights 0-15, high = 16-31); w = d*(q - 8).
+struct Q4_0 {
+  static constexpr int kBytes = 18;
+  static constexpr int kOffset = 8;
+  static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
+  static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
+  static PM_INLINE __m256i quants(const uint8_t* b) { return load_nibbles(b + 2); }
+};
+
+// Q5_0, 22 bytes: d, qh (bit i = bit 4 of weight i), qs[16]; w = d*(q - 16).
+struct Q5_0 {
+  static constexpr int kBytes = 22;
+  static constexpr int kOffset = 16;
+  static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
+  static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
+  static PM_INLINE __m256i quants(const uint8_t* b) {
+    const __m256i hi = _mm256_and_si256(expand_bits(b + 2), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(load_nibbles(b + 6), hi);
+  }
+};
+
+// Q8_0, 34 bytes: d, int8 qs[32].
+struct Q8_0 {
+  static constexpr int kBytes = 34;
+  static constexpr int kOffset = 0;
+  static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
+  static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
+  static PM_INLINE __m256i quants(const uint8_t* b) { return load256(b + 2); }
+};
+
+// MXFP4, 17 bytes: E8M0 exponent e, qs[16] (weight j low nibble, j+16 high); w = e2m1[q] * 2^(e-127).
+// The table holds doubled e2m1 values plus 12 (0..24), so the scale is 2^(e-128) and the offset 12.
+struct MXFP4 {
+  static constexpr int kBytes = 17;
+  static constexpr int kOffset = 12;
+  static PM_INLINE float scale(const uint8_t* b) {
+    const uint32_t e = b[0];
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  static PM_INLINE __m256 scales8(const uint8_t* const* blk) {
+    const __m256i e = _mm256_setr_epi32(blk[0][0], blk[1][0], blk[2][0], blk[3][0], blk[4][0], blk[5][0], blk[6][0],
+                                        blk[7][0]);
+    const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i is_small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, small, is_small));
+  }
+  static PM_INLINE __m256i quants(const uint8_t* b) {
+    const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                           12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    return _mm256_shuffle_epi8(table, load_nibbles(b + 1));
+  }
+};
+
+struct F32 {
+  static PM_INLINE __m256 load8(const uint8_t* row, int i) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  }
+  static PM_INLINE float load1(const uint8_t* row, int i) { return reinterpret_cast<const float*>(row)[i]; }
+};
+
+struct F16 {
+  static PM_INLINE __m256 load8(const uint8_t* row, int i) { return _mm256_cvtph_ps(load128(row + 2 * i)); }
+  static PM_INLINE float load1(const uint8_t* row, int i) { return fp16(row + 2 * i); }
+};
+
+struct BF16 {
+  static PM_INLINE __m256 load8(const uint8_t* row, int i) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load128(row + 2 * i)), 16));
+  }
+  static PM_INLINE float load1(const uint8_t* row, int i) {
+    const uint32_t bits = uint32_t{load_u16(row + 2 * i)} << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+};
+
+}  // namespace pocketmoe::decode

@@ -1,0 +1,76 @@
+// Row-range driver shared by the kernel families: picks tiles, repacks blocks for long batches.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "pocketmoe/matmul.h"
+#include "simd.h"
+
+namespace pocketmoe::driver {
+
+// Up to this many tokens, blocks are decoded on the fly; above, two rows at a time are decoded
+// once into the family's canonical form and reused for every token.
+constexpr int kFusedMaxTokens = 4;
+
+template <class Fam, class Dec, int R>
+PM_INLINE void dot_rows(const uint8_t* w, size_t w_stride, const uint8_t* const* acts, int n_tok, int cols,
+                        float* out, ptrdiff_t out_stride) {
+  typename Fam::Act a[4];
+  int t = 0;
+  for (; t + 4 <= n_tok; t += 4) {
+    for (int i = 0; i < 4; ++i) a[i] = Fam::act_view(acts[t + i], cols);
+    Fam::template dot_tile<Dec, R, 4>(w, w_stride, a, cols, out + t * out_stride, out_stride);
+  }
+  const int rest = n_tok - t;
+  for (int i = 0; i < rest; ++i) a[i] = Fam::act_view(acts[t + i], cols);
+  float* o = out + t * out_stride;
+  switch (rest) {
+    case 3: Fam::template dot_tile<Dec, R, 3>(w, w_stride, a, cols, o, out_stride); break;
+    case 2: Fam::template dot_tile<Dec, R, 2>(w, w_stride, a, cols, o, out_stride); break;
+    case 1: Fam::template dot_tile<Dec, R, 1>(w, w_stride, a, cols, o, out_stride); break;
+    default: break;
+  }
+}
+
+template <class Fam>
+size_t scratch_bytes(int cols) {
+  if constexpr (Fam::kRepack) {
+    return 2 * static_cast<size_t>(cols / Fam::kBlockValues) * sizeof(typename Fam::CanonBlock);
+  } else {
+    return 0;
+  }
+}
+
+template <class Fam, class Dec>
+void matmul(const MatmulTask& t) {
+  int r = t.row_begin;
+  if (!Fam::kRepack || t.n_tokens <= kFusedMaxTokens) {
+    for (; r + 2 <= t.row_end; r += 2)
+      dot_rows<Fam, Dec, 2>(t.weight + r * t.row_bytes, t.row_bytes, t.acts, t.n_tokens, t.cols,
+                            t.out + (r - t.row_begin), t.out_stride);
+    if (r < t.row_end)
+      dot_rows<Fam, Dec, 1>(t.weight + r * t.row_bytes, t.row_bytes, t.acts, t.n_tokens, t.cols,
+                            t.out + (r - t.row_begin), t.out_stride);
+    return;
+  }
+  if constexpr (Fam::kRepack) {
+    using Canon = typename Fam::template Canon<Dec>;
+    const int nb = t.cols / Fam::kBlockValues;
+    auto* canon = reinterpret_cast<typename Fam::CanonBlock*>(t.scratch);
+    const auto* cw = reinterpret_cast<const uint8_t*>(canon);
+    const size_t canon_stride = static_cast<size_t>(nb) * sizeof(typename Fam::CanonBlock);
+    for (; r < t.row_end; r += 2) {
+      const int n_rows = t.row_end - r >= 2 ? 2 : 1;
+      for (int i = 0; i < n_rows; ++i)
+        Fam::template repack_row<Dec>(t.weight + (r + i) * t.row_bytes, nb, canon + i * nb);
+      float* out = t.out + (r - t.row_begin);
+      if (n_rows == 2)
+        dot_rows<Fam, Canon, 2>(cw, canon_stride, t.acts, t.n_tokens, t.cols, out, t.out_stride);
+      else
+        dot_rows<Fam, Canon, 1>(cw, canon_stride, t.acts, t.n_tokens, t.cols, out, t.out_stride);
+    }
+  }
+}
+
+}  // namespace pocketmoe::driver

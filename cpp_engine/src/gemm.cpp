@@ -1,0 +1,73 @@
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "pocketmoe/act_quant.h"
+#include "pocketmoe/engine.h"
+#include "pocketmoe/matmul.h"
+#include "pocketmoe/types.h"
+#include "workspace.h"
+
+namespace pocketmoe {
+namespace {
+
+constexpr int kTokenChunk = 256;   // tokens per work item; keeps one item's activations in L2
+
+int round_up(int v, int m) { return (v + m - 1) / m * m; }
+
+}  // namespace
+
+void gemm(const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens, int cols,
+          float* y) {
+  const TypeInfo& type = type_info(ggml_type);
+  const size_t expected = weight_row_bytes(type, cols);
+  if (row_bytes != expected)
+    throw std::invalid_argument(std::string("gemm: a ") + type.name + " row of " + std::to_string(cols) +
+                                " values is " + std::to_string(expected) + " bytes, the weight has " +
+                                std::to_string(row_bytes));
+  if (rows <= 0 || n_tokens <= 0) return;
+
+  std::unique_lock<std::mutex> lock;
+  Engine& e = acquire_engine(lock);
+  ThreadPool& pool = *e.pool;
+  Workspace& ws = e.ws;
+
+  const uint8_t** acts = ws.act_ptrs[0].get_as<const uint8_t*>(n_tokens);
+  if (type.act == ActFormat::kF32) {
+    for (int t = 0; t < n_tokens; ++t) acts[t] = reinterpret_cast<const uint8_t*>(x + static_cast<size_t>(t) * cols);
+  } else {
+    const size_t arb = act_row_bytes(type.act, cols);
+    uint8_t* buf = ws.acts[0].get(arb * n_tokens);
+    for (int t = 0; t < n_tokens; ++t) acts[t] = buf + arb * t;
+    pool.parallel_for(n_tokens, [&](int t, int) {
+      quantize_act_row(type.act, x + static_cast<size_t>(t) * cols, cols, buf + arb * t);
+    });
+  }
+
+  const size_t scratch = matmul_scratch_bytes(ggml_type, cols);
+  for (Buffer& b : ws.per_thread) b.get(scratch + 64);
+  const int token_chunks = (n_tokens + kTokenChunk - 1) / kTokenChunk;
+  const int target_items = std::max(1, pool.size() * 8 / token_chunks);
+  const int rows_per_item = std::min(rows, std::max(16, round_up((rows + target_items - 1) / target_items, 8)));
+  const int row_items = (rows + rows_per_item - 1) / rows_per_item;
+  const MatmulFn fn = matmul_kernel(ggml_type);
+
+  pool.parallel_for(row_items * token_chunks, [&](int item, int thread) {
+    const int r0 = (item % row_items) * rows_per_item;
+    const int t0 = (item / row_items) * kTokenChunk;
+    MatmulTask task{};
+    task.weight = weight;
+    task.row_bytes = row_bytes;
+    task.cols = cols;
+    task.row_begin = r0;
+    task.row_end = std::min(rows, r0 + rows_per_item);
+    task.acts = acts + t0;
+    task.n_tokens = std::min(kTokenChunk, n_tokens - t0);
+    task.out = y + static_cast<size_t>(t0) * rows + r0;
+    task.out_stride = rows;
+    task.scratch = ws.per_thread[thread].get(scratch + 64);
+    fn(task);
+  });
+}
+
+}  // namespace pocketmoe

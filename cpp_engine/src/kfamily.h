@@ -1,0 +1,154 @@
+// Integer dot products of 256-value super-block weights (k-quants, IQ types) with Q8_K activations.
+//
+// A decoder Dec turns one weight block into eight groups of 32 int8 weights q (unsigned, or signed
+// when Dec::kSigned), an int16 scale per 16 weights, and a per-block correction vector `corr`
+// applied to the activation sums of 16 (bsums):
+//   block dot = d * da * (sum_g madd(maddubs(q_g, a_g), scale_g) [+ madd(corr, bsums) if kOffset])
+//             [+ dmin * da * madd(corr, bsums) if kMin]
+// All integer sums are exact; the float steps per (row, token) are the same in every tile shape and
+// in the repacked form, so a result never depends on tiling, threads or the batch it came in.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "pocketmoe/matmul.h"
+#include "simd.h"
+
+namespace pocketmoe::kfamily {
+
+using namespace simd;
+
+struct ActQ8K {
+  const int8_t* qs;
+  const float* d;
+  const int16_t* bsums;
+};
+
+PM_INLINE ActQ8K act_view(const uint8_t* row, int cols) {
+  const int nb = cols / 256;
+  return {reinterpret_cast<const int8_t*>(row), reinterpret_cast<const float*>(row + cols),
+          reinterpret_cast<const int16_t*>(row + cols + 4 * nb)};
+}
+
+// A block decoded once, for reuse across many tokens (prefill).
+struct alignas(32) CanonBlock {
+  uint8_t q[8][32];
+  int16_t scale[8][16];
+  int16_t corr[16];
+  float d;
+  float dmin;
+  uint8_t pad[24];
+};
+static_assert(sizeof(CanonBlock) == 576);
+
+template <class Dec>
+struct Canon {
+  static constexpr int kBytes = sizeof(CanonBlock);
+  static constexpr bool kCanonical = true;
+  static constexpr bool kSigned = Dec::kSigned;
+  static constexpr bool kOffset = Dec::kOffset;
+  static constexpr bool kMin = Dec::kMin;
+  struct Head {
+    float d;
+    float dmin;
+    __m256i corr;
+  };
+  static PM_INLINE const CanonBlock& block(const uint8_t* p) { return *reinterpret_cast<const CanonBlock*>(p); }
+  static PM_INLINE Head head(const uint8_t* p) {
+    return {block(p).d, block(p).dmin, _mm256_load_si256(reinterpret_cast<const __m256i*>(block(p).corr))};
+  }
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* p, const Head&) {
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(block(p).q[G]));
+  }
+  template <int G>
+  static PM_INLINE __m256i scales(const uint8_t* p, const Head&) {
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(block(p).scale[G]));
+  }
+};
+
+struct Family {
+  static constexpr int kBlockValues = 256;
+  static constexpr bool kRepack = true;
+  using Act = ActQ8K;
+  using CanonBlock = kfamily::CanonBlock;
+  template <class Dec>
+  using Canon = kfamily::Canon<Dec>;
+
+  static PM_INLINE Act act_view(const uint8_t* row, int cols) { return kfamily::act_view(row, cols); }
+
+  template <class Dec>
+  static void repack_row(const uint8_t* row, int nb, CanonBlock* dst) {
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + static_cast<size_t>(b) * Dec::kBytes;
+      for (int off = 0; off < Dec::kBytes; off += 64) prefetch(blk + kPrefetchBytes + off);
+      const auto h = Dec::head(blk);
+      CanonBlock& c = dst[b];
+      static_for<8>([&](auto gc) {
+        constexpr int G = decltype(gc)::value;
+        store256(c.q[G], Dec::template quants<G>(blk, h));
+        store256(c.scale[G], Dec::template scales<G>(blk, h));
+      });
+      store256(c.corr, h.corr);
+      c.d = h.d;
+      c.dmin = h.dmin;
+    }
+  }
+
+  // out[c * out_stride + r] = dot(row r, token c) for an R x C tile; rows are w_stride bytes apart.
+  template <class Dec, int R, int C>
+  static __attribute__((noinline)) void dot_tile(const uint8_t* w, size_t w_stride, const Act* a, int cols,
+                                                 float* out, ptrdiff_t out_stride) {
+    const int nb = cols / 256;
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* blk[R];
+      typename Dec::Head h[R];
+      for (int r = 0; r < R; ++r) {
+        blk[r] = w + r * w_stride + static_cast<size_t>(b) * Dec::kBytes;
+        if constexpr (!Dec::kCanonical)
+          for (int off = 0; off < Dec::kBytes; off += 64) prefetch(blk[r] + kPrefetchBytes + off);
+        h[r] = Dec::head(blk[r]);
+      }
+      __m256i isum[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) isum[r][c] = _mm256_setzero_si256();
+
+      static_for<8>([&](auto gc) {
+        constexpr int G = decltype(gc)::value;
+        for (int r = 0; r < R; ++r) {
+          const __m256i q = Dec::template quants<G>(blk[r], h[r]);
+          const __m256i s = Dec::template scales<G>(blk[r], h[r]);
+          const __m256i qu = Dec::kSigned ? _mm256_abs_epi8(q) : q;
+          for (int c = 0; c < C; ++c) {
+            __m256i av = load256(a[c].qs + 256 * b + 32 * G);
+            if constexpr (Dec::kSigned) av = _mm256_sign_epi8(av, q);
+            isum[r][c] = _mm256_add_epi32(isum[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(qu, av), s));
+          }
+        }
+      });
+
+      for (int c = 0; c < C; ++c) {
+        const __m256i bs = load256(a[c].bsums + 16 * b);
+        const float da = a[c].d[b];
+        for (int r = 0; r < R; ++r) {
+          __m256i is = isum[r][c];
+          if constexpr (Dec::kOffset) is = _mm256_add_epi32(is, _mm256_madd_epi16(h[r].corr, bs));
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(h[r].d * da), acc[r][c]);
+          if constexpr (Dec::kMin) {
+            const __m256i m = _mm256_madd_epi16(h[r].corr, bs);
+            acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(h[r].dmin * da), acc[r][c]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) out[c * out_stride + r] = hsum(acc[r][c]);
+  }
+};
+
+}  // namespace pocketmoe::kfamily

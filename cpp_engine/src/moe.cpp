@@ -1,0 +1,210 @@
+// Routed experts of one MoE layer: gate/up per (expert, ffn row block), then down per hidden row
+// block over all experts, combined per token in slot order.
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "pocketmoe/act_quant.h"
+#include "pocketmoe/engine.h"
+#include "pocketmoe/matmul.h"
+#include "pocketmoe/silu.h"
+#include "pocketmoe/types.h"
+#include "workspace.h"
+
+namespace pocketmoe {
+namespace {
+
+int round_up(int v, int m) { return (v + m - 1) / m * m; }
+
+// Rows per work item: about 8 items per thread, a multiple of `align`, at most max(align, cap).
+int block_rows(int total_rows, int rows, int threads, int align, int cap) {
+  const int want = round_up((total_rows + threads * 8 - 1) / (threads * 8), align);
+  return std::min(round_up(rows, align), std::max(align, std::min(want, cap)));
+}
+
+struct Routing {
+  int* count;      // [E] pairs per expert
+  int* offset;     // [E + 1] first sorted slot of each expert
+  int* pair;       // [T*K] sorted slot -> pair t*K + k (by expert, then pair)
+  int* slot;       // [T*K] pair -> sorted slot
+  int* active;     // [E] experts with at least one pair, ascending
+  int n_active;
+};
+
+Routing route(const int32_t* ids, int n_pairs, int n_experts, Buffer& ints) {
+  const size_t ne = static_cast<size_t>(n_experts), np = static_cast<size_t>(n_pairs);
+  int* base = ints.get_as<int>(4 * ne + 1 + 2 * np);
+  Routing r{base, base + ne, base + 2 * ne + 1, base + 2 * ne + 1 + np, base + 2 * ne + 1 + 2 * np, 0};
+  int* next = r.active + ne;
+  std::fill(r.count, r.count + n_experts, 0);
+  for (int p = 0; p < n_pairs; ++p) {
+    if (ids[p] < 0 || ids[p] >= n_experts)
+      throw std::invalid_argument("moe_forward: expert id " + std::to_string(ids[p]) + " at position " +
+                                  std::to_string(p) + " is outside [0, " + std::to_string(n_experts) + ")");
+    ++r.count[ids[p]];
+  }
+  r.offset[0] = 0;
+  for (int e = 0; e < n_experts; ++e) {
+    r.offset[e + 1] = r.offset[e] + r.count[e];
+    next[e] = r.offset[e];
+    if (r.count[e] > 0) r.active[r.n_active++] = e;
+  }
+  for (int p = 0; p < n_pairs; ++p) {
+    const int s = next[ids[p]]++;
+    r.pair[s] = p;
+    r.slot[p] = s;
+  }
+  return r;
+}
+
+size_t checked_row_bytes(const char* what, const MoEWeights& w, int n_experts, int rows, int cols) {
+  const TypeInfo& t = type_info(w.ggml_type);
+  const size_t row_bytes = weight_row_bytes(t, cols);
+  const size_t want = static_cast<size_t>(n_experts) * rows * row_bytes;
+  if (w.data == nullptr || w.nbytes != want)
+    throw std::invalid_argument(std::string("moe_forward: ") + what + " holds " + std::to_string(w.nbytes) +
+                                " bytes; " + std::to_string(n_experts) + " experts of [" + std::to_string(rows) +
+                                ", " + std::to_string(cols) + "] " + t.name + " need " + std::to_string(want));
+  return row_bytes;
+}
+
+}  // namespace
+
+void moe_forward(const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights, int top_k,
+                 const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down, int n_experts, int ffn,
+                 float* y) {
+  if (n_experts <= 0 || top_k <= 0 || hidden <= 0 || ffn <= 0)
+    throw std::invalid_argument("moe_forward: n_experts, top_k, hidden and ffn must be positive");
+  const size_t gate_rb = checked_row_bytes("gate", gate, n_experts, ffn, hidden);
+  const size_t up_rb = checked_row_bytes("up", up, n_experts, ffn, hidden);
+  const size_t down_rb = checked_row_bytes("down", down, n_experts, hidden, ffn);
+  if (n_tokens <= 0) return;
+  const TypeInfo& gt = type_info(gate.ggml_type);
+  const TypeInfo& ut = type_info(up.ggml_type);
+  const TypeInfo& dt = type_info(down.ggml_type);
+  const int n_pairs = n_tokens * top_k;
+
+  std::unique_lock<std::mutex> lock;
+  Engine& e = acquire_engine(lock);
+  ThreadPool& pool = *e.pool;
+  Workspace& ws = e.ws;
+  const int threads = pool.size();
+  const Routing rt = route(ids, n_pairs, n_experts, ws.ints);
+
+  // Token activations in the format gate and up each need; per sorted slot, its token's row.
+  const ActFormat formats[2] = {gt.act, ut.act};
+  const uint8_t* act_rows[2];
+  size_t act_stride[2];
+  const uint8_t** slot_acts[2];
+  for (int i = 0; i < 2; ++i) {
+    if (formats[i] == ActFormat::kF32) {
+      act_rows[i] = reinterpret_cast<const uint8_t*>(x);
+      act_stride[i] = 4 * static_cast<size_t>(hidden);
+    } else if (i == 1 && formats[1] == formats[0]) {
+      act_rows[1] = act_rows[0];
+      act_stride[1] = act_stride[0];
+    } else {
+      const size_t arb = act_row_bytes(formats[i], hidden);
+      uint8_t* buf = ws.acts[i].get(arb * n_tokens);
+      pool.parallel_for(n_tokens, [&](int t, int) {
+        quantize_act_row(formats[i], x + static_cast<size_t>(t) * hidden, hidden, buf + arb * t);
+      });
+      act_rows[i] = buf;
+      act_stride[i] = arb;
+    }
+    slot_acts[i] = ws.act_ptrs[i].get_as<const uint8_t*>(n_pairs);
+    for (int s = 0; s < n_pairs; ++s) slot_acts[i][s] = act_rows[i] + act_stride[i] * (rt.pair[s] / top_k);
+  }
+
+  // Phase A: h[slot] = silu(gate x) * up x, written straight into down's activation format.
+  const ActFormat hfmt = dt.act;
+  const int hblock = std::max(16, act_block_values(hfmt));
+  const size_t harb = act_row_bytes(hfmt, ffn);
+  uint8_t* hbuf = ws.hidden.get(harb * n_pairs);
+  const uint8_t** hrows = ws.hidden_ptrs.get_as<const uint8_t*>(n_pairs);
+  for (int s = 0; s < n_pairs; ++s) hrows[s] = hbuf + harb * s;
+
+  int max_count = 0;
+  for (int i = 0; i < rt.n_active; ++i) max_count = std::max(max_count, rt.count[rt.active[i]]);
+  const int rows_a = block_rows(rt.n_active * ffn, ffn, threads, hblock, 256);
+  const int rows_b = block_rows(hidden, hidden, threads, 16, 256);
+  const size_t mm_scratch = std::max({matmul_scratch_bytes(gate.ggml_type, hidden),
+                                      matmul_scratch_bytes(up.ggml_type, hidden),
+                                      matmul_scratch_bytes(down.ggml_type, ffn)});
+  const size_t a_floats = 2 * static_cast<size_t>(max_count) * rows_a;
+  const size_t b_floats = static_cast<size_t>(n_pairs) * rows_b;
+  const size_t thread_bytes = mm_scratch + 64 + 4 * std::max(a_floats, b_floats);
+  for (Buffer& b : ws.per_thread) b.get(thread_bytes);
+
+  const int blocks_a = (ffn + rows_a - 1) / rows_a;
+  pool.parallel_for(rt.n_active * blocks_a, [&](int item, int thread) {
+    const int expert = rt.active[item / blocks_a];
+    const int r0 = (item % blocks_a) * rows_a, r1 = std::min(ffn, r0 + rows_a);
+    const int first = rt.offset[expert], count = rt.count[expert];
+    uint8_t* scratch = ws.per_thread[thread].get(thread_bytes);
+    float* g = reinterpret_cast<float*>(scratch + mm_scratch + 64);
+    float* u = g + static_cast<size_t>(count) * rows_a;
+
+    MatmulTask task{};
+    task.cols = hidden;
+    task.row_begin = r0;
+    task.row_end = r1;
+    task.n_tokens = count;
+    task.out_stride = rows_a;
+    task.scratch = scratch;
+    task.weight = gate.data + static_cast<size_t>(expert) * ffn * gate_rb;
+    task.row_bytes = gate_rb;
+    task.acts = slot_acts[0] + first;
+    task.out = g;
+    matmul_kernel(gate.ggml_type)(task);
+    task.weight = up.data + static_cast<size_t>(expert) * ffn * up_rb;
+    task.row_bytes = up_rb;
+    task.acts = slot_acts[1] + first;
+    task.out = u;
+    matmul_kernel(up.ggml_type)(task);
+
+    const int block = act_block_values(hfmt);
+    for (int i = 0; i < count; ++i) {
+      float* gi = g + static_cast<size_t>(i) * rows_a;
+      const float* ui = u + static_cast<size_t>(i) * rows_a;
+      silu_mul(gi, ui, r1 - r0);
+      quantize_act_blocks(hfmt, gi, ffn, r0 / block, r1 / block, hbuf + harb * (first + i));
+    }
+  });
+
+  // Phase B: per block of hidden rows, every active expert's down rows, then the slot-order sum.
+  const int blocks_b = (hidden + rows_b - 1) / rows_b;
+  const MatmulFn down_fn = matmul_kernel(down.ggml_type);
+  pool.parallel_for(blocks_b, [&](int item, int thread) {
+    const int r0 = item * rows_b, r1 = std::min(hidden, r0 + rows_b);
+    uint8_t* scratch = ws.per_thread[thread].get(thread_bytes);
+    float* yb = reinterpret_cast<float*>(scratch + mm_scratch + 64);
+    for (int i = 0; i < rt.n_active; ++i) {
+      const int expert = rt.active[i];
+      MatmulTask task{};
+      task.weight = down.data + static_cast<size_t>(expert) * hidden * down_rb;
+      task.row_bytes = down_rb;
+      task.cols = ffn;
+      task.row_begin = r0;
+      task.row_end = r1;
+      task.acts = hrows + rt.offset[expert];
+      task.n_tokens = rt.count[expert];
+      task.out = yb + static_cast<size_t>(rt.offset[expert]) * rows_b;
+      task.out_stride = rows_b;
+      task.scratch = scratch;
+      down_fn(task);
+    }
+    for (int t = 0; t < n_tokens; ++t) {
+      float* yt = y + static_cast<size_t>(t) * hidden;
+      for (int r = r0; r < r1; ++r) {
+        float acc = 0.0f;
+        for (int k = 0; k < top_k; ++k)
+          acc = std::fma(weights[t * top_k + k], yb[static_cast<size_t>(rt.slot[t * top_k + k]) * rows_b + (r - r0)], acc);
+        yt[r] = acc;
+      }
+    }
+  });
+}
+
+}  // namespace pocketmoe

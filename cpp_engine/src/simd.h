@@ -1,0 +1,107 @@
+// AVX2 helpers shared by the kernels.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#define PM_INLINE inline __attribute__((always_inline))
+
+namespace pocketmoe::simd {
+
+template <class F, int... I>
+PM_INLINE void static_for_impl(F& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+
+// f(std::integral_constant<int, i>) for i = 0..N-1, unrolled; i is a compile-time constant.
+template <int N, class F>
+PM_INLINE void static_for(F&& f) {
+  static_for_impl(f, std::make_integer_sequence<int, N>{});
+}
+
+PM_INLINE uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+PM_INLINE uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+PM_INLINE float fp16(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
+
+PM_INLINE __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+PM_INLINE __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+PM_INLINE void store256(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
+
+// 16 bytes at p: low nibbles in the low half, high nibbles in the high half.
+PM_INLINE __m256i load_nibbles(const uint8_t* p) {
+  const __m256i x = _mm256_broadcastsi128_si256(load128(p));
+  return _mm256_and_si256(_mm256_blend_epi32(x, _mm256_srli_epi16(x, 4), 0xF0), _mm256_set1_epi8(0x0F));
+}
+
+// v: 8 int16 in each 128-bit half; returns element G of each half across that half.
+template <int G>
+PM_INLINE __m256i broadcast_i16(__m256i v) {
+  return _mm256_shuffle_epi8(v, _mm256_set1_epi16(static_cast<int16_t>(((2 * G + 1) << 8) | (2 * G))));
+}
+
+// 16 int8 scales (one per 16 weights) as int16, even-indexed ones in the low half and odd-indexed
+// ones in the high half, so that broadcast_i16<G> yields scale 2G for weights 0-15 of group G and
+// scale 2G+1 for weights 16-31.
+PM_INLINE __m256i split_scales_i16(__m128i s8) {
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+}
+
+// v: 8 int16 (one per 32 values); returns 16 int16 with each value twice, matching 16 bsums.
+PM_INLINE __m256i duplicate_i16(__m128i v) {
+  return _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v));
+}
+
+// Bit B of every byte moved to bit TO; all other bits cleared.
+template <int B, int TO>
+PM_INLINE __m256i move_bit(__m256i x) {
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>(1 << TO));
+  if constexpr (B == TO) {
+    return _mm256_and_si256(x, mask);
+  } else if constexpr (B < TO) {
+    return _mm256_and_si256(_mm256_slli_epi16(x, TO - B), mask);
+  } else {
+    return _mm256_and_si256(_mm256_srli_epi16(x, B - TO), mask);
+  }
+}
+
+// Raw weights stream from DRAM once per call and the hardware prefetcher alone falls behind, so
+// the 256-value kernels ask for the bytes this far ahead (the 32-value ones: eight rows ahead).
+constexpr int kPrefetchBytes = 2048;
+
+PM_INLINE void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+
+// Sum of 8 float lanes in one fixed order.
+PM_INLINE float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+PM_INLINE float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+PM_INLINE __m256i set_u64x4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+  return _mm256_set_epi64x(static_cast<int64_t>(d), static_cast<int64_t>(c), static_cast<int64_t>(b),
+                           static_cast<int64_t>(a));
+}
+
+}  // namespace pocketmoe::simd

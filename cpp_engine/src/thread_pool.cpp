@@ -1,0 +1,113 @@
+#include "pocketmoe/thread_pool.h"
+
+#include <immintrin.h>
+#include <sched.h>
+
+#include <chrono>
+#include <fstream>
+#include <set>
+#include <string>
+#include <utility>
+
+namespace pocketmoe {
+namespace {
+
+// How long an idle worker spins before it sleeps: long enough to cover the gaps between the
+// phases of one layer, short enough not to steal a core from torch between layers.
+constexpr auto kSpin = std::chrono::microseconds(100);
+
+int read_int(const std::string& path) {
+  std::ifstream f(path);
+  int v = -1;
+  f >> v;
+  return v;
+}
+
+}  // namespace
+
+int physical_core_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) {
+    const unsigned n = std::thread::hardware_concurrency();
+    return n ? static_cast<int>(n) : 1;
+  }
+  std::set<std::pair<int, int>> cores;
+  int cpus = 0;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &set)) continue;
+    ++cpus;
+    const std::string dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/";
+    const int package = read_int(dir + "physical_package_id"), core = read_int(dir + "core_id");
+    cores.insert(core < 0 ? std::make_pair(-1, cpu) : std::make_pair(package, core));
+  }
+  return cores.empty() ? (cpus ? cpus : 1) : static_cast<int>(cores.size());
+}
+
+ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
+  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker_main(i); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_.store(true);
+  }
+  wake_.notify_all();
+  for (std::thread& t : workers_) t.join();
+}
+
+void ThreadPool::drain(int thread) {
+  for (int item = next_item_.fetch_add(1); item < n_items_; item = next_item_.fetch_add(1)) fn_(ctx_, item, thread);
+}
+
+void ThreadPool::run(int n_items, ItemFn fn, void* ctx) {
+  if (n_items <= 0) return;
+  if (workers_.empty() || n_items == 1) {
+    for (int i = 0; i < n_items; ++i) fn(ctx, i, 0);
+    return;
+  }
+  fn_ = fn;
+  ctx_ = ctx;
+  n_items_ = n_items;
+  next_item_.store(0);
+  busy_.store(static_cast<int>(workers_.size()));
+  generation_.fetch_add(1);
+  if (sleeping_.load() > 0) {
+    { std::lock_guard<std::mutex> lock(mutex_); }
+    wake_.notify_all();
+  }
+  drain(0);
+  // Workers finish their last items within microseconds unless the OS parked one; then yield.
+  const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+  for (int spins = 1; busy_.load() != 0; ++spins) {
+    if (spins % 64 != 0 || std::chrono::steady_clock::now() < spin_until) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+void ThreadPool::worker_main(int thread) {
+  uint64_t seen = 0;
+  for (;;) {
+    const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+    int spins = 0;
+    while (generation_.load() == seen && !stop_.load()) {
+      _mm_pause();
+      if (++spins % 64 == 0 && std::chrono::steady_clock::now() > spin_until) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        sleeping_.fetch_add(1);
+        wake_.wait(lock, [&] { return generation_.load() != seen || stop_.load(); });
+        sleeping_.fetch_sub(1);
+      }
+    }
+    if (stop_.load()) return;
+    seen = generation_.load();
+    drain(thread);
+    busy_.fetch_sub(1);
+  }
+}
+
+}  // namespace pocketmoe

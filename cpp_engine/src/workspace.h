@@ -1,0 +1,52 @@
+// Process-wide engine state: the thread pool and buffers that grow to the largest call and stay.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "pocketmoe/thread_pool.h"
+
+namespace pocketmoe {
+
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept : data_(o.data_), capacity_(o.capacity_) { o.data_ = nullptr, o.capacity_ = 0; }
+  ~Buffer();
+  // At least n bytes, 64-byte aligned; previous contents are not kept when it grows.
+  uint8_t* get(size_t n);
+  template <class T>
+  T* get_as(size_t count) {
+    return reinterpret_cast<T*>(get(count * sizeof(T)));
+  }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+struct Workspace {
+  Buffer acts[2];
+  Buffer act_ptrs[2];
+  Buffer hidden;
+  Buffer hidden_ptrs;
+  Buffer ints;
+  std::vector<Buffer> per_thread;   // one scratch area per pool thread
+};
+
+struct Engine {
+  std::mutex mutex;                 // one call at a time owns the pool and workspace
+  std::unique_ptr<ThreadPool> pool;
+  int n_threads = 0;                // requested size; 0 = one per physical core
+  Workspace ws;
+};
+
+// The engine, locked by `lock`; creates the pool on first use.
+Engine& acquire_engine(std::unique_lock<std::mutex>& lock);
+
+}  // namespace pocketmoe

@@ -1,0 +1,259 @@
+// Standalone tests of the native kernels against the scalar reference (dequant_ref.cpp):
+//   cmake --build cpp_engine/build -j1 && cpp_engine/build/test_kernels
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fixtures.h"
+#include "pocketmoe/act_quant.h"
+#include "pocketmoe/engine.h"
+#include "pocketmoe/matmul.h"
+#include "pocketmoe/silu.h"
+#include "pocketmoe/thread_pool.h"
+#include "pocketmoe/types.h"
+
+using namespace pocketmoe;
+
+namespace {
+
+int g_failures = 0;
+
+#define CHECK(cond, ...)                                  \
+  do {                                                    \
+    if (!(cond)) {                                        \
+      ++g_failures;                                       \
+      std::printf("FAIL %s:%d: ", __FILE__, __LINE__);    \
+      std::printf(__VA_ARGS__);                           \
+      std::printf("\n");                                  \
+    }                                                     \
+  } while (0)
+
+std::vector<float> gemm_vec(const std::vector<uint8_t>& w, int type, int rows, int cols, const std::vector<float>& x,
+                            int n_tokens) {
+  std::vector<float> y(static_cast<size_t>(n_tokens) * rows);
+  gemm(w.data(), rows, weight_row_bytes(type_info(type), cols), type, x.data(), n_tokens, cols, y.data());
+  return y;
+}
+
+// Every output against sum_i w_i * a_i in double, where a is the activation the kernel sees;
+// the only difference left is float rounding: bounded by 1e-5 * sum_i |w_i a_i|.
+void test_gemm_matches_reference() {
+  std::mt19937 rng(7);
+  for (int type : supported_types()) {
+    const TypeInfo& t = type_info(type);
+    const int cols = t.block_values == 1 ? 300 : 512;
+    for (int rows : {1, 33, 257}) {
+      const std::vector<uint8_t> w = testing::random_weight(type, rows, cols, rng);
+      const size_t rb = weight_row_bytes(t, cols);
+      std::vector<double> wf(static_cast<size_t>(rows) * cols);
+      std::vector<float> row(cols);
+      for (int r = 0; r < rows; ++r) {
+        dequantize_row(type, w.data() + rb * r, cols, row.data());
+        std::copy(row.begin(), row.end(), wf.begin() + static_cast<size_t>(r) * cols);
+      }
+      for (int n_tokens : {1, 3, 17, 64}) {
+        const std::vector<float> x = testing::random_floats(static_cast<size_t>(n_tokens) * cols, rng);
+        const std::vector<float> y = gemm_vec(w, type, rows, cols, x, n_tokens);
+        std::vector<uint8_t> act(act_row_bytes(t.act, cols));
+        std::vector<float> a(cols);
+        double worst = 0;
+        for (int tk = 0; tk < n_tokens; ++tk) {
+          quantize_act_row(t.act, x.data() + static_cast<size_t>(tk) * cols, cols, act.data());
+          dequantize_act_row(t.act, act.data(), cols, a.data());
+          for (int r = 0; r < rows; ++r) {
+            double ref = 0, mag = 0;
+            for (int i = 0; i < cols; ++i) {
+              ref += wf[static_cast<size_t>(r) * cols + i] * a[i];
+              mag += std::fabs(wf[static_cast<size_t>(r) * cols + i] * a[i]);
+            }
+            worst = std::max(worst, std::fabs(y[static_cast<size_t>(tk) * rows + r] - ref) / (mag + 1e-30));
+          }
+        }
+        CHECK(worst < 1e-5, "%s rows=%d T=%d: relative error %.3g", t.name, rows, n_tokens, worst);
+      }
+    }
+  }
+}
+
+// A token's output is bitwise the same alone, inside a batch, and with 1 or 2 threads.
+void test_gemm_bitwise_stable() {
+  std::mt19937 rng(11);
+  const int rows = 45, n_tokens = 19;
+  for (int type : supported_types()) {
+    const TypeInfo& t = type_info(type);
+    const int cols = t.block_values == 1 ? 264 : 512;
+    const std::vector<uint8_t> w = testing::random_weight(type, rows, cols, rng);
+    const std::vector<float> x = testing::random_floats(static_cast<size_t>(n_tokens) * cols, rng);
+    set_num_threads(2);
+    const std::vector<float> batch = gemm_vec(w, type, rows, cols, x, n_tokens);
+    set_num_threads(1);
+    const std::vector<float> single_thread = gemm_vec(w, type, rows, cols, x, n_tokens);
+    set_num_threads(2);
+    CHECK(std::memcmp(batch.data(), single_thread.data(), batch.size() * 4) == 0, "%s: 1 vs 2 threads differ", t.name);
+    for (int tk = 0; tk < n_tokens; ++tk) {
+      const std::vector<float> xt(x.begin() + static_cast<size_t>(tk) * cols, x.begin() + static_cast<size_t>(tk + 1) * cols);
+      const std::vector<float> alone = gemm_vec(w, type, rows, cols, xt, 1);
+      CHECK(std::memcmp(alone.data(), batch.data() + static_cast<size_t>(tk) * rows, rows * 4) == 0,
+            "%s: token %d alone differs from the batch", t.name, tk);
+    }
+  }
+}
+
+// moe_forward equals the same math spelled out with gemm calls, bit for bit.
+void test_moe_matches_gemm_composition() {
+  std::mt19937 rng(5);
+  struct Case {
+    int gate_type, down_type, hidden, ffn;
+  };
+  const Case cases[] = {{kQ4_K, kQ5_0, 512, 288}, {kQ4_K, kQ6_K, 256, 512}, {kQ8_0, kQ8_0, 96, 160},
+                        {kF32, kF16, 40, 24}, {kIQ2_XXS, kQ4_K, 256, 256}};
+  const int n_experts = 7, top_k = 3;
+  for (const Case& c : cases) {
+    const size_t grb = weight_row_bytes(type_info(c.gate_type), c.hidden);
+    const size_t drb = weight_row_bytes(type_info(c.down_type), c.ffn);
+    const auto gate = testing::random_weight(c.gate_type, n_experts * c.ffn, c.hidden, rng);
+    const auto up = testing::random_weight(c.gate_type, n_experts * c.ffn, c.hidden, rng);
+    const auto down = testing::random_weight(c.down_type, n_experts * c.hidden, c.ffn, rng);
+    for (int n_tokens : {1, 2, 9, 40}) {
+      const std::vector<float> x = testing::random_floats(static_cast<size_t>(n_tokens) * c.hidden, rng);
+      std::vector<int32_t> ids(static_cast<size_t>(n_tokens) * top_k);
+      std::vector<float> wts(ids.size());
+      std::uniform_int_distribution<int> pick(0, n_experts - 1);
+      std::uniform_real_distribution<float> weight(0.0f, 1.0f);
+      for (size_t i = 0; i < ids.size(); ++i) ids[i] = pick(rng), wts[i] = weight(rng);
+      std::vector<float> y(static_cast<size_t>(n_tokens) * c.hidden);
+      for (int threads : {1, 2}) {
+        set_num_threads(threads);
+        std::vector<float> yt(y.size());
+        moe_forward(x.data(), n_tokens, c.hidden, ids.data(), wts.data(), top_k,
+                    {gate.data(), gate.size(), c.gate_type}, {up.data(), up.size(), c.gate_type},
+                    {down.data(), down.size(), c.down_type}, n_experts, c.ffn, yt.data());
+        if (threads == 1) y = yt;
+        CHECK(std::memcmp(y.data(), yt.data(), y.size() * 4) == 0, "moe %d/%d: threads 1 vs 2 differ", c.gate_type,
+              c.down_type);
+      }
+      double worst = 0;
+      for (int tk = 0; tk < n_tokens; ++tk) {
+        std::vector<float> acc(c.hidden, 0.0f), g(c.ffn), u(c.ffn), yd(c.hidden);
+        for (int k = 0; k < top_k; ++k) {
+          const int e = ids[tk * top_k + k];
+          const float* xt = x.data() + static_cast<size_t>(tk) * c.hidden;
+          gemm(gate.data() + grb * c.ffn * e, c.ffn, grb, c.gate_type, xt, 1, c.hidden, g.data());
+          gemm(up.data() + grb * c.ffn * e, c.ffn, grb, c.gate_type, xt, 1, c.hidden, u.data());
+          silu_mul(g.data(), u.data(), c.ffn);
+          gemm(down.data() + drb * c.hidden * e, c.hidden, drb, c.down_type, g.data(), 1, c.ffn, yd.data());
+          for (int i = 0; i < c.hidden; ++i) acc[i] = std::fma(wts[tk * top_k + k], yd[i], acc[i]);
+        }
+        for (int i = 0; i < c.hidden; ++i)
+          worst = std::max(worst, static_cast<double>(std::fabs(acc[i] - y[static_cast<size_t>(tk) * c.hidden + i])));
+      }
+      CHECK(worst == 0, "moe gate %d down %d T=%d: differs from the gemm composition by %.3g", c.gate_type,
+            c.down_type, n_tokens, worst);
+    }
+  }
+}
+
+void test_activation_quantization() {
+  std::mt19937 rng(3);
+  for (ActFormat f : {ActFormat::kQ8_0, ActFormat::kQ8_K}) {
+    const int cols = 1024, bv = act_block_values(f);
+    std::vector<float> x = testing::random_floats(cols, rng);
+    std::fill(x.begin() + bv, x.begin() + 2 * bv, 0.0f);   // an all-zero block
+    std::vector<uint8_t> row(act_row_bytes(f, cols));
+    std::vector<float> back(cols);
+    quantize_act_row(f, x.data(), cols, row.data());
+    dequantize_act_row(f, row.data(), cols, back.data());
+    for (int b = 0; b < cols / bv; ++b) {
+      float amax = 0;
+      for (int i = 0; i < bv; ++i) amax = std::max(amax, std::fabs(x[b * bv + i]));
+      for (int i = 0; i < bv; ++i)
+        CHECK(std::fabs(back[b * bv + i] - x[b * bv + i]) <= amax / 254 * 1.0001f, "format %d block %d value %d",
+              static_cast<int>(f), b, i);
+    }
+    if (f == ActFormat::kQ8_K) {
+      const auto* qs = reinterpret_cast<const int8_t*>(row.data());
+      const auto* bsums = reinterpret_cast<const int16_t*>(row.data() + cols + 4 * (cols / 256));
+      for (int i = 0; i < cols / 16; ++i) {
+        int s = 0;
+        for (int j = 0; j < 16; ++j) s += qs[16 * i + j];
+        CHECK(s == bsums[i], "bsum %d", i);
+      }
+    }
+  }
+}
+
+// silu_mul against the libm formula, and the same bits wherever a value sits in the row.
+void test_silu() {
+  std::mt19937 rng(9);
+  std::vector<float> g = testing::random_floats(1003, rng, 6.0f), u = testing::random_floats(1003, rng);
+  g[0] = -100.0f, g[1] = 100.0f, g[2] = 0.0f, g[3] = -87.5f;
+  std::vector<float> out = g;
+  silu_mul(out.data(), u.data(), static_cast<int>(g.size()));
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double want = g[i] / (1.0 + std::exp(-static_cast<double>(g[i]))) * u[i];
+    CHECK(std::fabs(out[i] - want) <= 1e-6 * std::fabs(want) + 1e-30, "silu(%g) * %g = %g, want %g", g[i], u[i], out[i], want);
+  }
+  for (size_t i = 0; i + 1 < g.size(); i += 97) {
+    float one = g[i];
+    silu_mul(&one, &u[i], 1);
+    CHECK(std::memcmp(&one, &out[i], 4) == 0, "silu at position %zu depends on its neighbours", i);
+  }
+}
+
+void test_thread_pool() {
+  for (int threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    for (int n_items : {0, 1, 2, 7, 1000}) {
+      for (int rep = 0; rep < 50; ++rep) {
+        std::vector<std::atomic<int>> hits(n_items);
+        pool.parallel_for(n_items, [&](int item, int thread) {
+          CHECK(thread >= 0 && thread < threads, "thread id %d", thread);
+          hits[item].fetch_add(1);
+        });
+        for (int i = 0; i < n_items; ++i) CHECK(hits[i].load() == 1, "item %d ran %d times", i, hits[i].load());
+      }
+    }
+  }
+}
+
+void test_errors() {
+  auto throws = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::invalid_argument&) {
+      return true;
+    }
+    return false;
+  };
+  std::vector<uint8_t> w(144);
+  std::vector<float> x(256), y(1);
+  CHECK(throws([&] { gemm(w.data(), 1, 144, 3, x.data(), 1, 256, y.data()); }), "Q4_1 has no kernel");
+  CHECK(throws([&] { gemm(w.data(), 1, 143, kQ4_K, x.data(), 1, 256, y.data()); }), "row bytes mismatch");
+  CHECK(throws([&] { gemm(w.data(), 1, 144, kQ4_K, x.data(), 1, 250, y.data()); }), "cols not a block multiple");
+}
+
+}  // namespace
+
+int main() {
+  const std::pair<const char*, void (*)()> tests[] = {
+      {"thread_pool", test_thread_pool},
+      {"activation_quantization", test_activation_quantization},
+      {"silu", test_silu},
+      {"gemm_matches_reference", test_gemm_matches_reference},
+      {"gemm_bitwise_stable", test_gemm_bitwise_stable},
+      {"moe_matches_gemm_composition", test_moe_matches_gemm_composition},
+      {"errors", test_errors},
+  };
+  for (const auto& [name, fn] : tests) {
+    const int before = g_failures;
+    fn();
+    std::printf("%-32s %s\n", name, g_failures == before ? "ok" : "FAILED");
+  }
+  std::printf("%s\n", g_failures ? "FAILED" : "all passed");
+  return g_failures ? 1 : 0;
+}

@@ -1,0 +1,278 @@
+"""Native CPU kernels (pocketmoe.native) against gguf.quants.dequantize + float64 numpy matmuls."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from pocketmoe import native
+from pocketmoe.quant.quantize import quantize, random_blocks
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
+
+TYPES = {
+    "Q4_K": 12, "Q6_K": 14, "Q8_0": 8, "Q5_K": 13, "Q5_0": 6, "Q4_0": 2, "Q2_K": 10, "Q3_K": 11,
+    "IQ2_XXS": 16, "IQ1_M": 29, "IQ4_XS": 23, "MXFP4": 39, "F16": 1, "BF16": 30, "F32": 0,
+}
+FLOAT_TYPES = {0, 1, 30}
+ACT_BLOCK = {**dict.fromkeys((2, 6, 8, 39), 32), **dict.fromkeys((10, 11, 12, 13, 14, 16, 23, 29), 256)}
+TOKENS = (1, 3, 17, 64)
+
+
+@pytest.fixture
+def restore_threads():
+    before = native.get_num_threads()
+    yield
+    native.set_num_threads(before)
+
+
+def dequant(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    return gguf_dequantize(raw, GGMLQuantizationType(ggml_type)).astype(np.float64)
+
+
+def cols_for(ggml_type: int) -> int:
+    return 300 if ggml_type in FLOAT_TYPES else 512
+
+
+def quant_error_bound(x: np.ndarray, block: int) -> np.ndarray:
+    """Per row, an upper bound of ||x - x_q||_2 when each block of `block` values is rounded to
+    int8 with d = max|x| / 127 (every value moves by at most d / 2)."""
+    amax = np.abs(x.reshape(x.shape[0], -1, block)).max(axis=-1)
+    return np.sqrt(block * ((amax / 254.0) ** 2).sum(axis=-1))
+
+
+@pytest.mark.parametrize("rows", [33, 257])
+@pytest.mark.parametrize("name", list(TYPES))
+def test_gemm_matches_gguf_reference(name: str, rows: int) -> None:
+    t = TYPES[name]
+    cols = cols_for(t)
+    rng = np.random.default_rng(rows * 100 + t)
+    w = random_blocks(t, (rows, cols), rng)
+    wf = dequant(w, t)
+    w_norm = np.linalg.norm(wf, axis=1)
+    for n_tokens in TOKENS:
+        x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+        y = native.gemm(w, t, x)
+        assert y.shape == (n_tokens, rows) and y.dtype == np.float32
+        exact = x.astype(np.float64) @ wf.T
+        x_norm = np.linalg.norm(x.astype(np.float64), axis=1)
+        if t in FLOAT_TYPES:
+            # Float activations: only fp32 accumulation error, ~1e-5 of |x| |w|.
+            tol = 1e-5 * x_norm[:, None] * w_norm[None, :]
+        else:
+            # Q8 activations: |dy| <= |w| * |dx| (Cauchy-Schwarz), plus fp32 accumulation.
+            dx = quant_error_bound(x.astype(np.float64), ACT_BLOCK[t])
+            tol = w_norm[None, :] * (dx[:, None] + 1e-5 * x_norm[:, None])
+            assert dx.max() < 2e-2 * x_norm.min()
+            # And against the activations the kernel really multiplies: float rounding only.
+            seen = native.activation_roundtrip(x, t).astype(np.float64)
+            tight = seen @ wf.T
+            assert np.all(np.abs(y - tight) <= 1e-5 * (np.abs(seen) @ np.abs(wf).T) + 1e-30), f"T={n_tokens}"
+        err = np.abs(y - exact)
+        assert np.all(err <= tol), f"T={n_tokens}: worst error/tolerance {(err / tol).max():.3g}"
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "MXFP4"])
+def test_gemm_on_quantized_weights(name: str) -> None:
+    """Weights quantized from smooth floats (not random bytes), as a real checkpoint has them."""
+    t = TYPES[name]
+    rng = np.random.default_rng(t)
+    rows, cols = 65, 1024
+    w = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.02, t)
+    wf = dequant(w, t)
+    x = rng.standard_normal((5, cols)).astype(np.float32)
+    y = native.gemm(w, t, x)
+    dx = quant_error_bound(x.astype(np.float64), ACT_BLOCK[t])
+    tol = np.linalg.norm(wf, axis=1)[None, :] * (dx[:, None] + 1e-5 * np.linalg.norm(x, axis=1)[:, None])
+    assert np.all(np.abs(y - x.astype(np.float64) @ wf.T) <= tol)
+
+
+def test_gemm_vector_and_out_argument() -> None:
+    rng = np.random.default_rng(0)
+    w = random_blocks(12, (40, 256), rng)
+    x = rng.standard_normal(256).astype(np.float32)
+    out = np.empty((1, 40), np.float32)
+    y = native.gemm(w, 12, x[None, :], out=out)
+    assert y is out or np.shares_memory(y, out)
+    np.testing.assert_array_equal(native.gemm(w, 12, x), out[0])
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_0", "IQ2_XXS", "F16"])
+def test_gemm_bitwise_stable(name: str, restore_threads) -> None:
+    """A token's output is bitwise the same alone or in a batch, with 1 or 2 threads."""
+    t = TYPES[name]
+    rng = np.random.default_rng(1)
+    w = random_blocks(t, (45, cols_for(t)), rng)
+    x = rng.standard_normal((19, cols_for(t))).astype(np.float32)
+    native.set_num_threads(2)
+    batch = native.gemm(w, t, x)
+    np.testing.assert_array_equal(native.gemm(w, t, x), batch)
+    native.set_num_threads(1)
+    np.testing.assert_array_equal(native.gemm(w, t, x), batch)
+    for i in range(x.shape[0]):
+        np.testing.assert_array_equal(native.gemm(w, t, x[i]), batch[i])
+
+
+def round_activations(x: np.ndarray, block: int | None) -> np.ndarray:
+    """numpy model of the kernels' activation rounding: per block d = max|x| / 127, q = rint(x / d)."""
+    if block is None:
+        return x.astype(np.float64)
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, block)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(xb * inv)
+    return (q * (amax / np.float32(127))).reshape(x.shape).astype(np.float64)
+
+
+def silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+def moe_case(rng: np.random.Generator, gate_type: int, down_type: int, n_experts: int, hidden: int, ffn: int):
+    gate = random_blocks(gate_type, (n_experts, ffn, hidden), rng)
+    up = random_blocks(gate_type, (n_experts, ffn, hidden), rng)
+    down = random_blocks(down_type, (n_experts, hidden, ffn), rng)
+    return gate, up, down
+
+
+def moe_reference(x, ids, weights, gate, up, down, gate_type, down_type, n_experts):
+    """float64 numpy MoE on gguf-dequantized experts, with the kernels' activation rounding."""
+    wg = [dequant(gate[e], gate_type) for e in range(n_experts)]
+    wu = [dequant(up[e], gate_type) for e in range(n_experts)]
+    wd = [dequant(down[e], down_type) for e in range(n_experts)]
+    xq = round_activations(x, ACT_BLOCK.get(gate_type))
+    y = np.zeros(x.shape, np.float64)
+    scale = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[t, k]
+            h = (silu(wg[e] @ xq[t]) * (wu[e] @ xq[t])).astype(np.float32)
+            hq = round_activations(h[None, :], ACT_BLOCK.get(down_type))[0]
+            y[t] += weights[t, k] * (wd[e] @ hq)
+            scale[t] += abs(weights[t, k]) * np.linalg.norm(wd[e], axis=1) * np.linalg.norm(hq)
+    return y, scale
+
+
+@pytest.mark.parametrize(
+    "gate_name,down_name,hidden,ffn",
+    [("Q4_K", "Q5_0", 512, 352), ("Q4_K", "Q6_K", 256, 512), ("Q4_K", "Q8_0", 256, 352),
+     ("IQ2_XXS", "IQ2_XXS", 256, 256), ("Q8_0", "Q4_K", 96, 256), ("F16", "BF16", 40, 24)],
+)
+def test_moe_forward_matches_reference(gate_name: str, down_name: str, hidden: int, ffn: int) -> None:
+    gate_type, down_type = TYPES[gate_name], TYPES[down_name]
+    rng = np.random.default_rng(hidden + ffn)
+    n_experts, top_k = 8, 3
+    gate, up, down = moe_case(rng, gate_type, down_type, n_experts, hidden, ffn)
+    for n_tokens in (1, 3, 17):
+        x = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
+        ids = np.stack([rng.permutation(n_experts)[:top_k] for _ in range(n_tokens)]).astype(np.int32)
+        weights = rng.uniform(0.1, 1.0, (n_tokens, top_k)).astype(np.float32)
+        y = native.moe_forward(x, ids, weights, gate, gate_type, up, gate_type, down, down_type, n_experts, ffn)
+        ref, scale = moe_reference(x, ids, weights, gate, up, down, gate_type, down_type, n_experts)
+        # Left over: fp32 vs float64 sums, and the odd hidden value rounded to the other int8 step.
+        assert np.all(np.abs(y - ref) <= 2e-3 * scale), f"T={n_tokens}"
+
+
+def test_moe_forward_float_weights_exact(restore_threads) -> None:
+    """F32 experts: no rounding anywhere but fp32 arithmetic, so ~1e-5 of the norms."""
+    rng = np.random.default_rng(2)
+    n_experts, hidden, ffn, top_k = 5, 48, 40, 2
+    gate, up, down = moe_case(rng, 0, 0, n_experts, hidden, ffn)
+    x = rng.standard_normal((6, hidden)).astype(np.float32)
+    ids = rng.integers(0, n_experts, (6, top_k)).astype(np.int32)
+    weights = rng.uniform(0, 1, (6, top_k)).astype(np.float32)
+    y = native.moe_forward(x, ids, weights, gate, 0, up, 0, down, 0, n_experts, ffn)
+    ref, scale = moe_reference(x, ids, weights, gate, up, down, 0, 0, n_experts)
+    assert np.all(np.abs(y - ref) <= 1e-5 * scale)
+
+
+def test_moe_forward_bitwise_repeatable(restore_threads) -> None:
+    """Same bits across runs, thread counts 1 and 2, and batch composition."""
+    rng = np.random.default_rng(3)
+    n_experts, hidden, ffn, top_k = 16, 512, 352, 6
+    gate, up, down = moe_case(rng, 12, 6, n_experts, hidden, ffn)
+    x = rng.standard_normal((33, hidden)).astype(np.float32)
+    ids = np.stack([rng.permutation(n_experts)[:top_k] for _ in range(33)]).astype(np.int32)
+    weights = rng.uniform(0, 1, (33, top_k)).astype(np.float32)
+
+    def run(rows: slice) -> np.ndarray:
+        return native.moe_forward(x[rows], ids[rows], weights[rows], gate, 12, up, 12, down, 6, n_experts, ffn)
+
+    native.set_num_threads(2)
+    first = run(slice(None))
+    np.testing.assert_array_equal(run(slice(None)), first)
+    native.set_num_threads(1)
+    np.testing.assert_array_equal(run(slice(None)), first)
+    native.set_num_threads(2)
+    for t in (0, 7, 32):
+        np.testing.assert_array_equal(run(slice(t, t + 1))[0], first[t])
+
+
+def test_torch_tensors_are_accepted() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    w = random_blocks(14, (16, 256), rng)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    np.testing.assert_array_equal(native.gemm(torch.from_numpy(w), 14, torch.from_numpy(x)), native.gemm(w, 14, x))
+
+
+def test_errors_are_clear() -> None:
+    rng = np.random.default_rng(5)
+    w = random_blocks(12, (4, 256), rng)
+    x = np.zeros((1, 256), np.float32)
+    with pytest.raises(native.NativeKernelError, match="no native kernel"):
+        native.gemm(random_blocks(3, (4, 256), rng), 3, x)          # Q4_1
+    with pytest.raises(native.NativeKernelError, match="bytes"):
+        native.gemm(w, 12, np.zeros((1, 512), np.float32))
+    with pytest.raises(native.NativeKernelError, match="contiguous"):
+        native.gemm(np.asfortranarray(w), 12, x)
+    gate = random_blocks(12, (2, 32, 256), rng)
+    down = random_blocks(8, (2, 256, 32), rng)
+    with pytest.raises(native.NativeKernelError, match="expert id 2"):
+        native.moe_forward(x, np.array([[2]]), np.ones((1, 1)), gate, 12, gate, 12, down, 8, 2, 32)
+    with pytest.raises(native.NativeKernelError, match="down holds"):
+        native.moe_forward(x, np.array([[1]]), np.ones((1, 1)), gate, 12, gate, 12, down[:1], 8, 2, 32)
+
+
+def test_describe_and_threads(restore_threads) -> None:
+    assert "threads" in native.describe()
+    assert {12, 14, 8, 13, 6} <= native.supported_types()
+    native.set_num_threads(3)
+    assert native.get_num_threads() == 3
+    with pytest.raises(native.NativeKernelError):
+        native.set_num_threads(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_forked_child_gets_a_fresh_pool(restore_threads) -> None:
+    """fork() keeps only the calling thread; the child must not wait on the parent's workers."""
+    rng = np.random.default_rng(6)
+    w = random_blocks(12, (64, 256), rng)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    native.set_num_threads(2)
+    expected = native.gemm(w, 12, x)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if np.array_equal(native.gemm(w, 12, x), expected) and native.get_num_threads() == 2 else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in the native thread pool")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_cpu_without_avx2_is_refused_before_import(monkeypatch) -> None:
+    monkeypatch.setattr(native, "_cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    module, reason = native._load()
+    assert module is None and "avx2" in reason and "fma" in reason
