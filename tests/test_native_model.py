@@ -1,0 +1,320 @@
+"""The whole model on the native backend: vs llama.cpp on quantized files, vs HF on F32 files,
+determinism across prefill chunking, runs and thread counts, and the generate CLI.
+
+The native kernels quantize activations per row like llama.cpp (Q8_K for k-quants and IQ types,
+Q8_0 for 32-value block types), so where both compute the same integer dot products the logits
+differ only by float summation order. Measured on these fixtures (mean / max |dlogit| vs llama.cpp):
+
+  experts only, quantized       native              reference
+  Q4_K / Q5_K / Q6_K / Q2_K     ~4.7e-7 / ~3.0e-6   1.6e-3..3.5e-3 / 1.2e-2..2.6e-2
+  IQ2_XXS                       4.7e-7 / 2.6e-6     3.6e-3 / 2.8e-2
+  Q8_0                          1.1e-4 / 1.1e-3     6.7e-4 / 4.4e-3
+  all 2-D weights Q4_K          1.1e-7 / 1.4e-6     1.4e-2 / 3.8e-1
+  (with quantized layers chained, a value within float noise of a rounding boundary can round
+  differently in either engine: all-2-D Q2_K / Q6_K show such flips, see that test's docstring)
+
+Known deviations from llama.cpp (both engine-side, see the xfail reasons below):
+  * Q8_0 activations keep an fp32 block scale; llama.cpp's block_q8_0 stores it as fp16, so
+    Q8_0 weights (and Q4_0 / Q5_0 / MXFP4) are ~1e-4 mean off instead of ~5e-7.
+  * the per-head 3-D attn_k_b / attn_v_b go through the float fallback (float activations),
+    while llama.cpp quantizes their activations: on the synthetic all-quantized fixtures this
+    alone is as large as the whole reference-backend error, so native is not closer there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from deepseek2_fixture import Tiny, ds2_config, gguf_state_dict, hf_model, quantize_experts, write_gguf
+from gguf import GGMLQuantizationType as Q
+
+from pocketmoe import native
+from pocketmoe.engine import ModelRunner, RunnerConfig
+from pocketmoe.engine.backends import make_backends
+from pocketmoe.gguf import open_bundle
+from pocketmoe.testing.synth import write_fixture
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_LEN, GEN = 24, 16
+# F32 files (float activations), and quantized files where native and llama.cpp form the same integer
+# dots: only the float summation order differs (measured max 3e-6 on logits of spread ~7.5).
+SAME_MATH_TOL = 1e-4
+# Tiny model whose rows are 256 wide, so k-quants apply to every 2-D weight but attn_output / k_b / v_b.
+QT = Tiny(hidden=256, moe_ff=256, experts=4, top_k=2, ff=256, vocab=320, yarn_factor=4.0)
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.IQ2_XXS]
+Q8_0_SCALE = ("native Q8_0 activations keep an fp32 block scale; llama.cpp's block_q8_0 rounds it to fp16 "
+              "(measured: mean |dlogit| 1.1e-4, max 1.1e-3 with Q8_0 experts)")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n, m = torch.get_num_threads(), native.get_num_threads() if native.available() else 1
+    torch.set_num_threads(1)
+    if native.available():
+        native.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+    if native.available():
+        native.set_num_threads(m)
+
+
+def runner(path: Path, backend: str, n_ctx: int = 64, chunk_size: int = 256) -> ModelRunner:
+    cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size)
+    b = make_backends(backend, cfg)
+    assert b.name == backend
+    cfg = dataclasses.replace(cfg, cache_kinds=b.cache_kinds)
+    return ModelRunner(open_bundle(path), cfg, backend=b.linear, make_experts=b.make_experts)
+
+
+def prompt_for(vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(9)).tolist()
+
+
+# -- llama.cpp ---------------------------------------------------------------------------------
+
+def llama(path: Path, n_ctx: int = 64):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=1,
+                           n_threads_batch=1, logits_all=True, type_k=0, type_v=0, flash_attn=False,
+                           verbose=False)
+
+
+def llama_logits(llm, tokens: list[int]) -> torch.Tensor:
+    llm.reset()
+    llm.eval(tokens)
+    return torch.from_numpy(np.array(llm.scores[:len(tokens)], dtype=np.float32))
+
+
+def llama_greedy(llm, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and llama.cpp's top-2 gap at each step."""
+    llm.reset()
+    llm.eval(prompt)
+    out: list[int] = []
+    gaps: list[float] = []
+    while len(out) < n:
+        row = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        top2 = np.sort(row)[-2:]
+        gaps.append(float(top2[1] - top2[0]))
+        out.append(int(np.argmax(row)))
+        if len(out) < n:
+            llm.eval(out[-1:])
+    return out, gaps
+
+
+def compare(path: Path, vocab: int) -> dict[str, object]:
+    prompt = prompt_for(vocab)
+    llm = llama(path, PROMPT_LEN + GEN)
+    ref = llama_logits(llm, prompt)
+    nat = runner(path, "native").forward(prompt, 0)
+    tor = runner(path, "reference").forward(prompt, 0)
+    return {"prompt": prompt, "llm": llm, "llama": ref, "native": nat, "reference": tor,
+            "dn": (nat - ref).abs(), "dr": (tor - ref).abs()}
+
+
+def check_argmax_and_greedy(path: Path, c: dict[str, object]) -> None:
+    """Same argmax wherever llama.cpp's top-2 gap exceeds 2x the max |dlogit| (no perturbation of that
+    size can reorder them); greedy continuation identical up to the first step whose gap is narrower."""
+    ref, nat, dn = c["llama"], c["native"], c["dn"]
+    bound = 2 * dn.max().item()
+    top2 = ref.topk(2, dim=-1).values
+    wide = (top2[:, 0] - top2[:, 1]) > bound
+    assert torch.equal(nat.argmax(-1)[wide], ref.argmax(-1)[wide])
+    want, gaps = llama_greedy(c["llm"], c["prompt"], GEN)
+    got = runner(path, "native", n_ctx=PROMPT_LEN + GEN).generate_greedy(c["prompt"], GEN)
+    n_safe = next((i for i, g in enumerate(gaps) if g <= bound), GEN)
+    assert got[:n_safe] == want[:n_safe], (got, want, n_safe)
+
+
+# -- 1. quantized weights vs llama.cpp ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qexperts(tmp_path_factory) -> dict[Q, Path]:
+    """Tiny HF-initialised models whose routed experts are random valid blocks of each type."""
+    d = tmp_path_factory.mktemp("native_qexp")
+    out = {}
+    for qtype in [*K_TYPES, Q.Q8_0]:
+        model = hf_model(QT, seed=5)
+        blocks, types = quantize_experts(model, QT, int(qtype), seed=11)
+        out[qtype] = write_gguf(d / f"{qtype.name}.gguf", ds2_config(QT), gguf_state_dict(model, QT), blocks, types)
+    return out
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("qtype", [*K_TYPES, Q.Q8_0], ids=[q.name for q in [*K_TYPES, Q.Q8_0]])
+def test_quantized_experts_closer_than_reference(qexperts, qtype: Q) -> None:
+    c = compare(qexperts[qtype], QT.vocab)
+    assert c["dn"].mean().item() <= c["dr"].mean().item()
+    assert c["dn"].max().item() <= c["dr"].max().item()
+    check_argmax_and_greedy(qexperts[qtype], c)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("qtype", [
+    *K_TYPES, pytest.param(Q.Q8_0, marks=pytest.mark.xfail(strict=True, reason=Q8_0_SCALE))],
+    ids=[q.name for q in [*K_TYPES, Q.Q8_0]])
+def test_quantized_experts_same_math_as_llamacpp(qexperts, qtype: Q) -> None:
+    c = compare(qexperts[qtype], QT.vocab)
+    assert c["dn"].max().item() <= SAME_MATH_TOL
+
+
+def quantize_2d(qtype: Q, tmp: Path, seed: int = 3) -> Path:
+    """Every 2-D weight whose rows fit the type's block (all but attn_output's 64-wide rows for
+    k-quants), plus the experts, as random valid blocks; attn_k_b / attn_v_b stay F32."""
+    from pocketmoe.quant.quantize import random_blocks
+
+    model = hf_model(QT, seed=5)
+    blocks, types = quantize_experts(model, QT, int(qtype), seed=11)
+    sd = gguf_state_dict(model, QT)
+    rng = np.random.default_rng(seed)
+    block = 32 if qtype == Q.Q8_0 else 256
+    for name, w in sd.items():
+        if w.ndim == 2 and w.shape[-1] % block == 0 and name not in blocks and "gate_inp" not in name:
+            blocks[name] = random_blocks(int(qtype), tuple(w.shape), rng)
+            types[name] = int(qtype)
+    return write_gguf(tmp / f"all_{qtype.name}.gguf", ds2_config(QT), sd, blocks, types)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("qtype", [*K_TYPES, Q.Q8_0], ids=[q.name for q in [*K_TYPES, Q.Q8_0]])
+def test_all_2d_weights_quantized_closer_than_reference(tmp_path: Path, qtype: Q) -> None:
+    """Attention projections, dense FFN, shared and routed experts, embedding and head quantized.
+
+    No SAME_MATH_TOL here: with quantized layers in a chain, an activation within float noise of a
+    rounding boundary (x * 127 / amax at k + 0.5) rounds differently in either engine, and that one
+    int8 step moves logits by ~1e-2 from that position on (it reaches the KV cache). Measured: Q2_K
+    diverges from position 8 on (a layer-1 attn_norm value 7e-6 quant steps from a boundary; native's
+    gemm is within 1.4e-7 relative of a float64 product of the same integers there), Q6_K at position
+    20 alone (where llama.cpp's own batched and token-by-token logits differ by 8e-3); other positions
+    within 2e-6. Mean |dlogit|, native vs reference: Q4_K 1.1e-7 vs 1.4e-2, Q5_K 1.3e-7 vs 1.4e-2,
+    Q6_K 6.6e-5 vs 7.8e-3, Q2_K 2.6e-3 vs 7.4e-3, IQ2_XXS 1.6e-7 vs 1.9e-2, Q8_0 7.4e-3 vs 8.7e-3."""
+    path = quantize_2d(qtype, tmp_path)
+    c = compare(path, QT.vocab)
+    assert c["dn"].mean().item() <= c["dr"].mean().item()
+    check_argmax_and_greedy(path, c)
+
+
+SYNTH_FALLBACK = ("per-head 3-D attn_k_b / attn_v_b run through the float fallback in the native backend while "
+                  "llama.cpp quantizes their activations (plus the Q8_0 fp32-scale difference): measured native "
+                  "mean |dlogit| 2.23e-2 vs reference 2.06e-2 (Q4_K_M), 9.06e-3 vs 7.78e-3 (Q8_0)")
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("native_synth")
+    return {q: write_fixture("deepseek2", "tiny", q, d / f"{q}.gguf", seed=5)[0] for q in ("Q4_K_M", "Q8_0")}
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("quant", ["Q4_K_M", "Q8_0"])
+def test_synth_fixture_argmax_and_greedy(synth, quant: str) -> None:
+    """Whole synthetic fixture (every weight quantized as the mix says): argmax and greedy agree with
+    llama.cpp wherever its margins exceed the measured native deviation."""
+    c = compare(synth[quant], 512)
+    check_argmax_and_greedy(synth[quant], c)
+
+
+@pytest.mark.parity
+@pytest.mark.xfail(strict=True, reason=SYNTH_FALLBACK)
+@pytest.mark.parametrize("quant", ["Q4_K_M", "Q8_0"])
+def test_synth_fixture_closer_than_reference(synth, quant: str) -> None:
+    c = compare(synth[quant], 512)
+    assert c["dn"].mean().item() <= c["dr"].mean().item()
+
+
+# -- 2. F32 files: float activations -----------------------------------------------------------
+
+F32_CASES = {
+    "yarn-absorbed": Tiny(yarn_factor=4.0),
+    "legacy-qlora-2dense": Tiny(legacy=True, q_lora=48, layers=3, dense_lead=2, shared=2),
+    "sigmoid-groups-norm": Tiny(v3=True, groups=4, groups_used=2, norm_topk=True, scale=2.5, q_lora=48,
+                                layers=3, yarn_factor=2.0),
+}
+
+
+@pytest.mark.parametrize("name", list(F32_CASES))
+def test_f32_matches_hf(tmp_path: Path, name: str) -> None:
+    t = F32_CASES[name]
+    model = hf_model(t, seed=3)
+    path = write_gguf(tmp_path / "f32.gguf", ds2_config(t), gguf_state_dict(model, t))
+    prompt = prompt_for(t.vocab)
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].float()
+    got = runner(path, "native", chunk_size=5).forward(prompt, 0)
+    assert (got - want).abs().max().item() <= SAME_MATH_TOL
+
+
+def test_f32_synth_matches_reference(tmp_path: Path) -> None:
+    (path,) = write_fixture("deepseek2", "tiny", "F32", tmp_path / "f32.gguf", seed=5)
+    prompt = prompt_for(512)
+    a = runner(path, "native").forward(prompt, 0)
+    b = runner(path, "reference").forward(prompt, 0)
+    assert (a - b).abs().max().item() <= SAME_MATH_TOL
+
+
+# -- 3. determinism ----------------------------------------------------------------------------
+
+def greedy_chunked(r: ModelRunner, prompt: list[int], n: int, chunk: int) -> tuple[list[int], torch.Tensor]:
+    """Prefill in pieces of `chunk` tokens, then greedy decode; returns tokens and the prompt logits."""
+    logits = torch.cat([r.forward(prompt[i:i + chunk], i) for i in range(0, len(prompt), chunk)])
+    out = [int(logits[-1].argmax())]
+    pos = len(prompt)
+    while len(out) < n:
+        out.append(int(r.decode(out[-1], pos).argmax()))
+        pos += 1
+    return out, logits
+
+
+def test_prefill_chunking_gives_same_tokens(synth) -> None:
+    path = synth["Q4_K_M"]
+    prompt = prompt_for(512)
+    r = runner(path, "native", n_ctx=PROMPT_LEN + GEN)
+    whole, lw = greedy_chunked(r, prompt, GEN, PROMPT_LEN)
+    by3, l3 = greedy_chunked(r, prompt, GEN, 3)
+    by1, l1 = greedy_chunked(r, prompt, GEN, 1)
+    assert whole == by3 == by1
+    assert whole == r.generate_greedy(prompt, GEN)
+    # The native kernels do not depend on batch composition; attention over the cache (torch) sums in
+    # another order per chunk, so prompt logits agree to float noise (measured max 9.5e-7), not bitwise.
+    assert (l3 - lw).abs().max().item() <= SAME_MATH_TOL
+    assert (l1 - lw).abs().max().item() <= SAME_MATH_TOL
+
+
+def test_runs_and_threads_are_bitwise_identical(synth) -> None:
+    path = synth["Q4_K_M"]
+    prompt = prompt_for(512)
+    r = runner(path, "native")
+    a = r.forward(prompt, 0)
+    b = r.forward(prompt, 0)
+    c = runner(path, "native").forward(prompt, 0)
+    assert torch.equal(a, b) and torch.equal(a, c)
+    native.set_num_threads(2)
+    try:
+        d = runner(path, "native").forward(prompt, 0)
+    finally:
+        native.set_num_threads(1)
+    assert torch.equal(a, d)
+
+
+# -- 4. CLI ------------------------------------------------------------------------------------
+
+def test_generate_cli_native_json(synth) -> None:
+    path = synth["Q8_0"]
+    ids = prompt_for(512)[:6]
+    r = subprocess.run([sys.executable, "-m", "pocketmoe.generate", "--model", str(path), "--token-ids",
+                        ",".join(map(str, ids)), "--max-tokens", "5", "--ignore-eos", "--backend", "native",
+                        "--json", "--threads", "1", "--n-ctx", "64"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["backend"] == "native"
+    assert out["completion_tokens"] == 5
+    assert out["token_ids"] == runner(path, "native").generate_greedy(ids, 5)
