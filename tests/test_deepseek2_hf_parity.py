@@ -37,13 +37,7 @@ def hf_greedy(model: torch.nn.Module, prompt: torch.Tensor, n: int) -> list[int]
     return seq[len(prompt):]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is fastest, and the CI box is shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=list(CASES))

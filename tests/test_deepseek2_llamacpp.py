@@ -18,7 +18,7 @@ from pocketmoe.engine import ModelRunner, RunnerConfig
 from pocketmoe.gguf import open_bundle
 
 llama_cpp = pytest.importorskip("llama_cpp")
-pytestmark = pytest.mark.parity
+pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_thread")]
 
 CASES = {
     "yarn-absorbed": Tiny(yarn_factor=4.0),
@@ -32,12 +32,6 @@ PROMPT_LEN, GEN = 24, 32
 F32_TOL = 1e-4  # max |dlogit| for F32 files (llama.cpp keeps F32 activations and an F32 KV cache here)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def llama(path: Path, n_ctx: int) -> llama_cpp.Llama:

@@ -251,6 +251,14 @@ class ModelSpec:
                 **self.capability_details()}
 
 
+def shared_expert_specs(prefix: str, layer: int, hidden: int, width: int) -> list[TensorSpec]:
+    """ffn_{gate,up,down}_shexp of one MoE layer: the same three tensors in every architecture."""
+    S = Role.SHARED_EXPERT
+    return [TensorSpec(prefix + "ffn_gate_shexp.weight", (width, hidden), S, layer),
+            TensorSpec(prefix + "ffn_up_shexp.weight", (width, hidden), S, layer),
+            TensorSpec(prefix + "ffn_down_shexp.weight", (hidden, width), S, layer)]
+
+
 def check_positive(owner: str, **values: int) -> None:
     bad = {k: v for k, v in values.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0}
     if bad:

@@ -17,6 +17,7 @@ from pocketmoe.specs.base import (
     TensorSpec,
     check_positive,
     normalize_floats,
+    shared_expert_specs,
 )
 from pocketmoe.specs.metadata import canonical_mscale, decode_log_mul, encode_log_mul, token_kvs
 
@@ -280,10 +281,7 @@ class DeepSeek2Spec(ModelSpec):
                 TensorSpec(b + "ffn_gate_up_exps.weight", (E, 2 * ff, D), X, i, optional=not fused),
                 TensorSpec(b + "ffn_down_exps.weight", (E, D, ff), X, i)]
         if c.n_expert_shared:
-            S, fs = Role.SHARED_EXPERT, c.n_ff_shexp
-            out += [TensorSpec(b + "ffn_gate_shexp.weight", (fs, D), S, i),
-                    TensorSpec(b + "ffn_up_shexp.weight", (fs, D), S, i),
-                    TensorSpec(b + "ffn_down_shexp.weight", (D, fs), S, i)]
+            out += shared_expert_specs(b, i, D, c.n_ff_shexp)
         return out
 
     def capability_details(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pocketmoe.specs.base import (
     check_positive,
     f32,
     normalize_floats,
+    shared_expert_specs,
 )
 from pocketmoe.specs.metadata import token_kvs
 
@@ -301,10 +302,7 @@ class DeepSeek4Spec(ModelSpec):
                 TensorSpec(b + "ffn_up_exps.weight", (E, ff, D), X, i),
                 TensorSpec(b + "ffn_down_exps.weight", (E, D, ff), X, i)]
         if c.n_expert_shared:
-            S, fs = Role.SHARED_EXPERT, c.n_ff_shexp
-            out += [TensorSpec(b + "ffn_gate_shexp.weight", (fs, D), S, i),
-                    TensorSpec(b + "ffn_up_shexp.weight", (fs, D), S, i),
-                    TensorSpec(b + "ffn_down_shexp.weight", (D, fs), S, i)]
+            out += shared_expert_specs(b, i, D, c.n_ff_shexp)
         return out
 
     def capability_details(self) -> dict[str, Any]:
