@@ -84,9 +84,13 @@ def _call(fn: Any, *args: Any) -> Any:
 
 
 def _numpy(a: Any) -> np.ndarray:
-    if isinstance(a, np.ndarray):
+    if type(a) is np.ndarray:
         return a
-    if hasattr(a, "numpy") and hasattr(a, "device"):  # a torch tensor: CPU only, no copy
+    try:
+        return a.numpy()  # a torch tensor on the CPU without grad: a view, no copy (the common case)
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+        pass
+    if hasattr(a, "numpy") and hasattr(a, "device"):  # other torch tensors: CPU only, no copy
         if a.device.type != "cpu":
             raise NativeKernelError(f"native kernels read host memory; got a tensor on {a.device}")
         return a.detach().numpy()
@@ -121,13 +125,14 @@ def get_num_threads() -> int:
 
 def gemm(weight: Any, ggml_type: int, x: Any, out: np.ndarray | None = None) -> np.ndarray:
     """y = x @ W^T. weight: uint8 [rows, row_bytes]; x: float32 [T, cols] or [cols] -> [T, rows] or [rows]."""
-    w = _weight(weight, "weight")
-    xs = _floats(x)
-    if w.ndim != 2:
-        raise NativeKernelError(f"weight must be uint8 [rows, row_bytes], got shape {w.shape}")
-    if xs.ndim == 1:
-        return _call(_lib().gemm, w, int(ggml_type), xs[None, :], out)[0]
-    return _call(_lib().gemm, w, int(ggml_type), xs, out)
+    # Hot path of decode (~50 calls per token): the extension checks dtypes, contiguity and shapes and
+    # converts x to float32 only when needed, so arrays go straight through.
+    lib = _NATIVE if _NATIVE is not None else _lib()
+    try:
+        return lib.gemm(weight if type(weight) is np.ndarray else _numpy(weight), int(ggml_type),
+                        x if type(x) is np.ndarray else _numpy(x), out)
+    except ValueError as exc:
+        raise NativeKernelError(str(exc)) from None
 
 
 def moe_forward(x: Any, expert_ids: Any, expert_weights: Any, gate: Any, gate_type: int, up: Any, up_type: int,
@@ -138,16 +143,18 @@ def moe_forward(x: Any, expert_ids: Any, expert_weights: Any, gate: Any, gate_ty
     gate, up: uint8 [E, ffn, row_bytes(D)] (or flat); down: uint8 [E, D, row_bytes(ffn)] (or flat).
     Returns float32 [T, D] = sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k].
     """
+    lib = _NATIVE if _NATIVE is not None else _lib()
+    # The extension converts x / ids / weights to float32 / int32 C order only when they are not already.
     return _call(
-        _lib().moe_forward,
-        _floats(x),
-        np.ascontiguousarray(_numpy(expert_ids), dtype=np.int32),
-        _floats(expert_weights),
-        _weight(gate, "gate"),
+        lib.moe_forward,
+        x if type(x) is np.ndarray else _numpy(x),
+        expert_ids if type(expert_ids) is np.ndarray else _numpy(expert_ids),
+        expert_weights if type(expert_weights) is np.ndarray else _numpy(expert_weights),
+        gate if type(gate) is np.ndarray else _weight(gate, "gate"),
         int(gate_type),
-        _weight(up, "up"),
+        up if type(up) is np.ndarray else _weight(up, "up"),
         int(up_type),
-        _weight(down, "down"),
+        down if type(down) is np.ndarray else _weight(down, "down"),
         int(down_type),
         int(n_experts),
         int(ffn),

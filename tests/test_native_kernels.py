@@ -100,6 +100,17 @@ def test_gemm_vector_and_out_argument() -> None:
     y = native.gemm(w, 12, x[None, :], out=out)
     assert y is out or np.shares_memory(y, out)
     np.testing.assert_array_equal(native.gemm(w, 12, x), out[0])
+    out1 = np.empty(40, np.float32)                      # a vector x may also write into (rows,)
+    y1 = native.gemm(w, 12, x, out=out1)
+    assert y1.shape == (40,) and np.shares_memory(y1, out1)
+    np.testing.assert_array_equal(out1, out[0])
+    y2 = native.gemm(w, 12, x, out=out)                  # or into (1, rows), returned as (rows,)
+    assert y2.shape == (40,) and np.shares_memory(y2, out)
+    # Other dtypes and strided inputs are converted.
+    np.testing.assert_array_equal(native.gemm(w, 12, x.astype(np.float64)), out[0])
+    np.testing.assert_array_equal(native.gemm(w, 12, np.repeat(x, 2)[::2]), out[0])
+    with pytest.raises(native.NativeKernelError, match="out must"):
+        native.gemm(w, 12, x, out=np.empty(39, np.float32))
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_0", "IQ2_XXS", "F16"])
@@ -219,6 +230,9 @@ def test_torch_tensors_are_accepted() -> None:
     w = random_blocks(14, (16, 256), rng)
     x = rng.standard_normal((2, 256)).astype(np.float32)
     np.testing.assert_array_equal(native.gemm(torch.from_numpy(w), 14, torch.from_numpy(x)), native.gemm(w, 14, x))
+    grad = torch.from_numpy(x).requires_grad_()          # .numpy() refuses it: read through detach()
+    np.testing.assert_array_equal(native.gemm(w, 14, grad), native.gemm(w, 14, x))
+    np.testing.assert_array_equal(native.gemm(w, 14, torch.from_numpy(x).double()), native.gemm(w, 14, x))
 
 
 def test_errors_are_clear() -> None:

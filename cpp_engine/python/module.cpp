@@ -45,16 +45,46 @@ py::array_t<float> output(const py::object& out, py::ssize_t rows, py::ssize_t c
   return o;
 }
 
-py::array_t<float> gemm_py(const py::array& weight, int ggml_type, const py::array& x, const py::object& out) {
+// `a` as a C-contiguous array of T: the array itself when it already is one, else a converted copy.
+template <class T>
+py::array_t<T> as_array(const py::handle& a, const char* name) {
+  if (py::isinstance<py::array_t<T, py::array::c_style>>(a)) return py::reinterpret_borrow<py::array_t<T>>(a);
+  auto c = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(a);
+  if (!c) throw py::value_error(std::string(name) + " must be convertible to a " + dtype_name<T>() + " array");
+  return c;
+}
+
+py::array_t<float> floats(const py::handle& x) { return as_array<float>(x, "x"); }
+
+// x: float32 [T, cols] -> [T, rows], or [cols] -> [rows] (out then (rows,) or (1, rows)).
+py::array_t<float> gemm_py(const py::array& weight, int ggml_type, const py::handle& x, const py::object& out) {
   auto w = checked<uint8_t>(weight, "weight", 2);
-  auto xa = checked<float>(x, "x", 2);
-  const py::ssize_t rows = w.shape(0), n_tokens = xa.shape(0), cols = xa.shape(1);
-  auto y = output(out, n_tokens, rows);
+  auto xa = floats(x);
+  if (xa.ndim() != 1 && xa.ndim() != 2)
+    throw py::value_error("x must be [T, cols] or [cols], got " + std::to_string(xa.ndim()) + " dimensions");
+  const bool vec = xa.ndim() == 1;
+  const py::ssize_t rows = w.shape(0), n_tokens = vec ? 1 : xa.shape(0), cols = xa.shape(vec ? 0 : 1);
+  py::array_t<float> y;
+  if (vec && !out.is_none()) {
+    auto o = checked<float>(out.cast<py::array>(), "out", -1);
+    if (o.size() != rows || o.ndim() > 2 || (o.ndim() == 2 && o.shape(0) != 1))
+      throw py::value_error("out must have shape (" + std::to_string(rows) + ",) or (1, " + std::to_string(rows) +
+                            ")");
+    if (!o.writeable()) throw py::value_error("out must be writeable");
+    y = o.ndim() == 1 ? o : py::array_t<float>({rows}, {static_cast<py::ssize_t>(sizeof(float))}, o.mutable_data(), o);
+  } else if (vec) {
+    y = py::array_t<float>(rows);
+  } else {
+    y = output(out, n_tokens, rows);
+  }
   const uint8_t* wp = w.data();
   const float* xp = xa.data();
   float* yp = y.mutable_data();
   const size_t row_bytes = static_cast<size_t>(w.shape(1));
-  {
+  // Small calls run in microseconds: releasing and re-taking the GIL would cost more than it frees.
+  if (static_cast<size_t>(rows) * row_bytes * static_cast<size_t>(n_tokens) < (size_t{64} << 10)) {
+    gemm(wp, static_cast<int>(rows), row_bytes, ggml_type, xp, static_cast<int>(n_tokens), static_cast<int>(cols), yp);
+  } else {
     py::gil_scoped_release release;
     gemm(wp, static_cast<int>(rows), row_bytes, ggml_type, xp, static_cast<int>(n_tokens), static_cast<int>(cols), yp);
   }
@@ -66,13 +96,16 @@ MoEWeights expert_weights(const py::array& a, const char* name, int ggml_type) {
   return {w.data(), static_cast<size_t>(w.nbytes()), ggml_type};
 }
 
-py::array_t<float> moe_forward_py(const py::array& x, const py::array& expert_ids, const py::array& expert_weights_,
+// x, expert_ids, expert_weights: converted (to float32 / int32, C order) only when they are not already.
+py::array_t<float> moe_forward_py(const py::handle& x, const py::handle& expert_ids, const py::handle& expert_weights_,
                                   const py::array& gate, int gate_type, const py::array& up, int up_type,
                                   const py::array& down, int down_type, int n_experts, int ffn,
                                   const py::object& out) {
-  auto xa = checked<float>(x, "x", 2);
-  auto ids = checked<int32_t>(expert_ids, "expert_ids", 2);
-  auto wts = checked<float>(expert_weights_, "expert_weights", 2);
+  auto xa = as_array<float>(x, "x");
+  auto ids = as_array<int32_t>(expert_ids, "expert_ids");
+  auto wts = as_array<float>(expert_weights_, "expert_weights");
+  if (xa.ndim() != 2 || ids.ndim() != 2 || wts.ndim() != 2)
+    throw py::value_error("x, expert_ids and expert_weights must have 2 dimensions");
   const py::ssize_t n_tokens = xa.shape(0), hidden = xa.shape(1), top_k = ids.shape(1);
   if (ids.shape(0) != n_tokens || wts.shape(0) != n_tokens || wts.shape(1) != top_k)
     throw py::value_error("expert_ids and expert_weights must both have shape (" + std::to_string(n_tokens) +

@@ -12,6 +12,9 @@ namespace pocketmoe {
 namespace {
 
 constexpr int kTokenChunk = 256;   // tokens per work item; keeps one item's activations in L2
+// Below this many weight bytes x token tiles, the caller does the whole call alone: waking the pool
+// and the join cost more than a second thread saves (~2 us at ~10 GB/s per thread).
+constexpr size_t kInlineWork = size_t{48} << 10;
 
 int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
@@ -32,6 +35,7 @@ void gemm(const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, cons
   ThreadPool& pool = *e.pool;
   Workspace& ws = e.ws;
 
+  const bool inline_call = static_cast<size_t>(rows) * row_bytes * static_cast<size_t>((n_tokens + 3) / 4) < kInlineWork;
   const uint8_t** acts = ws.act_ptrs[0].get_as<const uint8_t*>(n_tokens);
   if (type.act == ActFormat::kF32) {
     for (int t = 0; t < n_tokens; ++t) acts[t] = reinterpret_cast<const uint8_t*>(x + static_cast<size_t>(t) * cols);
@@ -39,16 +43,21 @@ void gemm(const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, cons
     const size_t arb = act_row_bytes(type.act, cols);
     uint8_t* buf = ws.acts[0].get(arb * n_tokens);
     for (int t = 0; t < n_tokens; ++t) acts[t] = buf + arb * t;
-    pool.parallel_for(n_tokens, [&](int t, int) {
-      quantize_act_row(type.act, x + static_cast<size_t>(t) * cols, cols, buf + arb * t);
-    });
+    if (inline_call || n_tokens == 1) {
+      for (int t = 0; t < n_tokens; ++t) quantize_act_row(type.act, x + static_cast<size_t>(t) * cols, cols, buf + arb * t);
+    } else {
+      pool.parallel_for(n_tokens, [&](int t, int) {
+        quantize_act_row(type.act, x + static_cast<size_t>(t) * cols, cols, buf + arb * t);
+      });
+    }
   }
 
   const size_t scratch = matmul_scratch_bytes(ggml_type, cols);
   for (Buffer& b : ws.per_thread) b.get(scratch + 64);
   const int token_chunks = (n_tokens + kTokenChunk - 1) / kTokenChunk;
-  const int target_items = std::max(1, pool.size() * 8 / token_chunks);
-  const int rows_per_item = std::min(rows, std::max(16, round_up((rows + target_items - 1) / target_items, 8)));
+  const int target_items = inline_call ? 1 : std::max(1, pool.size() * 8 / token_chunks);
+  const int rows_per_item =
+      inline_call ? rows : std::min(rows, std::max(16, round_up((rows + target_items - 1) / target_items, 8)));
   const int row_items = (rows + rows_per_item - 1) / rows_per_item;
   const MatmulFn fn = matmul_kernel(ggml_type);
 

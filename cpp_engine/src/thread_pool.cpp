@@ -57,8 +57,17 @@ ThreadPool::~ThreadPool() {
   for (std::thread& t : workers_) t.join();
 }
 
-void ThreadPool::drain(int thread) {
-  for (int item = next_item_.fetch_add(1); item < n_items_; item = next_item_.fetch_add(1)) fn_(ctx_, item, thread);
+void ThreadPool::drain(uint32_t gen, int thread) {
+  uint64_t cur = work_.load();
+  for (;;) {
+    if (static_cast<uint32_t>(cur >> 32) != gen) return;
+    const int item = static_cast<int>(static_cast<uint32_t>(cur));
+    if (item >= n_items_.load(std::memory_order_relaxed)) return;
+    if (!work_.compare_exchange_weak(cur, cur + 1)) continue;
+    fn_(ctx_, item, thread);
+    done_.fetch_add(1);
+    cur = work_.load();
+  }
 }
 
 void ThreadPool::run(int n_items, ItemFn fn, void* ctx) {
@@ -69,18 +78,19 @@ void ThreadPool::run(int n_items, ItemFn fn, void* ctx) {
   }
   fn_ = fn;
   ctx_ = ctx;
-  n_items_ = n_items;
-  next_item_.store(0);
-  busy_.store(static_cast<int>(workers_.size()));
-  generation_.fetch_add(1);
+  n_items_.store(n_items);
+  done_.store(0);
+  const uint32_t gen = ++generation_;
+  work_.store(uint64_t{gen} << 32);
   if (sleeping_.load() > 0) {
     { std::lock_guard<std::mutex> lock(mutex_); }
     wake_.notify_all();
   }
-  drain(0);
-  // Workers finish their last items within microseconds unless the OS parked one; then yield.
+  drain(gen, 0);
+  // Every item is claimed: wait only for those a worker is still running (a worker that has not
+  // woken yet claims nothing). They finish within microseconds unless the OS parked one; then yield.
   const auto spin_until = std::chrono::steady_clock::now() + kSpin;
-  for (int spins = 1; busy_.load() != 0; ++spins) {
+  for (int spins = 1; done_.load() != n_items; ++spins) {
     if (spins % 64 != 0 || std::chrono::steady_clock::now() < spin_until) {
       _mm_pause();
     } else {
@@ -90,23 +100,23 @@ void ThreadPool::run(int n_items, ItemFn fn, void* ctx) {
 }
 
 void ThreadPool::worker_main(int thread) {
-  uint64_t seen = 0;
+  uint32_t seen = 0;
+  const auto current = [this] { return static_cast<uint32_t>(work_.load() >> 32); };
   for (;;) {
     const auto spin_until = std::chrono::steady_clock::now() + kSpin;
     int spins = 0;
-    while (generation_.load() == seen && !stop_.load()) {
+    while (current() == seen && !stop_.load()) {
       _mm_pause();
       if (++spins % 64 == 0 && std::chrono::steady_clock::now() > spin_until) {
         std::unique_lock<std::mutex> lock(mutex_);
         sleeping_.fetch_add(1);
-        wake_.wait(lock, [&] { return generation_.load() != seen || stop_.load(); });
+        wake_.wait(lock, [&] { return current() != seen || stop_.load(); });
         sleeping_.fetch_sub(1);
       }
     }
     if (stop_.load()) return;
-    seen = generation_.load();
-    drain(thread);
-    busy_.fetch_sub(1);
+    seen = current();
+    drain(seen, thread);
   }
 }
 

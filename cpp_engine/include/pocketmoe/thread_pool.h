@@ -29,17 +29,22 @@ class ThreadPool {
  private:
   using ItemFn = void (*)(void*, int, int);
   void run(int n_items, ItemFn fn, void* ctx);
-  void drain(int thread);
+  // Claims and runs items of run `gen` until none is left (or a newer run has begun).
+  void drain(uint32_t gen, int thread);
   void worker_main(int thread);
 
   int n_threads_;
   std::vector<std::thread> workers_;
+  // The current run: written by the caller before it publishes `work_`, read by a worker only after
+  // it has claimed an item of that run (the run cannot end, so they cannot change, until that item is done).
   ItemFn fn_ = nullptr;
   void* ctx_ = nullptr;
-  int n_items_ = 0;
-  std::atomic<int> next_item_{0};
-  std::atomic<int> busy_{0};
-  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> n_items_{0};
+  // (generation << 32) | next unclaimed item. A worker claims by CAS, so a worker that wakes late
+  // never takes an item of a newer run by mistake, and the caller waits only for claimed items.
+  std::atomic<uint64_t> work_{0};
+  std::atomic<int> done_{0};
+  uint32_t generation_ = 0;   // caller side only (runs are serialized by the engine lock)
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
   std::mutex mutex_;
