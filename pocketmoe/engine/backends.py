@@ -23,7 +23,10 @@ BACKENDS = ("auto", "native", "reference")
 
 
 class NativeLinearBackend:
-    """y = x @ W.T by pocketmoe._native.gemm on raw blocks; other cases go to `fallback`."""
+    """y = x @ W.T by pocketmoe._native.gemm on raw blocks; other cases go to `fallback`.
+
+    torch runs at one intra-op thread beside it (see `torch_threads`).
+    """
 
     def __init__(self, fallback: ReferenceBackend) -> None:
         from pocketmoe import native
@@ -32,16 +35,32 @@ class NativeLinearBackend:
         self.types = native.supported_types()
         self.fallback = fallback
 
-    def handles(self, layer: QuantLinear, x: torch.Tensor) -> bool:
-        return (layer.ggml_type in self.types and len(layer.shape) == 2 and x.device.type == "cpu"
-                and not layer.raw.is_floating_point() and layer.raw.is_contiguous())
+    def torch_threads(self, requested: int | None) -> int:
+        """1, whatever was asked (`requested` sizes the native pool instead, see make_backends).
+
+        The heavy GEMMs run in the native pool; torch's OpenMP workers spin after each of the many small
+        ops left to torch (attention, norms, router) and steal the pool's cores. On the 452M bench model
+        (2 cores, 2 native threads), torch at 1 thread vs 2: decode 47 vs 28 tok/s, prefill of 128
+        tokens 270 vs 60 tok/s. torch.set_num_threads is process-wide: this holds for every model in
+        the process.
+        """
+        return 1
+
+    def _weight(self, layer: QuantLinear) -> object:
+        """The weight as the kernel takes it (uint8 [O, row_bytes] numpy), or False: the fallback's."""
+        ok = (layer.ggml_type in self.types and len(layer.shape) == 2 and layer.raw.device.type == "cpu"
+              and not layer.raw.is_floating_point() and layer.raw.is_contiguous())
+        return layer.raw.reshape(layer.shape[0], -1).numpy() if ok else False
 
     def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        if not self.handles(layer, x):
+        w = layer.backend_data
+        if w is None:
+            w = layer.backend_data = self._weight(layer)
+        if w is False or not x.is_cpu:
             return self.fallback.linear(layer, x)
-        w = layer.raw.reshape(layer.shape[0], -1)  # uint8 [O, row_bytes]
-        y = self.native.gemm(w, layer.ggml_type, x.float().contiguous())
-        return torch.from_numpy(y)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        return torch.from_numpy(self.native.gemm(w, layer.ggml_type, x.numpy()))
 
 
 class NativeExperts:
@@ -53,12 +72,14 @@ class NativeExperts:
         self.native = native
         self.gate, self.up, self.down = gate, up, down
         self.n_experts, self.ffn = gate.shape[0], gate.shape[1]
+        self._raw = tuple(w.raw.numpy() for w in (gate, up, down))  # uint8 blocks, no copy
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self._raw
         y = self.native.moe_forward(
-            x.float().contiguous(), ids.to(torch.int32).contiguous(), weights.float().contiguous(),
-            self.gate.raw, self.gate.ggml_type, self.up.raw, self.up.ggml_type,
-            self.down.raw, self.down.ggml_type, self.n_experts, self.ffn)
+            x.float().contiguous().numpy(), ids.to(torch.int32).contiguous().numpy(),
+            weights.float().contiguous().numpy(), gate, self.gate.ggml_type, up, self.up.ggml_type,
+            down, self.down.ggml_type, self.n_experts, self.ffn)
         return torch.from_numpy(y)
 
 

@@ -40,6 +40,6 @@ class LatentKVCache:
         if end > self.max_ctx:
             raise ContextLengthError(
                 f"position {end - 1} is past the context of {self.max_ctx} tokens; raise n_ctx.")
-        self.data[layer, start:end] = latent.to(self.data.dtype)
+        self.data[layer, start:end] = latent  # converts to the cache dtype
         out = self.data[layer, :end]
         return out if out.dtype == torch.float32 else out.float()

@@ -30,7 +30,7 @@ KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 class RunnerConfig:
     n_ctx: int = 4096                 # positions in the KV cache (prompt + generated)
     chunk_size: int = 256             # prefill tokens per forward
-    threads: int | None = None        # torch intra-op threads; None keeps torch's choice
+    threads: int | None = None        # threads for the kernels; the backend decides torch's share
     # weight kinds whose dequantized float32 copy is kept after first use ("attn", "dense", "shared",
     # "router", "head"); routed experts are never expanded
     cache_kinds: tuple[str, ...] = ("attn", "dense", "shared", "router")
@@ -74,10 +74,11 @@ class ModelRunner:
                  backend: LinearBackend | None = None, make_experts: ExpertsFactory | None = None,
                  model_config: object | None = None) -> None:
         self.cfg = cfg = cfg or RunnerConfig()
-        if cfg.threads is not None:
-            torch.set_num_threads(cfg.threads)
         self.bundle = bundle
         self.backend = backend or ReferenceBackend(cfg.tile_rows)
+        threads = self.backend.torch_threads(cfg.threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
         self.cached_bytes = 0  # float32 bytes promised to dequantized-weight caches so far
         self.model_config = model_config if model_config is not None else load_config(bundle)
         build = model_builder(bundle.architecture)
@@ -130,7 +131,7 @@ class ModelRunner:
                 self.model(chunk, start_pos + i, self.cache, last_only=True)  # fills the cache
                 continue
             out.append(self.model(chunk, start_pos + i, self.cache, last_only=last_only))
-        return torch.cat(out)
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def decode(self, token: int, pos: int) -> torch.Tensor:
         """One token at position pos -> logits [V]."""

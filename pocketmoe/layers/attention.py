@@ -17,7 +17,7 @@ import torch
 
 from pocketmoe.layers.linear import QuantLinear
 from pocketmoe.layers.norm import RMSNorm
-from pocketmoe.layers.rotary import apply_rope
+from pocketmoe.layers.rotary import rope_pairs
 
 
 class LatentCache(Protocol):
@@ -68,32 +68,34 @@ class MLAttention:
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
         return q.view(x.shape[0], self.cfg.n_head, -1)
 
-    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def latent(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> cache rows [T, C+R]: normed c_kv, then roped k_pe."""
         c_kv, k_pe = self.wkv_a(x).split([self.cfg.kv_lora, self.cfg.qk_rope], dim=-1)
-        return torch.cat([self.kv_a_norm(c_kv), apply_rope(k_pe, cos, sin)], dim=-1)
+        return torch.cat([self.kv_a_norm(c_kv), rope_pairs(k_pe, cos2, sin2)], dim=-1)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def __call__(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,
                  cache: LatentCache | None, layer: int, start: int) -> torch.Tensor:
-        """x [T, D], cos/sin [T, R/2] for positions start.. -> [T, D]."""
+        """x [T, D], cos2/sin2 [T, R] (Rotary.span) for positions start.. -> [T, D]."""
         c = self.cfg
         t = x.shape[0]
         q_nope, q_pe = self.query(x).split([c.qk_nope, c.qk_rope], dim=-1)
-        q_pe = apply_rope(q_pe, cos[:, None], sin[:, None])
-        lat = self.latent(x, cos, sin)
+        q_pe = rope_pairs(q_pe, cos2[:, None], sin2[:, None])
+        lat = self.latent(x, cos2, sin2)
         if cache is not None:
             lat = cache.update(layer, start, lat)
         elif start != 0:
             raise ValueError("attention without a cache must start at position 0")
-        c_all, kpe_all = lat.split([c.kv_lora, c.qk_rope], dim=-1)  # [S, C], [S, R]
         q_nope, q_pe = q_nope.transpose(0, 1), q_pe.transpose(0, 1)  # [H, T, *]
         mask = causal_mask(t, start)
         if self.absorbed:
-            qa = torch.bmm(q_nope, self.k_b.dense().transpose(1, 2))  # [H, T, C]
-            scores = qa @ c_all.t() + q_pe @ kpe_all.t()  # [H, T, S]
-            probs = self._softmax(scores, mask)
-            o = torch.bmm(probs @ c_all, self.v_b.dense().transpose(1, 2))  # [H, T, V]
+            qa = torch.bmm(q_nope, self.k_b.dense_t())  # [H, T, C]
+            # one GEMM against whole cache rows: [c_kv, k_pe] . [qa, q_pe] = qa.c_kv + q_pe.k_pe
+            scores = torch.cat([qa, q_pe], dim=-1).view(c.n_head * t, -1) @ lat.t()  # [H*T, S]
+            probs = self._softmax(scores.view(c.n_head, t, -1), mask)
+            o_lat = probs.view(c.n_head * t, -1) @ lat[:, :c.kv_lora]  # [H*T, C]
+            o = torch.bmm(o_lat.view(c.n_head, t, -1), self.v_b.dense_t())  # [H, T, V]
         else:
+            c_all, kpe_all = lat.split([c.kv_lora, c.qk_rope], dim=-1)  # [S, C], [S, R]
             kv = self.wkv_b(c_all).view(-1, c.n_head, c.qk_nope + c.v_head)  # [S, H, N+V]
             k_nope, v = kv.permute(1, 0, 2).split([c.qk_nope, c.v_head], dim=-1)  # [H, S, *]
             scores = q_nope @ k_nope.transpose(1, 2) + q_pe @ kpe_all.t()  # [H, T, S]

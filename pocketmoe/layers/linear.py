@@ -48,6 +48,10 @@ class LinearBackend(Protocol):
 
     def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor: ...
 
+    def torch_threads(self, requested: int | None) -> int | None:
+        """torch intra-op threads to run with, given the user's request (None: torch's choice)."""
+        ...
+
 
 class ReferenceBackend:
     """Plain torch: dequantize (or reuse the cached float weight), then an fp32 GEMM.
@@ -57,6 +61,9 @@ class ReferenceBackend:
 
     def __init__(self, tile_rows: int | None = None) -> None:
         self.tile_rows = tile_rows
+
+    def torch_threads(self, requested: int | None) -> int | None:
+        return requested  # every GEMM is torch's: give it the cores
 
     def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         w = layer.dense()
@@ -83,7 +90,9 @@ class QuantLinear:
         self.cache_dense = cache_dense
         self.backend = backend
         self.name = name
+        self.backend_data: object = None  # what the backend precomputed for this layer, set on first use
         self._dense: torch.Tensor | None = None
+        self._dense_t: torch.Tensor | None = None
         if ggml_type == F32 or raw.is_floating_point():
             self._dense = float_weight(raw, ggml_type, self.shape)
 
@@ -108,6 +117,20 @@ class QuantLinear:
         if self.cache_dense:
             self._dense = w
         return w
+
+    def dense_t(self) -> torch.Tensor:
+        """float32 weight with the last two dims swapped: [*lead, I, O].
+
+        With cache_dense it is kept as a contiguous copy (instead of dense()'s), which batched GEMMs read
+        faster than the transposed view; otherwise it is that view.
+        """
+        if self._dense_t is not None:
+            return self._dense_t
+        if not self.cache_dense:
+            return self.dense().transpose(-1, -2)
+        self._dense_t = self.dense().transpose(-1, -2).contiguous()
+        self._dense = None
+        return self._dense_t
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, I] -> [T, O]
         return self.backend.linear(self, x)

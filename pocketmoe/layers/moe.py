@@ -71,8 +71,11 @@ class Router:
             keep = top2.topk(c.groups_used, dim=-1).indices
             mask = torch.zeros_like(top2, dtype=torch.bool).scatter_(1, keep, True)
             select = grouped.masked_fill(~mask[..., None], float("-inf")).view(-1, c.n_experts)
-        ids = select.topk(c.top_k, dim=-1).indices  # [T, K]
-        weights = probs.gather(1, ids)
+        if select is probs:  # no bias, no group mask: the top-k values are the weights
+            weights, ids = probs.topk(c.top_k, dim=-1)  # [T, K], [T, K]
+        else:
+            ids = select.topk(c.top_k, dim=-1).indices
+            weights = probs.gather(1, ids)
         if c.norm:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(WEIGHT_SUM_MIN)
         if c.scale not in (0.0, 1.0):

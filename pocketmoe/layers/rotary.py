@@ -64,11 +64,12 @@ class RopeConfig:
 
 
 class Rotary:
-    """cos/sin tables for given positions; computed per forward and shared by every layer."""
+    """cos/sin tables, shared by every layer; `span` serves positions from one table built once per context."""
 
     def __init__(self, cfg: RopeConfig) -> None:
         self.cfg = cfg
         self.inv_freq = cfg.inv_freq()
+        self._cos2 = self._sin2 = torch.empty(0, cfg.dim)  # [P, R], see span()
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, R/2] float32."""
@@ -76,9 +77,30 @@ class Rotary:
         a = self.cfg.attn_factor
         return (angles.cos() * a).float(), (angles.sin() * a).float()
 
+    def span(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions start..start+n-1 -> cos2, sin2 [n, R] for `rope_pairs` (views of a cached table).
+
+        cos2 repeats each pair's cos twice; sin2 holds (-sin, +sin) per pair.
+        """
+        end = start + n
+        if end > self._cos2.shape[0]:
+            cos, sin = self.cos_sin(torch.arange(max(end, 2 * self._cos2.shape[0], 256)))
+            self._cos2 = cos.repeat_interleave(2, dim=-1)
+            self._sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
+        return self._cos2[start:end], self._sin2[start:end]
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) by the angle of pair i. x [..., R]; cos, sin broadcast to [..., R/2]."""
     pairs = x.unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def rope_pairs(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` with the tables of `Rotary.span` (cos2, sin2 broadcast to [..., R]), bit for bit.
+
+    Pair (x0, x1) -> (x0*cos + x1*(-sin), x1*cos + x0*sin): the same products and sums in IEEE fp32.
+    """
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x * cos2 + swapped * sin2

@@ -36,9 +36,9 @@ class DeepSeek2Block:
                  ffn: GatedMLP | MoEBlock) -> None:
         self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def __call__(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,
                  cache: LatentCache | None, layer: int, start: int) -> torch.Tensor:  # x: [T, D]
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, start)
+        x = x + self.attn(self.attn_norm(x), cos2, sin2, cache, layer, start)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -64,10 +64,10 @@ class DeepSeek2Model:
     def __call__(self, tokens: torch.Tensor, start: int, cache: LatentCache | None,
                  last_only: bool = False) -> torch.Tensor:
         """tokens [T] at positions start.. -> logits [T, V] (or [1, V] with last_only)."""
-        cos, sin = self.rotary.cos_sin(torch.arange(start, start + tokens.numel()))
+        cos2, sin2 = self.rotary.span(start, tokens.numel())
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache, i, start)
+            x = block(x, cos2, sin2, cache, i, start)
         if last_only:
             x = x[-1:]
         return self.head(self.norm(x))
