@@ -135,6 +135,17 @@ def gemm(weight: Any, ggml_type: int, x: Any, out: np.ndarray | None = None) -> 
         raise NativeKernelError(str(exc)) from None
 
 
+def gemm_batched(weight: Any, ggml_type: int, x: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """y[h] = x[h] @ W[h]^T for every head h, in one call (DeepSeek MLA's attn_k_b / attn_v_b).
+
+    weight: C-contiguous uint8 [H, rows, row_bytes]; x: float32 [H, T, cols] -> float32 [H, T, rows].
+    y[h] is bitwise gemm(weight[h], ggml_type, x[h]).
+    """
+    lib = _NATIVE if _NATIVE is not None else _lib()
+    return _call(lib.gemm_batched, weight if type(weight) is np.ndarray else _weight(weight, "weight"),
+                 int(ggml_type), x if type(x) is np.ndarray else _numpy(x), out)
+
+
 def moe_forward(x: Any, expert_ids: Any, expert_weights: Any, gate: Any, gate_type: int, up: Any, up_type: int,
                 down: Any, down_type: int, n_experts: int, ffn: int, out: np.ndarray | None = None) -> np.ndarray:
     """Routed experts of one MoE layer, summed per token in slot order in fp32.

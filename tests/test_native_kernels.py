@@ -129,6 +129,93 @@ def test_gemm_bitwise_stable(name: str, restore_threads) -> None:
         np.testing.assert_array_equal(native.gemm(w, t, x[i]), batch[i])
 
 
+BATCHED_TYPES = ["Q8_0", "Q5_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
+
+
+def batched_case(t: int, heads: int, rows: int, cols: int, n_tokens: int, seed: int):
+    rng = np.random.default_rng(seed)
+    w = random_blocks(t, (heads, rows, cols), rng)
+    x = rng.standard_normal((heads, n_tokens, cols)).astype(np.float32)
+    return w, x
+
+
+def batched_shapes(t: int) -> list[tuple[int, int]]:
+    """(rows, cols) like MLA's attn_k_b [H, 512, 128] and attn_v_b [H, 128, 512]; k-quant rows need
+    256-value multiples, so their attn_k_b-like case has 512 columns."""
+    return [(512, 512), (128, 512)] if ACT_BLOCK.get(t) == 256 else [(512, 128), (128, 512)]
+
+
+@pytest.mark.parametrize("heads", [1, 4, 16])
+@pytest.mark.parametrize("name", BATCHED_TYPES)
+def test_gemm_batched_equals_gemm_per_head(name: str, heads: int) -> None:
+    t = TYPES[name]
+    for rows, cols in batched_shapes(t):
+        for n_tokens in (1, 3, 17):
+            w, x = batched_case(t, heads, rows, cols, n_tokens, seed=heads * 1000 + n_tokens + t)
+            y = native.gemm_batched(w, t, x)
+            assert y.shape == (heads, n_tokens, rows) and y.dtype == np.float32
+            for h in range(heads):
+                np.testing.assert_array_equal(y[h], native.gemm(w[h], t, x[h]), err_msg=f"{rows}x{cols} T={n_tokens}")
+
+
+@pytest.mark.parametrize("name", BATCHED_TYPES)
+def test_gemm_batched_matches_gguf_reference(name: str) -> None:
+    t = TYPES[name]
+    heads = 4
+    for rows, cols in batched_shapes(t):
+        for n_tokens in (1, 3, 17):
+            w, x = batched_case(t, heads, rows, cols, n_tokens, seed=7 * n_tokens + rows + t)
+            y = native.gemm_batched(w, t, x)
+            for h in range(heads):
+                wf = dequant(w[h], t)
+                xh = x[h].astype(np.float64)
+                x_norm = np.linalg.norm(xh, axis=1)
+                w_norm = np.linalg.norm(wf, axis=1)
+                if t in FLOAT_TYPES:
+                    tol = 1e-5 * x_norm[:, None] * w_norm[None, :]
+                else:
+                    dx = quant_error_bound(xh, ACT_BLOCK[t])
+                    tol = w_norm[None, :] * (dx[:, None] + 1e-5 * x_norm[:, None])
+                err = np.abs(y[h] - xh @ wf.T)
+                assert np.all(err <= tol), f"h={h} T={n_tokens}: worst error/tolerance {(err / tol).max():.3g}"
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q4_K", "F16"])
+def test_gemm_batched_bitwise_stable(name: str, restore_threads) -> None:
+    """Bitwise the same with 1 or 2 threads, and a token alone or in a batch."""
+    t = TYPES[name]
+    rows, cols = batched_shapes(t)[0]
+    w, x = batched_case(t, 16, rows, cols, 17, seed=3)
+    native.set_num_threads(2)
+    batch = native.gemm_batched(w, t, x)
+    np.testing.assert_array_equal(native.gemm_batched(w, t, x), batch)
+    native.set_num_threads(1)
+    np.testing.assert_array_equal(native.gemm_batched(w, t, x), batch)
+    for i in (0, 5, 16):
+        np.testing.assert_array_equal(native.gemm_batched(w, t, x[:, i:i + 1]), batch[:, i:i + 1])
+
+
+def test_gemm_batched_arguments() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    w = random_blocks(8, (4, 64, 128), rng)
+    x = rng.standard_normal((4, 2, 128)).astype(np.float32)
+    ref = native.gemm_batched(w, 8, x)
+    out = np.empty((4, 2, 64), np.float32)
+    assert native.gemm_batched(w, 8, x, out=out) is not None
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(native.gemm_batched(torch.from_numpy(w), 8, torch.from_numpy(x)), ref)
+    np.testing.assert_array_equal(native.gemm_batched(w, 8, x.astype(np.float64)), ref)
+    with pytest.raises(native.NativeKernelError, match="heads"):
+        native.gemm_batched(w, 8, x[:3])
+    with pytest.raises(native.NativeKernelError, match="bytes"):
+        native.gemm_batched(w, 8, np.zeros((4, 2, 96), np.float32))
+    with pytest.raises(native.NativeKernelError, match="dimensions"):
+        native.gemm_batched(w, 8, x[0])
+    with pytest.raises(native.NativeKernelError, match="out must"):
+        native.gemm_batched(w, 8, x, out=np.empty((4, 2, 63), np.float32))
+
+
 def round_activations(x: np.ndarray, block: int | None) -> np.ndarray:
     """numpy model of the kernels' activation rounding: per block d = max|x| / 127, q = rint(x / d)."""
     if block is None:

@@ -91,6 +91,42 @@ py::array_t<float> gemm_py(const py::array& weight, int ggml_type, const py::han
   return y;
 }
 
+// weight: uint8 [H, rows, row_bytes]; x: float32 [H, T, cols] -> [H, T, rows].
+py::array_t<float> gemm_batched_py(const py::array& weight, int ggml_type, const py::handle& x,
+                                   const py::object& out) {
+  auto w = checked<uint8_t>(weight, "weight", 3);
+  auto xa = floats(x);
+  if (xa.ndim() != 3) throw py::value_error("x must be [H, T, cols], got " + std::to_string(xa.ndim()) + " dimensions");
+  const py::ssize_t heads = w.shape(0), rows = w.shape(1), n_tokens = xa.shape(1), cols = xa.shape(2);
+  if (xa.shape(0) != heads)
+    throw py::value_error("x has " + std::to_string(xa.shape(0)) + " heads, the weight " + std::to_string(heads));
+  py::array_t<float> y;
+  if (out.is_none()) {
+    y = py::array_t<float>({heads, n_tokens, rows});
+  } else {
+    y = checked<float>(out.cast<py::array>(), "out", 3);
+    if (y.shape(0) != heads || y.shape(1) != n_tokens || y.shape(2) != rows)
+      throw py::value_error("out must have shape (" + std::to_string(heads) + ", " + std::to_string(n_tokens) + ", " +
+                            std::to_string(rows) + ")");
+    if (!y.writeable()) throw py::value_error("out must be writeable");
+  }
+  const uint8_t* wp = w.data();
+  const float* xp = xa.data();
+  float* yp = y.mutable_data();
+  const size_t row_bytes = static_cast<size_t>(w.shape(2));
+  const auto run = [&] {
+    gemm_batched(wp, static_cast<int>(heads), static_cast<int>(rows), row_bytes, ggml_type, xp,
+                 static_cast<int>(n_tokens), static_cast<int>(cols), yp);
+  };
+  if (static_cast<size_t>(heads * rows) * row_bytes * static_cast<size_t>(n_tokens) < (size_t{64} << 10)) {
+    run();
+  } else {
+    py::gil_scoped_release release;
+    run();
+  }
+  return y;
+}
+
 MoEWeights expert_weights(const py::array& a, const char* name, int ggml_type) {
   auto w = checked<uint8_t>(a, name, -1);
   return {w.data(), static_cast<size_t>(w.nbytes()), ggml_type};
@@ -158,6 +194,9 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "PocketMoE native CPU kernels on raw GGUF blocks (AVX2, own thread pool).";
   m.def("gemm", &gemm_py, py::arg("weight"), py::arg("ggml_type"), py::arg("x"), py::arg("out") = py::none(),
         "y[T, rows] = x[T, cols] @ W^T for W = uint8 [rows, row_bytes] GGUF blocks of ggml_type.");
+  m.def("gemm_batched", &gemm_batched_py, py::arg("weight"), py::arg("ggml_type"), py::arg("x"),
+        py::arg("out") = py::none(),
+        "y[h] = x[h] @ W[h]^T for W = uint8 [H, rows, row_bytes] GGUF blocks, x = float32 [H, T, cols].");
   m.def("moe_forward", &moe_forward_py, py::arg("x"), py::arg("expert_ids"), py::arg("expert_weights"),
         py::arg("gate"), py::arg("gate_type"), py::arg("up"), py::arg("up_type"), py::arg("down"),
         py::arg("down_type"), py::arg("n_experts"), py::arg("ffn"), py::arg("out") = py::none(),

@@ -1,5 +1,6 @@
 // Standalone tests of the native kernels against the scalar reference (dequant_ref.cpp):
 //   cmake --build cpp_engine/build -j1 && cpp_engine/build/test_kernels
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -237,6 +238,33 @@ void test_errors() {
   CHECK(throws([&] { gemm(w.data(), 1, 144, kQ4_K, x.data(), 1, 250, y.data()); }), "cols not a block multiple");
 }
 
+// gemm_batched: every head bitwise equal to gemm on that head alone, for 1 and 2 threads.
+void test_gemm_batched_matches_gemm() {
+  std::mt19937 rng(12);
+  for (int type : supported_types()) {
+    const TypeInfo& t = type_info(type);
+    for (const auto& [heads, rows, cols, n_tokens] :
+         {std::array<int, 4>{16, 128, 512, 1}, std::array<int, 4>{4, 40, 256, 3}, std::array<int, 4>{3, 24, 512, 17}}) {
+      const size_t rb = weight_row_bytes(t, cols);
+      const std::vector<uint8_t> w = testing::random_weight(type, heads * rows, cols, rng);
+      const std::vector<float> x = testing::random_floats(static_cast<size_t>(heads) * n_tokens * cols, rng);
+      for (int threads : {1, 2}) {
+        set_num_threads(threads);
+        std::vector<float> y(static_cast<size_t>(heads) * n_tokens * rows);
+        gemm_batched(w.data(), heads, rows, rb, type, x.data(), n_tokens, cols, y.data());
+        for (int h = 0; h < heads; ++h) {
+          std::vector<float> yh(static_cast<size_t>(n_tokens) * rows);
+          gemm(w.data() + rb * rows * h, rows, rb, type, x.data() + static_cast<size_t>(h) * n_tokens * cols, n_tokens,
+               cols, yh.data());
+          CHECK(std::memcmp(yh.data(), y.data() + static_cast<size_t>(h) * n_tokens * rows, yh.size() * 4) == 0,
+                "%s H=%d T=%d threads=%d: head %d differs from gemm", t.name, heads, n_tokens, threads, h);
+        }
+      }
+    }
+  }
+  set_num_threads(2);
+}
+
 }  // namespace
 
 int main() {
@@ -246,6 +274,7 @@ int main() {
       {"silu", test_silu},
       {"gemm_matches_reference", test_gemm_matches_reference},
       {"gemm_bitwise_stable", test_gemm_bitwise_stable},
+      {"gemm_batched_matches_gemm", test_gemm_batched_matches_gemm},
       {"moe_matches_gemm_composition", test_moe_matches_gemm_composition},
       {"errors", test_errors},
   };

@@ -10,6 +10,12 @@ namespace pocketmoe {
 void gemm(const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens,
           int cols, float* y);
 
+// y[h] = x[h] @ W[h]^T for h < heads, in one pool dispatch (per-head weights such as DeepSeek MLA's
+// attn_k_b / attn_v_b). W: [heads, rows, row_bytes] GGUF blocks; x: [heads, T, cols]; y: [heads, T, rows].
+// y[h] is bitwise what gemm(W[h], x[h]) gives.
+void gemm_batched(const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type, const float* x,
+                  int n_tokens, int cols, float* y);
+
 struct MoEWeights {
   const uint8_t* data;   // [n_experts, out_features, row_bytes] GGUF blocks, experts contiguous
   size_t nbytes;
