@@ -47,10 +47,20 @@ class NativeLinearBackend:
         return 1
 
     def _weight(self, layer: QuantLinear) -> object:
-        """The weight as the kernel takes it (uint8 [O, row_bytes] numpy), or False: the fallback's."""
-        ok = (layer.ggml_type in self.types and len(layer.shape) == 2 and layer.raw.device.type == "cpu"
+        """The weight as the kernel takes it (uint8 [*lead, O, row_bytes] numpy), or False: the fallback's."""
+        ok = (layer.ggml_type in self.types and len(layer.shape) in (2, 3) and layer.raw.device.type == "cpu"
               and not layer.raw.is_floating_point() and layer.raw.is_contiguous())
-        return layer.raw.reshape(layer.shape[0], -1).numpy() if ok else False
+        return layer.raw.reshape(*layer.shape[:-1], -1).numpy() if ok else False
+
+    def batched(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        w = layer.backend_data
+        if w is None:
+            w = layer.backend_data = self._weight(layer)
+        if w is False or not x.is_cpu:
+            return self.fallback.batched(layer, x)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        return torch.from_numpy(self.native.gemm_batched(w, layer.ggml_type, x.numpy()))
 
     def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         w = layer.backend_data
@@ -123,5 +133,5 @@ def make_backends(name: str, cfg: RunnerConfig) -> Backends:
             return NativeExperts(gate, up, down)
         return reference_experts(layer, gate, up, down)
 
-    # Only the per-head 3-D attention weights (k_b, v_b) still go through dense(): keep those.
+    # Only fallbacks (types without a kernel) dequantize here: let attention weights keep that copy.
     return Backends("native", linear, native_experts, ("attn",), native.describe())

@@ -88,12 +88,12 @@ class MLAttention:
         q_nope, q_pe = q_nope.transpose(0, 1), q_pe.transpose(0, 1)  # [H, T, *]
         mask = causal_mask(t, start)
         if self.absorbed:
-            qa = torch.bmm(q_nope, self.k_b.dense_t())  # [H, T, C]
+            qa = self.k_b.batched(q_nope.contiguous())  # [H, T, C]
             # one GEMM against whole cache rows: [c_kv, k_pe] . [qa, q_pe] = qa.c_kv + q_pe.k_pe
             scores = torch.cat([qa, q_pe], dim=-1).view(c.n_head * t, -1) @ lat.t()  # [H*T, S]
             probs = self._softmax(scores.view(c.n_head, t, -1), mask)
             o_lat = probs.view(c.n_head * t, -1) @ lat[:, :c.kv_lora]  # [H*T, C]
-            o = torch.bmm(o_lat.view(c.n_head, t, -1), self.v_b.dense_t())  # [H, T, V]
+            o = self.v_b.batched(o_lat.view(c.n_head, t, -1))  # [H, T, V]
         else:
             c_all, kpe_all = lat.split([c.kv_lora, c.qk_rope], dim=-1)  # [S, C], [S, R]
             kv = self.wkv_b(c_all).view(-1, c.n_head, c.qk_nope + c.v_head)  # [S, H, N+V]

@@ -48,6 +48,10 @@ class LinearBackend(Protocol):
 
     def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor: ...
 
+    def batched(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        """Per-head weights [H, O, I]: x [H, T, I] -> [H, T, O], out[h] = x[h] @ W[h].T."""
+        ...
+
     def torch_threads(self, requested: int | None) -> int | None:
         """torch intra-op threads to run with, given the user's request (None: torch's choice)."""
         ...
@@ -64,6 +68,9 @@ class ReferenceBackend:
 
     def torch_threads(self, requested: int | None) -> int | None:
         return requested  # every GEMM is torch's: give it the cores
+
+    def batched(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x, layer.dense_t())
 
     def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         w = layer.dense()
@@ -134,6 +141,9 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, I] -> [T, O]
         return self.backend.linear(self, x)
+
+    def batched(self, x: torch.Tensor) -> torch.Tensor:  # per-head weight [H, O, I]: x [H, T, I] -> [H, T, O]
+        return self.backend.batched(self, x)
 
     def __repr__(self) -> str:
         return f"QuantLinear({self.name!r}, type={self.ggml_type}, shape={list(self.shape)})"
