@@ -52,25 +52,21 @@ class NativeLinearBackend:
               and not layer.raw.is_floating_point() and layer.raw.is_contiguous())
         return layer.raw.reshape(*layer.shape[:-1], -1).numpy() if ok else False
 
-    def batched(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, kernel, fallback, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         w = layer.backend_data
         if w is None:
             w = layer.backend_data = self._weight(layer)
         if w is False or not x.is_cpu:
-            return self.fallback.batched(layer, x)
+            return fallback(layer, x)
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
-        return torch.from_numpy(self.native.gemm_batched(w, layer.ggml_type, x.numpy()))
+        return torch.from_numpy(kernel(w, layer.ggml_type, x.numpy()))
 
-    def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        w = layer.backend_data
-        if w is None:
-            w = layer.backend_data = self._weight(layer)
-        if w is False or not x.is_cpu:
-            return self.fallback.linear(layer, x)
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.float().contiguous()
-        return torch.from_numpy(self.native.gemm(w, layer.ggml_type, x.numpy()))
+    def batched(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [H, T, I] -> [H, T, O]
+        return self._run(self.native.gemm_batched, self.fallback.batched, layer, x)
+
+    def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [T, I] -> [T, O]
+        return self._run(self.native.gemm, self.fallback.linear, layer, x)
 
 
 class NativeExperts:
