@@ -6,7 +6,6 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from pocketmoe.errors import PocketMoEError
 
@@ -86,16 +85,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str 
 
     rule = indent + "  ".join("-" * w for w in widths)
     return "\n".join([line(list(headers)), rule, *(line(r) for r in cells)])
-
-
-def host_memory_bytes() -> int:
-    """Total host memory: MemTotal from /proc/meminfo, else sysconf."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def cuda_memory_bytes() -> list[int]:

@@ -6,8 +6,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class Bandwidth:
@@ -39,6 +37,8 @@ def physical_cores() -> int:
 
 def measure_read_bandwidth(threads: int | None = None, size_mib: int = 512, repeats: int = 5) -> Bandwidth:
     """Streaming-read bandwidth: best of `repeats` full reductions over a buffer larger than cache."""
+    import torch  # here, so reading host facts does not load torch
+
     threads = threads or physical_cores()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)

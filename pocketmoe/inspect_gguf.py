@@ -23,10 +23,10 @@ from pocketmoe.cli_util import (
     EXIT_VALIDATION,
     cuda_memory_bytes,
     error_line,
-    host_memory_bytes,
     run_cli,
 )
 from pocketmoe.gguf import open_bundle
+from pocketmoe.hostinfo import host_memory_bytes
 from pocketmoe.inspect_sections import (
     capability_text,
     load_spec,

@@ -48,8 +48,7 @@ class NativeLinearBackend:
 
     def _weight(self, layer: QuantLinear) -> object:
         """The weight as the kernel takes it (uint8 [*lead, O, row_bytes] numpy), or False: the fallback's."""
-        ok = (layer.ggml_type in self.types and len(layer.shape) in (2, 3) and layer.raw.device.type == "cpu"
-              and not layer.raw.is_floating_point() and layer.raw.is_contiguous())
+        ok = len(layer.shape) in (2, 3) and native_reads(layer.raw, layer.ggml_type, self.types)
         return layer.raw.reshape(*layer.shape[:-1], -1).numpy() if ok else False
 
     def _run(self, kernel, fallback, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
@@ -89,9 +88,14 @@ class NativeExperts:
         return torch.from_numpy(y)
 
 
+def native_reads(raw: torch.Tensor, ggml_type: int, types: frozenset[int]) -> bool:
+    """The native kernels take this weight as it is: raw host blocks, contiguous, of a type they know."""
+    return (ggml_type in types and raw.device.type == "cpu" and not raw.is_floating_point()
+            and raw.is_contiguous())
+
+
 def native_can_run(gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, types: frozenset[int]) -> bool:
-    return all(w.ggml_type in types and w.raw.is_contiguous() and not w.raw.is_floating_point()
-               and w.raw.device.type == "cpu" for w in (gate, up, down))
+    return all(native_reads(w.raw, w.ggml_type, types) for w in (gate, up, down))
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,8 @@ _DS2_TINY = DeepSeek2Config(
     rope_scaling=_YARN4, mscale_all_dim=0.707)
 
 # The 452M bench MoE: V2-Lite's layout at hidden 1024 (head dims halved, one leading dense block).
-_DS2_BENCH = DeepSeek2Config(
-    n_vocab=32000, n_ctx=4096, n_embd=1024, n_layer=8, n_head=8, n_ff=2816, n_expert=32, n_expert_used=4,
-    n_expert_shared=1, n_ff_exp=512, n_dense_lead=1, q_lora_rank=0, kv_lora_rank=256,
-    qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, mla_layout="absorbed", gating_func=1,
-    expert_weights_norm=False, expert_weights_scale=1.0, rms_eps=1e-6, rope_freq_base=10000.0,
-    rope_scaling=_YARN4, mscale_all_dim=0.707)
+_DS2_BENCH = replace(_DS2_TINY, n_vocab=32000, n_embd=1024, n_layer=8, n_head=8, n_ff=2816, n_expert=32,
+                     n_expert_used=4, n_ff_exp=512)
 
 _MM2_TINY = MiniMaxM2Config(
     n_vocab=512, n_ctx=4096, n_embd=256, n_layer=3, n_head=4, n_head_kv=2, head_dim=64, v_head_dim=64,
