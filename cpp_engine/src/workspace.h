@@ -49,4 +49,15 @@ struct Engine {
 // The engine, locked by `lock`; creates the pool on first use.
 Engine& acquire_engine(std::unique_lock<std::mutex>& lock);
 
+// The entry points of engine.h for a caller that already holds the engine (a whole-model graph runs
+// many of them under one lock). They use e.ws.acts, act_ptrs, hidden, hidden_ptrs, ints, per_thread.
+struct MoEWeights;
+void gemm(Engine& e, const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens,
+          int cols, float* y);
+void gemm_batched(Engine& e, const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type,
+                  const float* x, int n_tokens, int cols, float* y);
+void moe_forward(Engine& e, const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
+                 int top_k, const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down, int n_experts,
+                 int ffn, float* y);
+
 }  // namespace pocketmoe

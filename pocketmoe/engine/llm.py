@@ -68,6 +68,8 @@ class LLM:
         self.backend_name, self.backend_detail = backends.name, backends.detail
         cfg = dataclasses.replace(cfg, cache_kinds=backends.cache_kinds)
         self.runner = ModelRunner(self.bundle, cfg, backend=backends.linear, make_experts=backends.make_experts)
+        if backends.name == "native":
+            self.backend_detail += f"; {self.runner.graph_note}"
         self.n_ctx = n_ctx
 
     # -- prompts -------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pocketmoe.engine.backends import NativeLinearBackend
 from pocketmoe.engine.kv_cache import ContextLengthError, LatentKVCache
+from pocketmoe.engine.native_graph import GraphUnsupported, NativeGraph, build_graph
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.layers.experts import ExpertBank, ExpertWeights, ReferenceExperts
 from pocketmoe.layers.linear import LinearBackend, QuantLinear, ReferenceBackend
@@ -39,6 +41,9 @@ class RunnerConfig:
     cache_budget_bytes: int = 1 << 30
     tile_rows: int | None = 8         # GEMMs in fixed row tiles: a row's result ignores the other rows
     kv_dtype: str = "f32"
+    # with native kernels, run the whole forward in one native call per chunk where the model allows
+    # (engine/native_graph.py); False keeps the per-op path
+    native_graph: bool = True
 
     def __post_init__(self) -> None:
         if self.n_ctx <= 0 or self.chunk_size <= 0:
@@ -85,6 +90,18 @@ class ModelRunner:
         self.model = build(bundle, self.model_config, self._make_linear, make_experts or self._make_experts)
         self.cache = LatentKVCache(self.model.n_layer, cfg.n_ctx, self.model.cache_width,
                                    dtype=KV_DTYPES[cfg.kv_dtype])
+        self.graph, self.graph_note = self._make_graph()
+
+    def _make_graph(self) -> tuple[NativeGraph | None, str]:
+        """The native whole-model graph when it can run this model, else None and why not."""
+        if not self.cfg.native_graph:
+            return None, "per-op path (native_graph off)"
+        if not isinstance(self.backend, NativeLinearBackend):
+            return None, "per-op path (torch reference backend)"
+        try:
+            return build_graph(self.model, self.cache), "whole-model native graph"
+        except GraphUnsupported as exc:
+            return None, f"per-op path ({exc})"
 
     def _make_linear(self, name: str, kind: str) -> QuantLinear:
         info = self.bundle.tensors[name]
@@ -127,11 +144,15 @@ class ModelRunner:
         for i in range(0, t.numel(), step):
             chunk = t[i:i + step]
             is_last = i + step >= t.numel()
-            if last_only and not is_last:
-                self.model(chunk, start_pos + i, self.cache, last_only=True)  # fills the cache
-                continue
-            out.append(self.model(chunk, start_pos + i, self.cache, last_only=last_only))
+            logits = self._run(chunk, start_pos + i, last_only)
+            if is_last or not last_only:  # earlier chunks of a last_only call only fill the cache
+                out.append(logits)
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _run(self, chunk: torch.Tensor, start: int, last_only: bool) -> torch.Tensor:
+        if self.graph is not None:
+            return self.graph.forward(chunk, start, last_only)
+        return self.model(chunk, start, self.cache, last_only=last_only)
 
     def decode(self, token: int, pos: int) -> torch.Tensor:
         """One token at position pos -> logits [V]."""

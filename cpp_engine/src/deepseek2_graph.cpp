@@ -1,0 +1,377 @@
+// DeepSeek-V2 forward on the native kernels (see pocketmoe/deepseek2_graph.h).
+//
+// Legend: n tokens in the chunk, D hidden, H heads, N qk_nope, R qk_rope, V v_head, C kv_lora,
+// W = C + R cached values per token, E experts, K experts per token, S keys a query sees.
+#include "pocketmoe/deepseek2_graph.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "pocketmoe/matmul.h"
+#include "pocketmoe/silu.h"
+#include "pocketmoe/types.h"
+#include "simd.h"
+#include "workspace.h"
+
+namespace pocketmoe {
+namespace {
+
+using simd::hsum;
+
+// Smallest normal fp16: llama.cpp clamps the sum of the top-k weights to it before dividing.
+constexpr float kWeightSumMin = 6.103515625e-5f;
+// Attention of fewer multiply-adds than this runs on the caller alone (waking the pool costs more).
+constexpr size_t kInlineAttention = size_t{1} << 16;
+
+float* grow(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// Sum of a[i] * b[i] in 8 lanes, then the lanes in hsum's order; n % 8 == 0.
+inline __m256 dot_lanes(const float* a, const float* b, int n, __m256 acc) {
+  for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  return acc;
+}
+
+// y = x * (1 / sqrt(mean(x^2) + eps)) * w over one row of d values. The squares are summed in double,
+// as llama.cpp does: the norm feeds the activation quantizers, and a different float sum would put a
+// value on the other side of a rounding step now and then.
+void rms_norm_row(const float* x, const float* w, int d, float eps, float* y) {
+  double ss = 0.0;
+  for (int i = 0; i < d; ++i) ss += static_cast<double>(x[i] * x[i]);
+  const float mean = static_cast<float>(ss / d);
+  const float scale = 1.0f / std::sqrt(mean + eps);
+  for (int j = 0; j < d; ++j) y[j] = x[j] * scale * w[j];
+}
+
+// Rotary embedding on interleaved pairs with tables as Rotary.span builds them:
+// (x0, x1) -> (x0 * cos2[2i] + x1 * sin2[2i], x1 * cos2[2i+1] + x0 * sin2[2i+1]).
+void rope_row(const float* x, const float* cos2, const float* sin2, int r, float* y) {
+  for (int i = 0; i < r; i += 2) {
+    const float x0 = x[i], x1 = x[i + 1];
+    y[i] = x0 * cos2[i] + x1 * sin2[i];
+    y[i + 1] = x1 * cos2[i + 1] + x0 * sin2[i + 1];
+  }
+}
+
+void check_linear(const char* what, const GraphLinear& w, int heads, int rows, int cols) {
+  if (!w.present()) throw std::invalid_argument(std::string("deepseek2 graph: ") + what + " is missing");
+  const size_t want = weight_row_bytes(type_info(w.ggml_type), cols);
+  if (w.heads != heads || w.rows != rows || w.cols != cols || w.row_bytes != want)
+    throw std::invalid_argument(std::string("deepseek2 graph: ") + what + " is [" + std::to_string(w.heads) + ", " +
+                                std::to_string(w.rows) + ", " + std::to_string(w.cols) + "] in rows of " +
+                                std::to_string(w.row_bytes) + " bytes; expected [" + std::to_string(heads) + ", " +
+                                std::to_string(rows) + ", " + std::to_string(cols) + "] in rows of " +
+                                std::to_string(want));
+}
+
+void check_ffn(const char* what, const GraphFFN& f, int hidden) {
+  check_linear(what, f.gate, 1, f.gate.rows, hidden);
+  check_linear(what, f.up, 1, f.gate.rows, hidden);
+  check_linear(what, f.down, 1, hidden, f.gate.rows);
+}
+
+void linear(Engine& e, const GraphLinear& w, const float* x, int n, float* y) {
+  gemm(e, w.data, w.rows, w.row_bytes, w.ggml_type, x, n, w.cols, y);
+}
+
+}  // namespace
+
+Deepseek2Graph::Deepseek2Graph(const Deepseek2Params& params, std::vector<Deepseek2Layer> layers, GraphLinear embed,
+                               const float* output_norm, GraphLinear head, float* cache, int n_ctx)
+    : p_(params),
+      layers_(std::move(layers)),
+      embed_(embed),
+      head_(head),
+      output_norm_(output_norm),
+      cache_(cache),
+      n_ctx_(n_ctx),
+      width_(params.kv_lora + params.qk_rope) {
+  const Deepseek2Params& p = p_;
+  if (p.hidden <= 0 || p.n_head <= 0 || p.qk_nope <= 0 || p.qk_rope <= 0 || p.qk_rope % 2 || p.v_head <= 0 ||
+      p.kv_lora <= 0 || p.kv_lora % 8 || p.qk_rope % 8 || n_ctx <= 0 || cache == nullptr || output_norm == nullptr)
+    throw std::invalid_argument("deepseek2 graph: bad hyperparameters or missing cache / output norm");
+  check_linear("token_embd", embed_, 1, embed_.rows, p.hidden);
+  check_linear("output", head_, 1, head_.rows, p.hidden);
+  const int qw = p.n_head * (p.qk_nope + p.qk_rope);
+  const bool any_moe = std::any_of(layers_.begin(), layers_.end(), [](const Deepseek2Layer& l) { return !l.dense.present(); });
+  if (any_moe && (p.n_experts <= 0 || p.top_k <= 0 || p.top_k > p.n_experts || p.n_groups <= 0 ||
+                  p.n_experts % p.n_groups || p.groups_used <= 0 || p.groups_used > p.n_groups ||
+                  p.groups_used * (p.n_experts / p.n_groups) < p.top_k))
+    throw std::invalid_argument("deepseek2 graph: bad expert routing parameters (" + std::to_string(p.n_experts) +
+                                " experts, top-" + std::to_string(p.top_k) + ", " + std::to_string(p.groups_used) +
+                                " of " + std::to_string(p.n_groups) + " groups)");
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Deepseek2Layer& l = layers_[i];
+    if (!l.attn_norm || !l.kv_a_norm || !l.ffn_norm)
+      throw std::invalid_argument("deepseek2 graph: layer " + std::to_string(i) + " lacks a norm weight");
+    if (l.wq.present()) {
+      check_linear("attn_q", l.wq, 1, qw, p.hidden);
+    } else {
+      if (!l.q_a_norm) throw std::invalid_argument("deepseek2 graph: q LoRA without attn_q_a_norm");
+      check_linear("attn_q_a", l.wq_a, 1, p.q_lora, p.hidden);
+      check_linear("attn_q_b", l.wq_b, 1, qw, p.q_lora);
+    }
+    check_linear("attn_kv_a_mqa", l.wkv_a, 1, width_, p.hidden);
+    check_linear("attn_k_b", l.k_b, p.n_head, p.kv_lora, p.qk_nope);
+    check_linear("attn_v_b", l.v_b, p.n_head, p.v_head, p.kv_lora);
+    check_linear("attn_output", l.wo, 1, p.hidden, p.n_head * p.v_head);
+    if (l.dense.present()) {
+      check_ffn("dense ffn", l.dense, p.hidden);
+      continue;
+    }
+    check_linear("ffn_gate_inp", l.router, 1, p.n_experts, p.hidden);
+    if (l.expert_ffn <= 0) throw std::invalid_argument("deepseek2 graph: expert ffn width must be > 0");
+    if (l.shared.present()) check_ffn("shared expert", l.shared, p.hidden);
+  }
+}
+
+void Deepseek2Graph::forward(const int32_t* tokens, int n, int start, const float* cos2, const float* sin2,
+                             bool last_only, float* logits) {
+  if (n <= 0) throw std::invalid_argument("deepseek2 graph: forward needs at least one token");
+  if (start < 0 || start + n > n_ctx_)
+    throw std::invalid_argument("deepseek2 graph: positions " + std::to_string(start) + ".." +
+                                std::to_string(start + n - 1) + " do not fit in the context of " +
+                                std::to_string(n_ctx_) + " tokens");
+  for (int t = 0; t < n; ++t)
+    if (tokens[t] < 0 || tokens[t] >= embed_.rows)
+      throw std::invalid_argument("deepseek2 graph: token id " + std::to_string(tokens[t]) +
+                                  " is outside the vocabulary of " + std::to_string(embed_.rows));
+
+  std::unique_lock<std::mutex> lock;
+  Engine& e = acquire_engine(lock);
+  const int d = p_.hidden;
+  float* x = grow(x_, static_cast<size_t>(n) * d);
+  for (int t = 0; t < n; ++t)
+    dequantize_row(embed_.ggml_type, embed_.data + embed_.row_bytes * tokens[t], d, x + static_cast<size_t>(t) * d);
+
+  const size_t layer_stride = static_cast<size_t>(n_ctx_) * width_;
+  for (size_t i = 0; i < layers_.size(); ++i) layer(e, layers_[i], cache_ + i * layer_stride, n, start, cos2, sin2);
+
+  const int first = last_only ? n - 1 : 0;
+  float* xn = grow(xn_, static_cast<size_t>(n) * d);
+  for (int t = first; t < n; ++t)
+    rms_norm_row(x + static_cast<size_t>(t) * d, output_norm_, d, p_.rms_eps, xn + static_cast<size_t>(t - first) * d);
+  linear(e, head_, xn, n - first, logits);
+}
+
+void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int n, int start, const float* cos2,
+                           const float* sin2) {
+  const Deepseek2Params& p = p_;
+  const int d = p.hidden, h = p.n_head, nope = p.qk_nope, r = p.qk_rope, c = p.kv_lora, w = width_;
+  const int qw = nope + r;
+  float* x = x_.data();
+  float* xn = grow(xn_, static_cast<size_t>(n) * d);
+  for (int t = 0; t < n; ++t)
+    rms_norm_row(x + static_cast<size_t>(t) * d, l.attn_norm, d, p.rms_eps, xn + static_cast<size_t>(t) * d);
+
+  // q [n, H*(N+R)], directly or through the LoRA pair.
+  float* q = grow(q_, static_cast<size_t>(n) * h * qw);
+  if (l.wq.present()) {
+    linear(e, l.wq, xn, n, q);
+  } else {
+    float* qa = grow(qa_, static_cast<size_t>(n) * p.q_lora);
+    linear(e, l.wq_a, xn, n, qa);
+    for (int t = 0; t < n; ++t) {
+      float* row = qa + static_cast<size_t>(t) * p.q_lora;
+      rms_norm_row(row, l.q_a_norm, p.q_lora, p.rms_eps, row);
+    }
+    linear(e, l.wq_b, qa, n, q);
+  }
+
+  // Cache rows of these positions: normed c_kv, then roped k_pe.
+  float* kv = grow(kv_, static_cast<size_t>(n) * w);
+  linear(e, l.wkv_a, xn, n, kv);
+  for (int t = 0; t < n; ++t) {
+    const float* src = kv + static_cast<size_t>(t) * w;
+    float* dst = cache + static_cast<size_t>(start + t) * w;
+    rms_norm_row(src, l.kv_a_norm, c, p.rms_eps, dst);
+    rope_row(src + c, cos2 + static_cast<size_t>(t) * r, sin2 + static_cast<size_t>(t) * r, r, dst + c);
+  }
+
+  // Per head: q_nope [H, n, N] for k_b; roped q_pe [H, n, R].
+  float* qn = grow(qn_, static_cast<size_t>(h) * n * nope);
+  float* qpe = grow(qpe_, static_cast<size_t>(h) * n * r);
+  for (int hh = 0; hh < h; ++hh)
+    for (int t = 0; t < n; ++t) {
+      const float* src = q + (static_cast<size_t>(t) * h + hh) * qw;
+      const size_t ht = static_cast<size_t>(hh) * n + t;
+      std::copy(src, src + nope, qn + ht * nope);
+      rope_row(src + nope, cos2 + static_cast<size_t>(t) * r, sin2 + static_cast<size_t>(t) * r, r, qpe + ht * r);
+    }
+  float* qlat = grow(qlat_, static_cast<size_t>(h) * n * c);
+  gemm_batched(e, l.k_b.data, h, c, l.k_b.row_bytes, l.k_b.ggml_type, qn, n, nope, qlat);
+
+  attention(e, cache, n, start);
+
+  // o_lat [H, n, C] -> per head v [H, n, V] -> [n, H*V] -> attn_output.
+  const int v = p.v_head;
+  float* ov = grow(ov_, static_cast<size_t>(h) * n * v);
+  gemm_batched(e, l.v_b.data, h, v, l.v_b.row_bytes, l.v_b.ggml_type, olat_.data(), n, c, ov);
+  float* oc = grow(oc_, static_cast<size_t>(n) * h * v);
+  for (int t = 0; t < n; ++t)
+    for (int hh = 0; hh < h; ++hh) {
+      const float* src = ov + (static_cast<size_t>(hh) * n + t) * v;
+      std::copy(src, src + v, oc + (static_cast<size_t>(t) * h + hh) * v);
+    }
+  float* y = grow(t0_, static_cast<size_t>(n) * d);
+  linear(e, l.wo, oc, n, y);
+  for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) x[i] += y[i];
+
+  for (int t = 0; t < n; ++t)
+    rms_norm_row(x + static_cast<size_t>(t) * d, l.ffn_norm, d, p.rms_eps, xn + static_cast<size_t>(t) * d);
+  if (l.dense.present()) {
+    ffn(e, l.dense, xn, n, y);
+    for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) x[i] += y[i];
+    return;
+  }
+  linear(e, l.router, xn, n, grow(rl_, static_cast<size_t>(n) * p.n_experts));
+  route(n, l.router_bias);
+  moe_forward(e, xn, n, d, ids_.data(), ew_.data(), p.top_k, l.experts_gate, l.experts_up, l.experts_down,
+              p.n_experts, l.expert_ffn, y);
+  if (l.shared.present()) {
+    float* ys = grow(t1_, static_cast<size_t>(n) * d);
+    ffn(e, l.shared, xn, n, ys);
+    for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) y[i] += ys[i];
+  }
+  for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) x[i] += y[i];
+}
+
+// For every (head, query): scores against the keys it sees, softmax, and the probability-weighted
+// sum of the cached c_kv, each in one fixed order of its own.
+void Deepseek2Graph::attention(Engine& e, const float* cache, int n, int start) {
+  const int h = p_.n_head, c = p_.kv_lora, r = p_.qk_rope, w = width_;
+  const float scale = p_.attn_scale;
+  float* olat = grow(olat_, static_cast<size_t>(h) * n * c);
+  const float* qlat = qlat_.data();
+  const float* qpe = qpe_.data();
+  ThreadPool& pool = *e.pool;
+  if (scores_.size() < static_cast<size_t>(pool.size())) scores_.resize(pool.size());
+  for (auto& s : scores_) grow(s, static_cast<size_t>(start + n));
+
+  const auto one = [&](int item, int thread) {
+    const int t = item % n;
+    const size_t ht = static_cast<size_t>(item);  // item = head * n + t
+    const int keys = start + t + 1;
+    const float* qa = qlat + ht * c;
+    const float* qp = qpe + ht * r;
+    float* sc = scores_[thread].data();
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int s = 0; s < keys; ++s) {
+      const float* row = cache + static_cast<size_t>(s) * w;
+      const float dot = hsum(dot_lanes(qp, row + c, r, dot_lanes(qa, row, c, _mm256_setzero_ps())));
+      sc[s] = dot * scale;
+      mx = std::max(mx, sc[s]);
+    }
+    float sum = 0.0f;
+    for (int s = 0; s < keys; ++s) {
+      sc[s] = std::exp(sc[s] - mx);
+      sum += sc[s];
+    }
+    float* o = olat + ht * c;
+    std::fill(o, o + c, 0.0f);
+    for (int s = 0; s < keys; ++s) {
+      const float* row = cache + static_cast<size_t>(s) * w;
+      const __m256 ps = _mm256_set1_ps(sc[s]);
+      for (int i = 0; i < c; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(ps, _mm256_loadu_ps(row + i), _mm256_loadu_ps(o + i)));
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (int i = 0; i < c; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
+  };
+  const size_t work = static_cast<size_t>(h) * n * (start + n) * w;
+  if (work < kInlineAttention) {
+    for (int item = 0; item < h * n; ++item) one(item, 0);
+  } else {
+    pool.parallel_for(h * n, [&](int item, int thread) { one(item, thread); });
+  }
+}
+
+// Router logits rl_ [n, E] -> ids_ and ew_ [n, K]: gating, bias and group limit for selection, top-k
+// in descending selection score (ties: lower expert id first), weights from the gating probabilities.
+void Deepseek2Graph::route(int n, const float* bias) {
+  const Deepseek2Params& p = p_;
+  const int ne = p.n_experts, k = p.top_k;
+  if (ids_.size() < static_cast<size_t>(n) * k) ids_.resize(static_cast<size_t>(n) * k);
+  float* ew = grow(ew_, static_cast<size_t>(n) * k);
+  float* probs = grow(t2_, static_cast<size_t>(ne));
+  float* select = grow(t3_, static_cast<size_t>(ne) + p.n_groups);
+  float* group_score = select + ne;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int t = 0; t < n; ++t) {
+    const float* lg = rl_.data() + static_cast<size_t>(t) * ne;
+    if (p.gating == 2) {
+      for (int i = 0; i < ne; ++i) probs[i] = 1.0f / (1.0f + std::exp(-lg[i]));
+    } else {
+      float mx = neg_inf, sum = 0.0f;
+      for (int i = 0; i < ne; ++i) mx = std::max(mx, lg[i]);
+      for (int i = 0; i < ne; ++i) sum += probs[i] = std::exp(lg[i] - mx);
+      for (int i = 0; i < ne; ++i) probs[i] /= sum;
+    }
+    for (int i = 0; i < ne; ++i) select[i] = bias ? probs[i] + bias[i] : probs[i];
+    if (p.n_groups > 1) {
+      const int per = ne / p.n_groups;
+      for (int g = 0; g < p.n_groups; ++g) {  // group score: its two best selection scores
+        float a = neg_inf, b = neg_inf;
+        for (int i = g * per; i < (g + 1) * per; ++i) {
+          if (select[i] > a) {
+            b = a;
+            a = select[i];
+          } else if (select[i] > b) {
+            b = select[i];
+          }
+        }
+        group_score[g] = per >= 2 ? a + b : a;
+      }
+      for (int kept = 0; kept < p.groups_used; ++kept) {  // mark the best groups with +inf
+        int best = -1;
+        for (int g = 0; g < p.n_groups; ++g)
+          if (group_score[g] != std::numeric_limits<float>::infinity() && (best < 0 || group_score[g] > group_score[best]))
+            best = g;
+        group_score[best] = std::numeric_limits<float>::infinity();
+      }
+      for (int g = 0; g < p.n_groups; ++g)
+        if (group_score[g] != std::numeric_limits<float>::infinity())
+          std::fill(select + g * per, select + (g + 1) * per, neg_inf);
+    }
+    int32_t* id = ids_.data() + static_cast<size_t>(t) * k;
+    float* wt = ew + static_cast<size_t>(t) * k;
+    float wsum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      int best = -1;
+      for (int i = 0; i < ne; ++i) {
+        bool taken = false;
+        for (int m = 0; m < j; ++m) taken |= id[m] == i;
+        if (!taken && (best < 0 || select[i] > select[best])) best = i;
+      }
+      id[j] = best;
+      wt[j] = probs[best];
+      wsum += wt[j];
+    }
+    if (p.weight_norm) {
+      const float div = std::max(wsum, kWeightSumMin);
+      for (int j = 0; j < k; ++j) wt[j] /= div;
+    }
+    if (p.weight_scale != 0.0f && p.weight_scale != 1.0f)
+      for (int j = 0; j < k; ++j) wt[j] *= p.weight_scale;
+  }
+}
+
+void Deepseek2Graph::ffn(Engine& e, const GraphFFN& f, const float* x, int n, float* y) {
+  const size_t width = static_cast<size_t>(n) * f.gate.rows;
+  float* g = grow(t2_, width);
+  float* u = grow(t3_, width);
+  linear(e, f.gate, x, n, g);
+  linear(e, f.up, x, n, u);
+  silu_mul(g, u, static_cast<int>(width));
+  linear(e, f.down, g, n, y);
+}
+
+}  // namespace pocketmoe
