@@ -196,18 +196,19 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
     rope_row(src + c, cos2 + static_cast<size_t>(t) * r, sin2 + static_cast<size_t>(t) * r, r, dst + c);
   }
 
-  // Per head: q_nope [H, n, N] for k_b; roped q_pe [H, n, R].
+  // Per head and token: q_nope [H, n, N] for k_b; the attention query [H, n, W] = (q_nope k_b, roped q_pe).
   float* qn = grow(qn_, static_cast<size_t>(h) * n * nope);
-  float* qpe = grow(qpe_, static_cast<size_t>(h) * n * r);
+  float* qc = grow(qc_, static_cast<size_t>(h) * n * w);
   for (int hh = 0; hh < h; ++hh)
     for (int t = 0; t < n; ++t) {
       const float* src = q + (static_cast<size_t>(t) * h + hh) * qw;
       const size_t ht = static_cast<size_t>(hh) * n + t;
       std::copy(src, src + nope, qn + ht * nope);
-      rope_row(src + nope, cos2 + static_cast<size_t>(t) * r, sin2 + static_cast<size_t>(t) * r, r, qpe + ht * r);
+      rope_row(src + nope, cos2 + static_cast<size_t>(t) * r, sin2 + static_cast<size_t>(t) * r, r, qc + ht * w + c);
     }
   float* qlat = grow(qlat_, static_cast<size_t>(h) * n * c);
   gemm_batched(e, l.k_b.data, h, c, l.k_b.row_bytes, l.k_b.ggml_type, qn, n, nope, qlat);
+  for (size_t ht = 0; ht < static_cast<size_t>(h) * n; ++ht) std::copy(qlat + ht * c, qlat + (ht + 1) * c, qc + ht * w);
 
   attention(e, cache, n, start);
 
@@ -244,53 +245,98 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
   for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) x[i] += y[i];
 }
 
-// For every (head, query): scores against the keys it sees, softmax, and the probability-weighted
-// sum of the cached c_kv, each in one fixed order of its own.
+// Attention of one query for G heads (G <= 4) over `keys` cache rows of w values (c_kv: the first c):
+// scores, softmax, and the probability-weighted sum of c_kv. Each head's arithmetic is the same for
+// any G and any chunk the query came in, so it never depends on how the work was grouped.
+// q[j]: w values (q_lat, then roped q_pe); sc[j]: room for `keys` scores; o[j]: c outputs.
+template <int G>
+void attend(const float* cache, int keys, int w, int c, float scale, const float* const* q, float* const* sc,
+            float* const* o) {
+  // Two accumulators per head (even / odd groups of 8): the FMA chains are half as long.
+  for (int s = 0; s < keys; ++s) {
+    const float* row = cache + static_cast<size_t>(s) * w;
+    __m256 a[G][2];
+    for (int j = 0; j < G; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= w; i += 16) {
+      const __m256 r0 = _mm256_loadu_ps(row + i), r1 = _mm256_loadu_ps(row + i + 8);
+      for (int j = 0; j < G; ++j) {
+        a[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + i), r0, a[j][0]);
+        a[j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + i + 8), r1, a[j][1]);
+      }
+    }
+    if (i < w) {
+      const __m256 r0 = _mm256_loadu_ps(row + i);
+      for (int j = 0; j < G; ++j) a[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + i), r0, a[j][0]);
+    }
+    for (int j = 0; j < G; ++j) sc[j][s] = hsum(_mm256_add_ps(a[j][0], a[j][1])) * scale;
+  }
+  float inv[G];
+  for (int j = 0; j < G; ++j) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int s = 0; s < keys; ++s) mx = std::max(mx, sc[j][s]);
+    inv[j] = 1.0f / exp_shifted(sc[j], keys, mx);
+  }
+  // o[j] = sum_s p[j][s] * c_kv[s] / sum_j, 16 outputs of every head at a time (kept in registers).
+  for (int i0 = 0; i0 < c; i0 += 16) {
+    const int nv = c - i0 >= 16 ? 2 : 1;
+    __m256 acc[G][2];
+    for (int j = 0; j < G; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int s = 0; s < keys; ++s) {
+      const float* row = cache + static_cast<size_t>(s) * w + i0;
+      const __m256 r0 = _mm256_loadu_ps(row);
+      const __m256 r1 = nv == 2 ? _mm256_loadu_ps(row + 8) : _mm256_setzero_ps();
+      for (int j = 0; j < G; ++j) {
+        const __m256 p = _mm256_broadcast_ss(sc[j] + s);
+        acc[j][0] = _mm256_fmadd_ps(p, r0, acc[j][0]);
+        acc[j][1] = _mm256_fmadd_ps(p, r1, acc[j][1]);
+      }
+    }
+    for (int j = 0; j < G; ++j) {
+      const __m256 iv = _mm256_set1_ps(inv[j]);
+      _mm256_storeu_ps(o[j] + i0, _mm256_mul_ps(acc[j][0], iv));
+      if (nv == 2) _mm256_storeu_ps(o[j] + i0 + 8, _mm256_mul_ps(acc[j][1], iv));
+    }
+  }
+}
+
+// Every (query, group of up to 4 heads) is one work item; a query at position start + t sees keys
+// 0..start+t.
 void Deepseek2Graph::attention(Engine& e, const float* cache, int n, int start) {
-  const int h = p_.n_head, c = p_.kv_lora, r = p_.qk_rope, w = width_;
-  const float scale = p_.attn_scale;
+  constexpr int kGroup = 4;
+  const int h = p_.n_head, c = p_.kv_lora, w = width_;
+  const int groups = (h + kGroup - 1) / kGroup;
   float* olat = grow(olat_, static_cast<size_t>(h) * n * c);
-  const float* qlat = qlat_.data();
-  const float* qpe = qpe_.data();
+  const float* qc = qc_.data();
   ThreadPool& pool = *e.pool;
   if (scores_.size() < static_cast<size_t>(pool.size())) scores_.resize(pool.size());
-  for (auto& s : scores_) grow(s, static_cast<size_t>(start + n));
+  for (auto& s : scores_) grow(s, static_cast<size_t>(kGroup) * (start + n));
 
   const auto one = [&](int item, int thread) {
-    const int t = item % n;
-    const size_t ht = static_cast<size_t>(item);  // item = head * n + t
+    const int t = item / groups, h0 = (item % groups) * kGroup, g = std::min(kGroup, h - h0);
     const int keys = start + t + 1;
-    const float* qa = qlat + ht * c;
-    const float* qp = qpe + ht * r;
-    float* sc = scores_[thread].data();
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int s = 0; s < keys; ++s) {
-      const float* row = cache + static_cast<size_t>(s) * w;
-      const float dot = hsum(dot_lanes(qp, row + c, r, dot_lanes(qa, row, c, _mm256_setzero_ps())));
-      sc[s] = dot * scale;
-      mx = std::max(mx, sc[s]);
+    const float* q[kGroup];
+    float* sc[kGroup];
+    float* o[kGroup];
+    for (int j = 0; j < g; ++j) {
+      const size_t ht = static_cast<size_t>(h0 + j) * n + t;
+      q[j] = qc + ht * w;
+      sc[j] = scores_[thread].data() + static_cast<size_t>(j) * keys;
+      o[j] = olat + ht * c;
     }
-    float sum = 0.0f;
-    for (int s = 0; s < keys; ++s) {
-      sc[s] = std::exp(sc[s] - mx);
-      sum += sc[s];
+    switch (g) {
+      case 4: attend<4>(cache, keys, w, c, p_.attn_scale, q, sc, o); break;
+      case 3: attend<3>(cache, keys, w, c, p_.attn_scale, q, sc, o); break;
+      case 2: attend<2>(cache, keys, w, c, p_.attn_scale, q, sc, o); break;
+      default: attend<1>(cache, keys, w, c, p_.attn_scale, q, sc, o); break;
     }
-    float* o = olat + ht * c;
-    std::fill(o, o + c, 0.0f);
-    for (int s = 0; s < keys; ++s) {
-      const float* row = cache + static_cast<size_t>(s) * w;
-      const __m256 ps = _mm256_set1_ps(sc[s]);
-      for (int i = 0; i < c; i += 8)
-        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(ps, _mm256_loadu_ps(row + i), _mm256_loadu_ps(o + i)));
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (int i = 0; i < c; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
   };
+  const int items = n * groups;
   const size_t work = static_cast<size_t>(h) * n * (start + n) * w;
   if (work < kInlineAttention) {
-    for (int item = 0; item < h * n; ++item) one(item, 0);
+    for (int item = 0; item < items; ++item) one(item, 0);
   } else {
-    pool.parallel_for(h * n, [&](int item, int thread) { one(item, thread); });
+    pool.parallel_for(items, [&](int item, int thread) { one(item, thread); });
   }
 }
 

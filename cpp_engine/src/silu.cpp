@@ -42,4 +42,25 @@ void silu_mul(float* g, const float* u, int n) {
   }
 }
 
+float exp_shifted(float* x, int n, float shift) {
+  const __m256 sh = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  float sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+  if (i < n) {
+    float t[8] = {};
+    for (int j = i; j < n; ++j) t[j - i] = x[j];
+    _mm256_storeu_ps(t, exp8(_mm256_sub_ps(_mm256_loadu_ps(t), sh)));
+    for (int j = i; j < n; ++j) sum += x[j] = t[j - i];
+  }
+  return sum;
+}
+
 }  // namespace pocketmoe

@@ -88,9 +88,9 @@ class Deepseek2Graph {
   int n_ctx_;
   int width_;                        // cached values per token per layer: kv_lora + qk_rope
   // Buffers sized for the largest chunk so far, reused by every call.
-  std::vector<float> x_, xn_, q_, qa_, kv_, qn_, qlat_, qpe_, olat_, ov_, oc_, t0_, t1_, t2_, t3_, rl_, ew_;
+  std::vector<float> x_, xn_, q_, qa_, kv_, qn_, qlat_, qc_, olat_, ov_, oc_, t0_, t1_, t2_, t3_, rl_, ew_;
   std::vector<int32_t> ids_;
-  std::vector<std::vector<float>> scores_;  // per pool thread: one row of attention scores
+  std::vector<std::vector<float>> scores_;  // per pool thread: attention scores of one work item
 };
 
 }  // namespace pocketmoe
