@@ -59,6 +59,9 @@ void quantize_act_blocks(ActFormat format, const float* src, int cols, int block
     const float* x = src + static_cast<ptrdiff_t>(b - block_begin) * bv;
     int8_t* q = qs + static_cast<ptrdiff_t>(b) * bv;
     d[b] = quantize_block(x, bv, q);
+    // llama.cpp's block_q8_0 stores its scale as fp16 (the values are rounded with the fp32 one): the
+    // dot products then multiply by that fp16 value, and so do ours.
+    if (format == ActFormat::kQ8_0) d[b] = _cvtsh_ss(_cvtss_sh(d[b], _MM_FROUND_TO_NEAREST_INT));
     for (int i = 0; i < bv / kSumValues[format == ActFormat::kQ8_K]; ++i) {
       const int n = kSumValues[format == ActFormat::kQ8_K];
       int s = 0;
