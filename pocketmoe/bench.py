@@ -128,6 +128,8 @@ def render(r: dict[str, Any]) -> str:
              f"prompt {r['prompt_tokens']} tokens, {r['gen_tokens']} generated, median of {r['repeats']}",
              "", table(["engine", "backend", "prefill tok/s", "decode tok/s", "peak RSS", "peak anon", "load s"],
                        rows), ""]
+    if r["pocketmoe"].get("detail"):
+        lines.append(f"pocketmoe: {r['pocketmoe']['detail']}")
     if r["greedy_agreement"]:
         g = r["greedy_agreement"]
         lines.append(f"greedy tokens: {g['matching_prefix_tokens']} of {g['compared_tokens']} agree before "

@@ -65,4 +65,6 @@ def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto"
     vocab = llm.runner.vocab_size
     ids = prompt_ids(s.prompt_tokens, vocab, ordinary_token_ids(llm.tokenizer, vocab))
     m = measure(_RunnerStepper(llm.runner), ids, s.gen_tokens, s.repeats, mem.sample)
-    return engine_result(llm.backend_name, m, mem, load_s), ids, m.tokens, llm
+    result = engine_result(llm.backend_name, m, mem, load_s)
+    result["detail"] = llm.backend_detail  # kernels, threads and which path ran (native graph or per op)
+    return result, ids, m.tokens, llm
