@@ -36,8 +36,9 @@ from deepseek2_fixture import Tiny, ds2_config, gguf_state_dict, hf_model, quant
 from gguf import GGMLQuantizationType as Q
 
 from pocketmoe import native
-from pocketmoe.engine import ModelRunner, RunnerConfig
+from pocketmoe.engine import ContextLengthError, ModelRunner, RunnerConfig
 from pocketmoe.engine.backends import make_backends
+from pocketmoe.errors import PocketMoEError
 from pocketmoe.gguf import open_bundle
 from pocketmoe.testing.synth import write_fixture
 
@@ -343,3 +344,16 @@ def test_generate_cli_native_json(synth) -> None:
     assert out["backend"] == "native"
     assert out["completion_tokens"] == 5
     assert out["token_ids"] == runner(path, "native").generate_greedy(ids, 5)
+
+
+def test_graph_decode_checks_its_input(synth) -> None:
+    r = runner(synth["Q4_K_M"], "native", n_ctx=8)
+    assert r.graph is not None
+    r.forward([1, 2, 3], 0)
+    with pytest.raises(PocketMoEError, match="token id 512 is outside the vocabulary of 512"):
+        r.decode(512, 3)
+    with pytest.raises(ContextLengthError, match="position 8 does not fit in the context of 8"):
+        r.decode(1, 8)
+    with pytest.raises(ContextLengthError, match=r"positions 6\.\.8 do not fit"):
+        r.forward([1, 2, 3], 6)
+    assert torch.equal(r.decode(4, 3), r.forward([4], 3)[0])  # still usable after the errors

@@ -43,12 +43,20 @@ class NativeGraph:
 
         self.native = native
         self.model, self.cache, self.handle = model, cache, handle
+        self._one = np.zeros(1, dtype=np.int32)
 
     def forward(self, tokens: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
         cos2, sin2 = self.model.rotary.span(start, tokens.numel())
         logits = self.native.graph_forward(self.handle, tokens.to(torch.int32).numpy(), start, cos2.numpy(),
                                            sin2.numpy(), last_only)
         return torch.from_numpy(logits)
+
+    def decode(self, token: int, pos: int) -> torch.Tensor:
+        """logits [V] of one token at position pos (forward's work without its per-call tensors)."""
+        cos2, sin2 = self.model.rotary.span(pos, 1)
+        self._one[0] = token
+        logits = self.native.graph_forward(self.handle, self._one, pos, cos2.numpy(), sin2.numpy(), True)
+        return torch.from_numpy(logits[0])
 
 
 def _floats(t: torch.Tensor | None, what: str) -> np.ndarray | None:

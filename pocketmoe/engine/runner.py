@@ -156,7 +156,15 @@ class ModelRunner:
 
     def decode(self, token: int, pos: int) -> torch.Tensor:
         """One token at position pos -> logits [V]."""
-        return self.forward([token], pos)[0]
+        if self.graph is None:
+            return self.forward([token], pos)[0]
+        # The same checks as forward, without building tensors for one token (decode runs per token).
+        if not 0 <= token < self.vocab_size:
+            raise PocketMoEError(f"token id {token} is outside the vocabulary of {self.vocab_size} tokens.")
+        if not 0 <= pos < self.cfg.n_ctx:
+            raise ContextLengthError(f"position {pos} does not fit in the context of {self.cfg.n_ctx} tokens; "
+                                     "raise n_ctx or shorten the input.")
+        return self.graph.decode(int(token), pos)
 
     def generate_greedy(self, prompt: Sequence[int], max_tokens: int) -> list[int]:
         """Argmax continuation of `prompt` (the cache is overwritten from position 0)."""
