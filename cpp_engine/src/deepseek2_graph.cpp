@@ -172,13 +172,16 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
   for (int t = 0; t < n; ++t)
     rms_norm_row(x + static_cast<size_t>(t) * d, l.attn_norm, d, p.rms_eps, xn + static_cast<size_t>(t) * d);
 
-  // q [n, H*(N+R)], directly or through the LoRA pair.
+  // q [n, H*(N+R)] (directly, or q_a for the LoRA pair) and the cache rows' inputs [n, W], in one dispatch.
   float* q = grow(q_, static_cast<size_t>(n) * h * qw);
-  if (l.wq.present()) {
-    linear(e, l.wq, xn, n, q);
-  } else {
-    float* qa = grow(qa_, static_cast<size_t>(n) * p.q_lora);
-    linear(e, l.wq_a, xn, n, qa);
+  float* kv = grow(kv_, static_cast<size_t>(n) * w);
+  const GraphLinear& first = l.wq.present() ? l.wq : l.wq_a;
+  float* first_out = l.wq.present() ? q : grow(qa_, static_cast<size_t>(n) * p.q_lora);
+  const GemmOp ops[2] = {{first.data, first.rows, first.row_bytes, first.ggml_type, first_out},
+                         {l.wkv_a.data, l.wkv_a.rows, l.wkv_a.row_bytes, l.wkv_a.ggml_type, kv}};
+  gemm_multi(e, ops, 2, xn, n, d);
+  if (!l.wq.present()) {
+    float* qa = qa_.data();
     for (int t = 0; t < n; ++t) {
       float* row = qa + static_cast<size_t>(t) * p.q_lora;
       rms_norm_row(row, l.q_a_norm, p.q_lora, p.rms_eps, row);
@@ -187,8 +190,6 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
   }
 
   // Cache rows of these positions: normed c_kv, then roped k_pe.
-  float* kv = grow(kv_, static_cast<size_t>(n) * w);
-  linear(e, l.wkv_a, xn, n, kv);
   for (int t = 0; t < n; ++t) {
     const float* src = kv + static_cast<size_t>(t) * w;
     float* dst = cache + static_cast<size_t>(start + t) * w;
@@ -414,8 +415,9 @@ void Deepseek2Graph::ffn(Engine& e, const GraphFFN& f, const float* x, int n, fl
   const size_t width = static_cast<size_t>(n) * f.gate.rows;
   float* g = grow(t2_, width);
   float* u = grow(t3_, width);
-  linear(e, f.gate, x, n, g);
-  linear(e, f.up, x, n, u);
+  const GemmOp ops[2] = {{f.gate.data, f.gate.rows, f.gate.row_bytes, f.gate.ggml_type, g},
+                         {f.up.data, f.up.rows, f.up.row_bytes, f.up.ggml_type, u}};
+  gemm_multi(e, ops, 2, x, n, f.gate.cols);
   silu_mul(g, u, static_cast<int>(width));
   linear(e, f.down, g, n, y);
 }

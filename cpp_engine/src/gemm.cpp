@@ -30,58 +30,92 @@ void gemm(const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, cons
 
 void gemm(Engine& e, const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens,
           int cols, float* y) {
-  const TypeInfo& type = type_info(ggml_type);
-  const size_t expected = weight_row_bytes(type, cols);
-  if (row_bytes != expected)
-    throw std::invalid_argument(std::string("gemm: a ") + type.name + " row of " + std::to_string(cols) +
-                                " values is " + std::to_string(expected) + " bytes, the weight has " +
-                                std::to_string(row_bytes));
-  if (rows <= 0 || n_tokens <= 0) return;
+  const GemmOp op{weight, rows, row_bytes, ggml_type, y};
+  gemm_multi(e, &op, 1, x, n_tokens, cols);
+}
+
+void gemm_multi(Engine& e, const GemmOp* ops, int n_ops, const float* x, int n_tokens, int cols) {
+  size_t work = 0;
+  for (int i = 0; i < n_ops; ++i) {
+    const GemmOp& op = ops[i];
+    const TypeInfo& type = type_info(op.ggml_type);
+    const size_t expected = weight_row_bytes(type, cols);
+    if (op.row_bytes != expected)
+      throw std::invalid_argument(std::string("gemm: a ") + type.name + " row of " + std::to_string(cols) +
+                                  " values is " + std::to_string(expected) + " bytes, the weight has " +
+                                  std::to_string(op.row_bytes));
+    work += static_cast<size_t>(std::max(op.rows, 0)) * op.row_bytes * static_cast<size_t>((n_tokens + 3) / 4);
+  }
+  if (n_tokens <= 0 || work == 0) return;
 
   ThreadPool& pool = *e.pool;
   Workspace& ws = e.ws;
+  const bool inline_call = work < kInlineWork;
 
-  const bool inline_call = static_cast<size_t>(rows) * row_bytes * static_cast<size_t>((n_tokens + 3) / 4) < kInlineWork;
-  const uint8_t** acts = ws.act_ptrs[0].get_as<const uint8_t*>(n_tokens);
-  if (type.act == ActFormat::kF32) {
-    for (int t = 0; t < n_tokens; ++t) acts[t] = reinterpret_cast<const uint8_t*>(x + static_cast<size_t>(t) * cols);
-  } else {
-    const size_t arb = act_row_bytes(type.act, cols);
-    uint8_t* buf = ws.acts[0].get(arb * n_tokens);
-    for (int t = 0; t < n_tokens; ++t) acts[t] = buf + arb * t;
+  // The activation rows in each format the ops need, quantized once: Q8_K in slot 0, Q8_0 in slot 1.
+  const uint8_t** acts[2] = {nullptr, nullptr};
+  const uint8_t** f32_acts = nullptr;
+  for (int i = 0; i < n_ops; ++i) {
+    const ActFormat fmt = type_info(ops[i].ggml_type).act;
+    if (fmt == ActFormat::kF32) {
+      if (f32_acts) continue;
+      f32_acts = ws.f32_ptrs.get_as<const uint8_t*>(n_tokens);
+      for (int t = 0; t < n_tokens; ++t) f32_acts[t] = reinterpret_cast<const uint8_t*>(x + static_cast<size_t>(t) * cols);
+      continue;
+    }
+    const int slot = fmt == ActFormat::kQ8_K ? 0 : 1;
+    if (acts[slot]) continue;
+    const size_t arb = act_row_bytes(fmt, cols);
+    uint8_t* buf = ws.acts[slot].get(arb * n_tokens);
+    acts[slot] = ws.act_ptrs[slot].get_as<const uint8_t*>(n_tokens);
+    for (int t = 0; t < n_tokens; ++t) acts[slot][t] = buf + arb * t;
     if (inline_call || n_tokens == 1) {
-      for (int t = 0; t < n_tokens; ++t) quantize_act_row(type.act, x + static_cast<size_t>(t) * cols, cols, buf + arb * t);
+      for (int t = 0; t < n_tokens; ++t) quantize_act_row(fmt, x + static_cast<size_t>(t) * cols, cols, buf + arb * t);
     } else {
       pool.parallel_for(n_tokens, [&](int t, int) {
-        quantize_act_row(type.act, x + static_cast<size_t>(t) * cols, cols, buf + arb * t);
+        quantize_act_row(fmt, x + static_cast<size_t>(t) * cols, cols, buf + arb * t);
       });
     }
   }
 
-  const size_t scratch = matmul_scratch_bytes(ggml_type, cols);
-  for (Buffer& b : ws.per_thread) b.get(scratch + 64);
+  // Work items: (op, row block, token chunk), about 8 per thread for each op.
+  constexpr int kMaxOps = 4;
+  if (n_ops > kMaxOps) throw std::invalid_argument("gemm_multi: at most 4 weights per call");
+  int rows_per_item[kMaxOps], row_items[kMaxOps], first_item[kMaxOps + 1];
+  size_t scratch = 0;
   const int token_chunks = (n_tokens + kTokenChunk - 1) / kTokenChunk;
-  const int target_items = inline_call ? 1 : std::max(1, pool.size() * 8 / token_chunks);
-  const int rows_per_item =
-      inline_call ? rows : std::min(rows, std::max(16, round_up((rows + target_items - 1) / target_items, 8)));
-  const int row_items = (rows + rows_per_item - 1) / rows_per_item;
-  const MatmulFn fn = matmul_kernel(ggml_type);
+  first_item[0] = 0;
+  for (int i = 0; i < n_ops; ++i) {
+    const int rows = std::max(ops[i].rows, 0);
+    const int target_items = inline_call ? 1 : std::max(1, pool.size() * 8 / token_chunks);
+    rows_per_item[i] =
+        inline_call ? std::max(rows, 1) : std::min(rows, std::max(16, round_up((rows + target_items - 1) / target_items, 8)));
+    row_items[i] = rows == 0 ? 0 : (rows + rows_per_item[i] - 1) / rows_per_item[i];
+    first_item[i + 1] = first_item[i] + row_items[i] * token_chunks;
+    scratch = std::max(scratch, matmul_scratch_bytes(ops[i].ggml_type, cols));
+  }
+  for (Buffer& b : ws.per_thread) b.get(scratch + 64);
 
-  pool.parallel_for(row_items * token_chunks, [&](int item, int thread) {
-    const int r0 = (item % row_items) * rows_per_item;
-    const int t0 = (item / row_items) * kTokenChunk;
+  pool.parallel_for(first_item[n_ops], [&](int item, int thread) {
+    int i = 0;
+    while (item >= first_item[i + 1]) ++i;
+    const GemmOp& op = ops[i];
+    const int local = item - first_item[i];
+    const int r0 = (local % row_items[i]) * rows_per_item[i];
+    const int t0 = (local / row_items[i]) * kTokenChunk;
+    const ActFormat fmt = type_info(op.ggml_type).act;
     MatmulTask task{};
-    task.weight = weight;
-    task.row_bytes = row_bytes;
+    task.weight = op.weight;
+    task.row_bytes = op.row_bytes;
     task.cols = cols;
     task.row_begin = r0;
-    task.row_end = std::min(rows, r0 + rows_per_item);
-    task.acts = acts + t0;
+    task.row_end = std::min(op.rows, r0 + rows_per_item[i]);
+    task.acts = (fmt == ActFormat::kF32 ? f32_acts : acts[fmt == ActFormat::kQ8_K ? 0 : 1]) + t0;
     task.n_tokens = std::min(kTokenChunk, n_tokens - t0);
-    task.out = y + static_cast<size_t>(t0) * rows + r0;
-    task.out_stride = rows;
+    task.out = op.y + static_cast<size_t>(t0) * op.rows + r0;
+    task.out_stride = op.rows;
     task.scratch = ws.per_thread[thread].get(scratch + 64);
-    fn(task);
+    matmul_kernel(op.ggml_type)(task);
   });
 }
 

@@ -33,6 +33,7 @@ class Buffer {
 struct Workspace {
   Buffer acts[2];
   Buffer act_ptrs[2];
+  Buffer f32_ptrs;
   Buffer hidden;
   Buffer hidden_ptrs;
   Buffer ints;
@@ -54,6 +55,16 @@ Engine& acquire_engine(std::unique_lock<std::mutex>& lock);
 struct MoEWeights;
 void gemm(Engine& e, const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens,
           int cols, float* y);
+// Several weights applied to the same x [T, cols] in one pool dispatch, x quantized once per format;
+// op.y gets [T, op.rows], bitwise what gemm gives for that weight alone.
+struct GemmOp {
+  const uint8_t* weight;
+  int rows;
+  size_t row_bytes;
+  int ggml_type;
+  float* y;
+};
+void gemm_multi(Engine& e, const GemmOp* ops, int n_ops, const float* x, int n_tokens, int cols);
 void gemm_batched(Engine& e, const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type,
                   const float* x, int n_tokens, int cols, float* y);
 void moe_forward(Engine& e, const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
