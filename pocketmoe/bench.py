@@ -1,7 +1,7 @@
 """Benchmark prefill and decode speed against llama.cpp and the host's memory-bandwidth bound.
 
     python -m pocketmoe.bench --model PATH [--prompt-tokens 128] [--gen-tokens 128] [--threads N]
-        [--llama-cpp] [--json] [--repeats N] [--backend auto|native|reference] [--n-ctx C]
+        [--llama-cpp] [--json] [--profile] [--repeats N] [--backend auto|native|reference] [--n-ctx C]
 
 Both engines get the same fixed pseudo-random prompt of ordinary token ids (no BOS). Prefill is one
 pass over the prompt from position 0; decode is --gen-tokens greedy single-token steps. A warm-up
@@ -39,6 +39,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size for the read-bandwidth probe")
     p.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp (llama-cpp-python)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where the native graph's time goes, per op (always in --json)")
     p.add_argument("--engine", default="pocketmoe", choices=["pocketmoe", "llama-cpp"], help=argparse.SUPPRESS)
     p.add_argument("--token-ids", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -115,7 +117,7 @@ def run(model: Path, s: BenchSettings, backend: str, llama: bool, bandwidth_mib:
     }
 
 
-def render(r: dict[str, Any]) -> str:
+def render(r: dict[str, Any], profile: bool = False) -> str:
     engines = [("pocketmoe", r["pocketmoe"])] + ([("llama.cpp", r["llama_cpp"])] if r["llama_cpp"] else [])
     bound = r["bound"]
     rows = [[name, e["backend"], f"{e['prefill_tok_s']:.2f}", f"{e['decode_tok_s']:.2f}",
@@ -141,7 +143,26 @@ def render(r: dict[str, Any]) -> str:
         frac = r["llama_cpp"]["decode_tok_s"] / bound["decode_tok_s_bound"]
         lines.append(f"       llama.cpp reaches {100 * frac:.1f}%")
     lines.append(f"       ({bound['method']})")
+    if profile and r["pocketmoe"].get("profile"):
+        lines += ["", render_profile(r["pocketmoe"]["profile"])]
     return "\n".join(lines)
+
+
+def render_profile(prof: dict[str, Any]) -> str:
+    """Per-op ms per token of the native graph, prefill and decode side by side."""
+    ops = list(prof["decode"]["ms_per_token"])
+    rows = []
+    for op in ops:
+        cells = [op]
+        for phase in ("prefill", "decode"):
+            ms = prof[phase]["ms_per_token"][op]
+            total = sum(prof[phase]["ms_per_token"].values()) or 1.0
+            cells += [f"{ms:.3f}", f"{100 * ms / total:.1f}%"]
+        rows.append(cells)
+    totals = ["total"] + [c for ph in ("prefill", "decode")
+                          for c in (f"{sum(prof[ph]['ms_per_token'].values()):.3f}", "")]
+    return "native graph, ms per token by op (last timed run):\n" + table(
+        ["op", "prefill ms", "share", "decode ms", "share"], rows + [totals])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.engine == "llama-cpp":
         return llama_child(args, s)
     report = run(model, s, args.backend, args.llama_cpp, args.bandwidth_mib)
-    print(json.dumps(report) if args.json else render(report))
+    print(json.dumps(report) if args.json else render(report, args.profile))
     return 0
 
 

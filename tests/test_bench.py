@@ -85,6 +85,25 @@ def test_bytes_per_token_matches_gguf_reader(report: dict, model: Path) -> None:
 def test_table_render(report: dict) -> None:
     text = render(report)
     assert "pocketmoe" in text and "prefill tok/s" in text and "GB/s" in text
+    assert "by op" in render(report, profile=True)
+
+
+def test_graph_profile_accounts_for_the_time(report: dict) -> None:
+    """The native graph's per-op profile: prefill covers the 8 prompt tokens, decode the 4 steps, and the ops
+    add up to no more than the measured wall time per token (the runner's Python adds a little)."""
+    from pocketmoe import native
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    ours = report["pocketmoe"]
+    assert "whole-model native graph" in ours["detail"]
+    prof = ours["profile"]
+    assert prof["prefill"]["tokens"] == 8 and prof["decode"]["tokens"] == 4
+    for phase, rate in (("prefill", ours["prefill_tok_s"]), ("decode", ours["decode_tok_s"])):
+        ms = prof[phase]["ms_per_token"]
+        assert {"experts", "attention", "head"} <= ms.keys()
+        assert all(v >= 0 for v in ms.values()) and ms["experts"] > 0
+        assert sum(ms.values()) <= 1e3 / rate * 1.05
 
 
 def test_prompt_ids_deterministic_and_ordinary() -> None:

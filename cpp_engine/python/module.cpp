@@ -330,6 +330,17 @@ py::array_t<float> graph_forward(GraphHandle& h, const py::handle& tokens, int s
   return logits;
 }
 
+py::dict graph_profile(const GraphHandle& h) {
+  const GraphProfile& prof = h.graph->profile();
+  py::dict seconds;
+  for (int op = 0; op < GraphProfile::kCount; ++op) seconds[GraphProfile::name(op)] = prof.seconds[op];
+  py::dict out;
+  out["seconds"] = seconds;
+  out["calls"] = prof.calls;
+  out["tokens"] = prof.tokens;
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -353,7 +364,9 @@ PYBIND11_MODULE(_native, m) {
            py::arg("head"), py::arg("cache"))
       .def("forward", &graph_forward, py::arg("tokens"), py::arg("start"), py::arg("cos2"), py::arg("sin2"),
            py::arg("last_only") = false,
-           "logits [n or 1, vocab] of tokens [n] at positions start..; writes their cache rows.");
+           "logits [n or 1, vocab] of tokens [n] at positions start..; writes their cache rows.")
+      .def("profile", &graph_profile, "{'seconds': {op: s}, 'calls': n, 'tokens': n} since the last reset.")
+      .def("reset_profile", [](GraphHandle& h) { h.graph->reset_profile(); });
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("describe", &describe);

@@ -84,6 +84,12 @@ void linear(Engine& e, const GraphLinear& w, const float* x, int n, float* y) {
 
 }  // namespace
 
+const char* GraphProfile::name(int op) {
+  static const char* const names[kCount] = {"embed",  "norms",   "q_kv_a",  "rope_cache", "k_b",    "attention", "v_b",
+                                            "attn_output", "router", "experts", "shared",     "dense_ffn", "head"};
+  return op >= 0 && op < kCount ? names[op] : "?";
+}
+
 Deepseek2Graph::Deepseek2Graph(const Deepseek2Params& params, std::vector<Deepseek2Layer> layers, GraphLinear embed,
                                const float* output_norm, GraphLinear head, float* cache, int n_ctx)
     : p_(params),
@@ -147,19 +153,26 @@ void Deepseek2Graph::forward(const int32_t* tokens, int n, int start, const floa
 
   std::unique_lock<std::mutex> lock;
   Engine& e = acquire_engine(lock);
+  Laps laps{profile_};
+  ++profile_.calls;
+  profile_.tokens += n;
   const int d = p_.hidden;
   float* x = grow(x_, static_cast<size_t>(n) * d);
   for (int t = 0; t < n; ++t)
     dequantize_row(embed_.ggml_type, embed_.data + embed_.row_bytes * tokens[t], d, x + static_cast<size_t>(t) * d);
+  laps.lap(GraphProfile::kEmbed);
 
   const size_t layer_stride = static_cast<size_t>(n_ctx_) * width_;
   for (size_t i = 0; i < layers_.size(); ++i) layer(e, layers_[i], cache_ + i * layer_stride, n, start, cos2, sin2);
 
+  laps.last = std::chrono::steady_clock::now();  // the layers keep laps of their own
   const int first = last_only ? n - 1 : 0;
   float* xn = grow(xn_, static_cast<size_t>(n) * d);
   for (int t = first; t < n; ++t)
     rms_norm_row(x + static_cast<size_t>(t) * d, output_norm_, d, p_.rms_eps, xn + static_cast<size_t>(t - first) * d);
+  laps.lap(GraphProfile::kNorm);
   linear(e, head_, xn, n - first, logits);
+  laps.lap(GraphProfile::kHead);
 }
 
 void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int n, int start, const float* cos2,
@@ -167,10 +180,12 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
   const Deepseek2Params& p = p_;
   const int d = p.hidden, h = p.n_head, nope = p.qk_nope, r = p.qk_rope, c = p.kv_lora, w = width_;
   const int qw = nope + r;
+  Laps laps{profile_};
   float* x = x_.data();
   float* xn = grow(xn_, static_cast<size_t>(n) * d);
   for (int t = 0; t < n; ++t)
     rms_norm_row(x + static_cast<size_t>(t) * d, l.attn_norm, d, p.rms_eps, xn + static_cast<size_t>(t) * d);
+  laps.lap(GraphProfile::kNorm);
 
   // q [n, H*(N+R)] (directly, or q_a for the LoRA pair) and the cache rows' inputs [n, W], in one dispatch.
   float* q = grow(q_, static_cast<size_t>(n) * h * qw);
@@ -188,6 +203,7 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
     }
     linear(e, l.wq_b, qa, n, q);
   }
+  laps.lap(GraphProfile::kQKV);
 
   // Cache rows of these positions: normed c_kv, then roped k_pe.
   for (int t = 0; t < n; ++t) {
@@ -207,11 +223,14 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
       std::copy(src, src + nope, qn + ht * nope);
       rope_row(src + nope, cos2 + static_cast<size_t>(t) * r, sin2 + static_cast<size_t>(t) * r, r, qc + ht * w + c);
     }
+  laps.lap(GraphProfile::kRopeCache);
   float* qlat = grow(qlat_, static_cast<size_t>(h) * n * c);
   gemm_batched(e, l.k_b.data, h, c, l.k_b.row_bytes, l.k_b.ggml_type, qn, n, nope, qlat);
   for (size_t ht = 0; ht < static_cast<size_t>(h) * n; ++ht) std::copy(qlat + ht * c, qlat + (ht + 1) * c, qc + ht * w);
+  laps.lap(GraphProfile::kKB);
 
   attention(e, cache, n, start);
+  laps.lap(GraphProfile::kAttention);
 
   // o_lat [H, n, C] -> per head v [H, n, V] -> [n, H*V] -> attn_output.
   const int v = p.v_head;
@@ -223,27 +242,34 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
       const float* src = ov + (static_cast<size_t>(hh) * n + t) * v;
       std::copy(src, src + v, oc + (static_cast<size_t>(t) * h + hh) * v);
     }
+  laps.lap(GraphProfile::kVB);
   float* y = grow(t0_, static_cast<size_t>(n) * d);
   linear(e, l.wo, oc, n, y);
   for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) x[i] += y[i];
+  laps.lap(GraphProfile::kAttnOut);
 
   for (int t = 0; t < n; ++t)
     rms_norm_row(x + static_cast<size_t>(t) * d, l.ffn_norm, d, p.rms_eps, xn + static_cast<size_t>(t) * d);
+  laps.lap(GraphProfile::kNorm);
   if (l.dense.present()) {
     ffn(e, l.dense, xn, n, y);
     for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) x[i] += y[i];
+    laps.lap(GraphProfile::kDense);
     return;
   }
   linear(e, l.router, xn, n, grow(rl_, static_cast<size_t>(n) * p.n_experts));
   route(n, l.router_bias);
+  laps.lap(GraphProfile::kRouter);
   moe_forward(e, xn, n, d, ids_.data(), ew_.data(), p.top_k, l.experts_gate, l.experts_up, l.experts_down,
               p.n_experts, l.expert_ffn, y);
+  laps.lap(GraphProfile::kExperts);
   if (l.shared.present()) {
     float* ys = grow(t1_, static_cast<size_t>(n) * d);
     ffn(e, l.shared, xn, n, ys);
     for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) y[i] += ys[i];
   }
   for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) x[i] += y[i];
+  laps.lap(GraphProfile::kShared);
 }
 
 // Attention of one query for G heads (G <= 4) over `keys` cache rows of w values (c_kv: the first c):

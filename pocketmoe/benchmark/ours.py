@@ -36,11 +36,32 @@ def engine_result(backend: str, m: Measured, mem: MemoryWatch, load_s: float) ->
 
 
 class _RunnerStepper:
+    """With the native graph, keeps its per-op profile of the latest prefill, and of the decodes since."""
+
     def __init__(self, runner: Any) -> None:
         self.runner = runner
+        self.graph = runner.graph
+        self.prefill_profile: dict[str, Any] | None = None
 
     def prefill(self, ids: Sequence[int]) -> int:
-        return int(self.runner.forward(ids, 0, last_only=True)[0].argmax())
+        if self.graph is not None:
+            self.graph.reset_profile()
+        tok = int(self.runner.forward(ids, 0, last_only=True)[0].argmax())
+        if self.graph is not None:
+            self.prefill_profile = self.graph.profile()
+            self.graph.reset_profile()
+        return tok
+
+    def profiles(self) -> dict[str, Any] | None:
+        """{"prefill"|"decode": {"ms_per_token": {op: ms}, "tokens": n}} of the last timed run."""
+        if self.graph is None or self.prefill_profile is None:
+            return None
+        out = {}
+        for phase, prof in (("prefill", self.prefill_profile), ("decode", self.graph.profile())):
+            n = max(int(prof["tokens"]), 1)
+            out[phase] = {"tokens": int(prof["tokens"]),
+                          "ms_per_token": {op: round(1e3 * s / n, 4) for op, s in prof["seconds"].items()}}
+        return out
 
     def decode(self, token: int, pos: int) -> int:
         return int(self.runner.decode(token, pos).argmax())
@@ -64,7 +85,9 @@ def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto"
     load_s = time.perf_counter() - t0
     vocab = llm.runner.vocab_size
     ids = prompt_ids(s.prompt_tokens, vocab, ordinary_token_ids(llm.tokenizer, vocab))
-    m = measure(_RunnerStepper(llm.runner), ids, s.gen_tokens, s.repeats, mem.sample)
+    stepper = _RunnerStepper(llm.runner)
+    m = measure(stepper, ids, s.gen_tokens, s.repeats, mem.sample)
     result = engine_result(llm.backend_name, m, mem, load_s)
     result["detail"] = llm.backend_detail  # kernels, threads and which path ran (native graph or per op)
+    result["profile"] = stepper.profiles()  # per-op time of the native graph, None on the per-op path
     return result, ids, m.tokens, llm

@@ -58,6 +58,13 @@ class NativeGraph:
         logits = self.native.graph_forward(self.handle, self._one, pos, cos2.numpy(), sin2.numpy(), True)
         return torch.from_numpy(logits[0])
 
+    def profile(self) -> dict[str, object]:
+        """Wall seconds per op since the last reset: {"seconds": {op: s}, "calls": n, "tokens": n}."""
+        return self.handle.profile()
+
+    def reset_profile(self) -> None:
+        self.handle.reset_profile()
+
 
 def _floats(t: torch.Tensor | None, what: str) -> np.ndarray | None:
     if t is None:

@@ -6,6 +6,8 @@
 // are bitwise the same whether it came in a prefill chunk of any size or alone in decode.
 #pragma once
 
+#include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -58,6 +60,16 @@ struct Deepseek2Params {
   float weight_scale = 1.0f;
 };
 
+// Where a forward's time goes, summed over calls until reset (the caller's wall clock, pool included).
+struct GraphProfile {
+  enum Op { kEmbed, kNorm, kQKV, kRopeCache, kKB, kAttention, kVB, kAttnOut, kRouter, kExperts, kShared, kDense,
+            kHead, kCount };
+  static const char* name(int op);
+  std::array<double, kCount> seconds{};
+  long long calls = 0;
+  long long tokens = 0;
+};
+
 class Deepseek2Graph {
  public:
   // cache: [layers, n_ctx, kv_lora + qk_rope] float32, written at the positions each forward covers.
@@ -71,6 +83,8 @@ class Deepseek2Graph {
                float* logits);
 
   int vocab() const { return head_.rows; }
+  const GraphProfile& profile() const { return profile_; }
+  void reset_profile() { profile_ = GraphProfile{}; }
   int n_ctx() const { return n_ctx_; }
 
  private:
@@ -80,7 +94,19 @@ class Deepseek2Graph {
   void route(int n, const float* bias);
   void ffn(Engine& e, const GraphFFN& f, const float* x, int n, float* y);
 
+  // Adds the time since the previous lap to an op (a steady_clock read: ~20 ns, ~15 per layer).
+  struct Laps {
+    GraphProfile& prof;
+    std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+    void lap(GraphProfile::Op op) {
+      const auto now = std::chrono::steady_clock::now();
+      prof.seconds[op] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    }
+  };
+
   Deepseek2Params p_;
+  GraphProfile profile_;
   std::vector<Deepseek2Layer> layers_;
   GraphLinear embed_, head_;
   const float* output_norm_;
