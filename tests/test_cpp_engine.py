@@ -1,0 +1,24 @@
+"""The standalone C++ tests of cpp_engine/ (kernels vs the scalar reference, bitwise stability, gemm_multi,
+gemm_batched and MoE against gemm), built with CMake into a temporary folder and run."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+def test_cpp_kernel_tests(tmp_path: Path) -> None:
+    build = tmp_path / "build"
+    subprocess.run(["cmake", "-S", str(ROOT / "cpp_engine"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release"],
+                   check=True, capture_output=True, text=True, timeout=300)
+    made = subprocess.run(["cmake", "--build", str(build), "-j2", "--target", "test_kernels"],
+                          capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stdout[-4000:] + made.stderr[-4000:]
+    run = subprocess.run([str(build / "test_kernels")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("all passed"), run.stdout[-4000:]
