@@ -1,7 +1,7 @@
 """Benchmark prefill and decode speed against llama.cpp and the host's memory-bandwidth bound.
 
     python -m pocketmoe.bench --model PATH [--prompt-tokens 128] [--gen-tokens 128] [--threads N]
-        [--llama-cpp] [--json] [--profile] [--repeats N] [--backend auto|native|reference] [--n-ctx C]
+        [--llama-cpp] [--json] [--profile] [--per-op] [--repeats N] [--backend auto|native|reference] [--n-ctx C]
 
 Both engines get the same fixed pseudo-random prompt of ordinary token ids (no BOS). Prefill is one
 pass over the prompt from position 0; decode is --gen-tokens greedy single-token steps. A warm-up
@@ -41,6 +41,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--profile", action="store_true",
                    help="also print where the native graph's time goes, per op (always in --json)")
+    p.add_argument("--per-op", action="store_true",
+                   help="run the native kernels op by op from Python instead of as one graph (to compare)")
     p.add_argument("--engine", default="pocketmoe", choices=["pocketmoe", "llama-cpp"], help=argparse.SUPPRESS)
     p.add_argument("--token-ids", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -84,7 +86,8 @@ def llama_child(args: argparse.Namespace, s: BenchSettings) -> int:
     return 0
 
 
-def run(model: Path, s: BenchSettings, backend: str, llama: bool, bandwidth_mib: int = 512) -> dict[str, Any]:
+def run(model: Path, s: BenchSettings, backend: str, llama: bool, bandwidth_mib: int = 512,
+        native_graph: bool = True) -> dict[str, Any]:
     from pocketmoe.benchmark.bounds import decode_bound, decode_bytes_per_token
     from pocketmoe.benchmark.llama_ref import require_llama_cpp, run_llama_cpp_subprocess
     from pocketmoe.benchmark.ours import run_pocketmoe
@@ -93,7 +96,7 @@ def run(model: Path, s: BenchSettings, backend: str, llama: bool, bandwidth_mib:
 
     if llama:
         require_llama_cpp()
-    ours, ids, our_tokens, llm = run_pocketmoe(model, s, backend)
+    ours, ids, our_tokens, llm = run_pocketmoe(model, s, backend, native_graph)
     arch = llm.bundle.architecture
     file_bytes = sum(p.stat().st_size for p in llm.bundle.paths)
     per_token = decode_bytes_per_token(llm.bundle)
@@ -173,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise PocketMoEError(f"model file {model} does not exist; pass a GGUF file, shard, or directory.")
     if args.engine == "llama-cpp":
         return llama_child(args, s)
-    report = run(model, s, args.backend, args.llama_cpp, args.bandwidth_mib)
+    report = run(model, s, args.backend, args.llama_cpp, args.bandwidth_mib, native_graph=not args.per_op)
     print(json.dumps(report) if args.json else render(report, args.profile))
     return 0
 

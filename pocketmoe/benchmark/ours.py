@@ -74,14 +74,15 @@ def ordinary_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
     return [i for i, a in enumerate(tokenizer.attrs[:vocab_size]) if a == TokenAttr.NORMAL]
 
 
-def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto"
+def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto", native_graph: bool = True
                   ) -> tuple[dict[str, Any], list[int], list[int], Any]:
     """-> (result object, prompt ids, greedy tokens, the LLM, still open so the caller can read its bundle)."""
     from pocketmoe.engine.llm import LLM
 
     mem = MemoryWatch()
     t0 = time.perf_counter()
-    llm = LLM(model, n_ctx=s.n_ctx, threads=s.threads, chunk_size=s.chunk_size, backend=backend)
+    llm = LLM(model, n_ctx=s.n_ctx, threads=s.threads, chunk_size=s.chunk_size, backend=backend,
+              native_graph=native_graph)
     load_s = time.perf_counter() - t0
     vocab = llm.runner.vocab_size
     ids = prompt_ids(s.prompt_tokens, vocab, ordinary_token_ids(llm.tokenizer, vocab))

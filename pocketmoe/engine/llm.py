@@ -58,12 +58,14 @@ class LLM:
     """A loaded model: tokenizer + runner. `model` may be any shard of a bundle or its directory."""
 
     def __init__(self, model: str | Path, *, n_ctx: int = 4096, threads: int | None = None,
-                 chunk_size: int = 256, backend: str = "auto", kv_dtype: str = "f32") -> None:
+                 chunk_size: int = 256, backend: str = "auto", kv_dtype: str = "f32",
+                 native_graph: bool = True) -> None:
         from pocketmoe.engine.backends import make_backends
 
         self.bundle = open_bundle(model)
         self.tokenizer = Tokenizer.from_metadata(self.bundle.metadata)
-        cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, threads=threads, kv_dtype=kv_dtype)
+        cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, threads=threads, kv_dtype=kv_dtype,
+                           native_graph=native_graph)
         backends = make_backends(backend, cfg)
         self.backend_name, self.backend_detail = backends.name, backends.detail
         cfg = dataclasses.replace(cfg, cache_kinds=backends.cache_kinds)
