@@ -11,18 +11,28 @@ struct KHead {
   float d;
   float dmin;
   __m256i corr;   // int16 x16, one per 16 weights (see kfamily.h)
-  __m256i sc;     // int16 scales as broadcast_i16 reads them (see split_scales_i16)
+  __m256i sc;     // scales as the decoder reads them: int16 for broadcast_i16, or bytes for byte_to_i16
 };
 
-// The 8 six-bit scales and 8 six-bit mins of Q4_K / Q5_K, as 8 int16 each.
-PM_INLINE void scale_min_k4(const uint8_t* s, __m128i& sc, __m128i& mn) {
-  const uint32_t u0 = load_u32(s), u1 = load_u32(s + 4), u2 = load_u32(s + 8);
-  const uint32_t sc_lo = u0 & 0x3f3f3f3fu;
-  const uint32_t sc_hi = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u);
-  const uint32_t mn_lo = u1 & 0x3f3f3f3fu;
-  const uint32_t mn_hi = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u);
-  sc = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>((uint64_t{sc_hi} << 32) | sc_lo)));
-  mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>((uint64_t{mn_hi} << 32) | mn_lo)));
+// The 8 six-bit scales (bytes 0-7) and 8 six-bit mins (bytes 8-15) of Q4_K / Q5_K from the 12
+// packed bytes at s (16 are read, the last 4 ignored): a few shuffles instead of scalar unpacking.
+PM_INLINE __m128i scale_min_k4(const uint8_t* s) {
+  const __m128i x = load128(s);
+  const __m128i x4 = _mm_srli_epi16(x, 4);   // low nibble of each byte = its high nibble
+  // Low bits: sc0-3 = s0-3 & 63, sc4-7 = s8-11 & 15, mn0-3 = s4-7 & 63, mn4-7 = s8-11 >> 4.
+  const __m128i lo = _mm_and_si128(
+      _mm_or_si128(_mm_shuffle_epi8(x, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, -1, -1, -1, -1)),
+                   _mm_shuffle_epi8(x4, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 8, 9, 10, 11))),
+      _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  // Bits 4-5 of sc4-7 are bits 6-7 of s0-3; those of mn4-7 are bits 6-7 of s4-7.
+  const __m128i hi = _mm_shuffle_epi8(x, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(hi, 2), _mm_set1_epi8(0x30)));
+}
+
+// Byte G of each 128-bit half of v, zero-extended to all 8 int16 of that half.
+template <int G>
+PM_INLINE __m256i byte_to_i16(__m256i v) {
+  return _mm256_shuffle_epi8(v, _mm256_set1_epi16(static_cast<int16_t>(0x8000 | G)));
 }
 
 // Q4_K, 144 bytes: d, dmin, scales[12], qs[128]; w = d*sc*q - dmin*m, q in 0..15.
@@ -31,10 +41,14 @@ struct Q4K {
   static constexpr bool kCanonical = false;
   static constexpr bool kSigned = false, kOffset = false, kMin = true;
   using Head = KHead;
+  // sc: the scale_min_k4 bytes in both halves; corr: each min twice, as int16, shuffled out of them.
   static PM_INLINE Head head(const uint8_t* b) {
-    __m128i sc, mn;
-    scale_min_k4(b + 4, sc, mn);
-    return {fp16(b), -fp16(b + 2), duplicate_i16(mn), _mm256_broadcastsi128_si256(sc)};
+    const __m256i sc = _mm256_broadcastsi128_si256(scale_min_k4(b + 4));
+    const __m256i mins = _mm256_shuffle_epi8(
+        sc, _mm256_setr_epi8(8, -1, 8, -1, 9, -1, 9, -1, 10, -1, 10, -1, 11, -1, 11, -1, 12, -1, 12, -1, 13, -1, 13, -1,
+                             14, -1, 14, -1, 15, -1, 15, -1));
+    const __m128 dd = _mm_cvtph_ps(_mm_loadu_si32(b));   // d, dmin in one conversion
+    return {_mm_cvtss_f32(dd), -_mm_cvtss_f32(_mm_movehdup_ps(dd)), mins, sc};
   }
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
@@ -44,7 +58,7 @@ struct Q4K {
   }
   template <int G>
   static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
-    return broadcast_i16<G>(h.sc);
+    return byte_to_i16<G>(h.sc);
   }
 };
 
@@ -64,7 +78,7 @@ struct Q5K {
   }
   template <int G>
   static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
-    return broadcast_i16<G>(h.sc);
+    return byte_to_i16<G>(h.sc);
   }
 };
 

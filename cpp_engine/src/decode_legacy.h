@@ -17,12 +17,14 @@ PM_INLINE __m256i expand_bits(const uint8_t* p) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
 }
 
+// The fp16 at the start of each of 8 blocks, as floats: 32-bit loads and an unpack tree (fewer
+// micro-ops than building the vector with 7 inserts).
 PM_INLINE __m256 fp16_scales8(const uint8_t* const* blk) {
-  return _mm256_cvtph_ps(_mm_setr_epi16(
-      static_cast<int16_t>(load_u16(blk[0])), static_cast<int16_t>(load_u16(blk[1])),
-      static_cast<int16_t>(load_u16(blk[2])), static_cast<int16_t>(load_u16(blk[3])),
-      static_cast<int16_t>(load_u16(blk[4])), static_cast<int16_t>(load_u16(blk[5])),
-      static_cast<int16_t>(load_u16(blk[6])), static_cast<int16_t>(load_u16(blk[7]))));
+  __m128i v[8];
+  for (int r = 0; r < 8; ++r) v[r] = _mm_loadu_si32(blk[r]);
+  const __m128i d01 = _mm_unpacklo_epi16(v[0], v[1]), d23 = _mm_unpacklo_epi16(v[2], v[3]);
+  const __m128i d45 = _mm_unpacklo_epi16(v[4], v[5]), d67 = _mm_unpacklo_epi16(v[6], v[7]);
+  return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(d01, d23), _mm_unpacklo_epi32(d45, d67)));
 }
 
 // Q4_0, 18 bytes: d, qs[16] (low nibbles = weights 0-15, high = 16-31); w = d*(q - 8).

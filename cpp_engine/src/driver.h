@@ -9,8 +9,8 @@
 
 namespace pocketmoe::driver {
 
-// Up to this many tokens, blocks are decoded on the fly; above, two rows at a time are decoded
-// once into the family's canonical form and reused for every token.
+// Up to this many tokens, blocks are decoded on the fly, one row at a time; above, two rows at a
+// time are decoded once into the family's canonical form and reused for every token.
 constexpr int kFusedMaxTokens = 4;
 
 template <class Fam, class Dec, int R>
@@ -45,16 +45,24 @@ size_t scratch_bytes(int cols) {
 template <class Fam, class Dec>
 void matmul(const MatmulTask& t) {
   int r = t.row_begin;
-  if (!Fam::kRepack || t.n_tokens <= kFusedMaxTokens) {
+  if (Fam::kRepack && t.n_tokens <= kFusedMaxTokens) {
+    // One row at a time: the weights then stream from DRAM as one sequential run per thread, which
+    // the prefetchers follow much better than two interleaved rows (measured 1.2-1.6x faster cold).
+    for (; r < t.row_end; ++r)
+      dot_rows<Fam, Dec, 1>(t.weight + r * t.row_bytes, t.row_bytes, t.acts, t.n_tokens, t.cols,
+                            t.out + (r - t.row_begin), t.out_stride);
+    return;
+  }
+  if constexpr (!Fam::kRepack) {
+    // Float weights: two rows per tile halve the activation loads per weight (and measured faster
+    // than one row here, decode included).
     for (; r + 2 <= t.row_end; r += 2)
       dot_rows<Fam, Dec, 2>(t.weight + r * t.row_bytes, t.row_bytes, t.acts, t.n_tokens, t.cols,
                             t.out + (r - t.row_begin), t.out_stride);
     if (r < t.row_end)
       dot_rows<Fam, Dec, 1>(t.weight + r * t.row_bytes, t.row_bytes, t.acts, t.n_tokens, t.cols,
                             t.out + (r - t.row_begin), t.out_stride);
-    return;
-  }
-  if constexpr (Fam::kRepack) {
+  } else {
     using Canon = typename Fam::template Canon<Dec>;
     const int nb = t.cols / Fam::kBlockValues;
     auto* canon = reinterpret_cast<typename Fam::CanonBlock*>(t.scratch);

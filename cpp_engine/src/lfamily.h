@@ -39,20 +39,40 @@ struct alignas(32) CanonX8 {
 };
 static_assert(sizeof(CanonX8) == 288);
 
-// Lane r of the result = sum of the 8 int32 lanes of v[r].
-PM_INLINE __m256i reduce8(const __m256i (&v)[8]) {
-  const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+// The fused path's exact add tree over eight rows, from unpacks and adds (cheaper than hadd). It
+// starts from each row's maddubs output m (16 int16, 2 products each); fold_pair(m_r, m_r+1) and
+// fold_quad of two such pairs leave, per 128-bit half, [r, r+1, r+2, r+3] int32 partial sums.
+// Unsigned weights (kOffset > 0) are below 32, so 8 products stay below 8 * 31 * 127 < 2^15 and the
+// first two levels can add int16 lanes; signed Q8_0 (|product pair| up to 32512) widens first.
+template <class Dec>
+PM_INLINE __m256i fold_pair(__m256i x, __m256i y) {
+  if constexpr (Dec::kOffset > 0) {
+    static_assert(Dec::kOffset <= 16, "int16 folds need weights below 32");
+    return _mm256_add_epi16(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));   // int16 [r r r+1 r+1 ..]
+  } else {
+    const __m256i ones = _mm256_set1_epi16(1);
+    x = _mm256_madd_epi16(x, ones);
+    y = _mm256_madd_epi16(y, ones);
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));   // int32 [r r+1 r r+1]
+  }
 }
 
 template <class Dec>
-PM_INLINE __m256i int_dot(const uint8_t* blk, const int8_t* a) {
-  const __m256i q = Dec::quants(blk);
+PM_INLINE __m256i fold_quad(__m256i x, __m256i y) {
+  if constexpr (Dec::kOffset > 0) {
+    const __m256i s16 = _mm256_add_epi16(_mm256_unpacklo_epi64(x, y), _mm256_unpackhi_epi64(x, y));
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+  } else {
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(x, y), _mm256_unpackhi_epi64(x, y));
+  }
+}
+
+// maddubs of one decoded block q with 32 activations a: 16 int16 sums of 2 products.
+template <class Dec>
+PM_INLINE __m256i maddubs_q(__m256i q, const int8_t* a) {
   const __m256i av = load256(a);
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (Dec::kOffset > 0) return _mm256_madd_epi16(_mm256_maddubs_epi16(q, av), ones);
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(av, q)), ones);
+  if constexpr (Dec::kOffset > 0) return _mm256_maddubs_epi16(q, av);
+  return _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(av, q));
 }
 
 PM_INLINE void store_rows(float* out, __m256 v, int n_rows) {
@@ -65,35 +85,47 @@ PM_INLINE void store_rows(float* out, __m256 v, int n_rows) {
   }
 }
 
-// Eight raw rows (pointers; repeat one to pad) x up to 4 tokens, decoding blocks on the fly.
-// Raw rows stream from DRAM once; each read asks for the same block eight rows further on.
+// Raw rows stream from DRAM once. While eight rows are read block by block (eight interleaved
+// streams), the next eight, which follow in memory, are requested as one sequential run: at block b
+// the b-th share of them (8 * kBytes). The prefetchers follow that far better than eight streams.
 template <class Dec>
-PM_INLINE void prefetch_next_group(const uint8_t* blk, int b, size_t row_bytes) {
-  constexpr int every = Dec::kBytes < 64 ? 64 / Dec::kBytes : 1;   // about one request per cache line
-  if (b % every == 0) prefetch(blk + 8 * row_bytes);
+PM_INLINE void prefetch_next_group(const uint8_t* group, int b, size_t row_bytes) {
+  const uint8_t* p = group + 8 * row_bytes + static_cast<size_t>(b) * 8 * Dec::kBytes;
+  for (int off = 0; off < 8 * Dec::kBytes; off += 64) prefetch(p + off);
 }
 
-template <class Dec>
-__attribute__((noinline)) void fused8(const uint8_t* const (&w)[8], size_t row_bytes, const ActQ8_0* a, int n_tok,
-                                      int cols, float* out, ptrdiff_t out_stride, int n_rows) {
+// Eight raw rows (pointers; repeat one to pad) x C tokens, decoding blocks on the fly. Each row's
+// block is decoded once and dotted with every token at once, and the per-row vectors are folded
+// pairwise as soon as they exist, so few vectors are live at a time.
+template <class Dec, int C>
+__attribute__((noinline)) void fused8(const uint8_t* const (&w)[8], size_t row_bytes, const ActQ8_0* a, int cols,
+                                      float* out, ptrdiff_t out_stride, int n_rows) {
   const int nb = cols / 32;
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   for (int b = 0; b < nb; ++b) {
+    prefetch_next_group<Dec>(w[0], b, row_bytes);
     const uint8_t* blk[8];
-    for (int r = 0; r < 8; ++r) {
-      blk[r] = w[r] + static_cast<size_t>(b) * Dec::kBytes;
-      prefetch_next_group<Dec>(blk[r], b, row_bytes);
-    }
+    for (int r = 0; r < 8; ++r) blk[r] = w[r] + static_cast<size_t>(b) * Dec::kBytes;
+    __m256i pair[4][C];
+    static_for<4>([&](auto pc) {
+      constexpr int p = decltype(pc)::value;
+      const __m256i q0 = Dec::quants(blk[2 * p]), q1 = Dec::quants(blk[2 * p + 1]);
+      for (int c = 0; c < C; ++c) {
+        const int8_t* ac = a[c].qs + 32 * b;
+        pair[p][c] = fold_pair<Dec>(maddubs_q<Dec>(q0, ac), maddubs_q<Dec>(q1, ac));
+      }
+    });
     const __m256 dw = Dec::scales8(blk);
-    for (int c = 0; c < n_tok; ++c) {
-      __m256i v[8];
-      for (int r = 0; r < 8; ++r) v[r] = int_dot<Dec>(blk[r], a[c].qs + 32 * b);
-      __m256i dot = reduce8(v);
+    for (int c = 0; c < C; ++c) {
+      const __m256i h0 = fold_quad<Dec>(pair[0][c], pair[1][c]);
+      const __m256i h1 = fold_quad<Dec>(pair[2][c], pair[3][c]);
+      __m256i dot = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
       if constexpr (Dec::kOffset > 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(Dec::kOffset * a[c].sums[b]));
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[c].d[b])), acc[c]);
     }
   }
-  for (int c = 0; c < n_tok; ++c) store_rows(out + c * out_stride, acc[c], n_rows);
+  for (int c = 0; c < C; ++c) store_rows(out + c * out_stride, acc[c], n_rows);
 }
 
 // Transposes 8 x 8 dwords in place: v[i] dword j <-> v[j] dword i.
@@ -118,11 +150,11 @@ PM_INLINE void transpose8x8(__m256i (&v)[8]) {
 template <class Dec>
 void repack8(const uint8_t* const (&w)[8], size_t row_bytes, int nb, CanonX8* dst) {
   for (int b = 0; b < nb; ++b) {
+    prefetch_next_group<Dec>(w[0], b, row_bytes);
     const uint8_t* blk[8];
     __m256i v[8];
     for (int r = 0; r < 8; ++r) {
       blk[r] = w[r] + static_cast<size_t>(b) * Dec::kBytes;
-      prefetch_next_group<Dec>(blk[r], b, row_bytes);
       v[r] = Dec::quants(blk[r]);
     }
     transpose8x8(v);
@@ -183,7 +215,12 @@ void matmul(const MatmulTask& t) {
       for (int i = 0; i < n; ++i) a[i] = act_view(t.acts[tk + i], t.cols);
       float* o = out + tk * t.out_stride;
       if (!repack) {
-        fused8<Dec>(w, t.row_bytes, a, n, t.cols, o, t.out_stride, n_rows);
+        switch (n) {
+          case 4: fused8<Dec, 4>(w, t.row_bytes, a, t.cols, o, t.out_stride, n_rows); break;
+          case 3: fused8<Dec, 3>(w, t.row_bytes, a, t.cols, o, t.out_stride, n_rows); break;
+          case 2: fused8<Dec, 2>(w, t.row_bytes, a, t.cols, o, t.out_stride, n_rows); break;
+          default: fused8<Dec, 1>(w, t.row_bytes, a, t.cols, o, t.out_stride, n_rows); break;
+        }
         continue;
       }
       switch (n) {
