@@ -171,7 +171,7 @@ __attribute__((noinline)) void tile8(const CanonX8* w, const ActQ8_0* a, int nb,
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   for (int b = 0; b < nb; ++b) {
-    __m256i dot[C];
+    __m256i dot[C], part[C];
     for (int c = 0; c < C; ++c) dot[c] = _mm256_setzero_si256();
     static_for<8>([&](auto sc) {
       constexpr int s = decltype(sc)::value;
@@ -180,7 +180,18 @@ __attribute__((noinline)) void tile8(const CanonX8* w, const ActQ8_0* a, int nb,
       for (int c = 0; c < C; ++c) {
         __m256i av = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(a[c].qs + 32 * b + 4 * s))));
         if constexpr (Dec::kOffset == 0) av = _mm256_sign_epi8(av, q);
-        dot[c] = _mm256_add_epi32(dot[c], _mm256_madd_epi16(_mm256_maddubs_epi16(qu, av), ones));
+        const __m256i m = _mm256_maddubs_epi16(qu, av);
+        if constexpr (Dec::kOffset > 0) {
+          // Unsigned q < 2 * kOffset: four steps' int16 lanes (8 products) stay below 2^15, so they are
+          // added as int16 and widened once.
+          static_assert(Dec::kOffset > 0 && 8 * (2 * Dec::kOffset - 1) * 128 < 32768);
+          part[c] = s % 4 == 0 ? m : _mm256_add_epi16(part[c], m);
+          if (s % 4 == 3) dot[c] = _mm256_add_epi32(dot[c], _mm256_madd_epi16(part[c], ones));
+        } else {
+          dot[c] = _mm256_add_epi32(dot[c], _mm256_madd_epi16(m, ones));
+        }
+        // A running sum: left free, GCC turns the steps into a tree and spills them (see kfamily.h).
+        keep_in_register(dot[c]);
       }
     });
     const __m256 dw = _mm256_load_ps(w[b].d);
