@@ -186,3 +186,15 @@ def test_missing_path_and_architecture(tmp_path: Path) -> None:
         assert "general.architecture" not in b.metadata
         with pytest.raises(GGUFError, match="general.architecture is missing"):
             _ = b.architecture
+
+
+def test_prefetch_asks_for_a_tensor_and_checks_the_name(tmp_path) -> None:
+    import mmap
+
+    from pocketmoe.testing.synth import write_fixture
+
+    (path,) = write_fixture("deepseek2", "tiny", "Q4_K_M", tmp_path / "t.gguf", seed=1)
+    with open_bundle(path) as b:
+        assert b.prefetch("token_embd.weight") == hasattr(mmap, "MADV_WILLNEED")
+        with pytest.raises(GGUFError, match="no tensor named 'nope'"):
+            b.prefetch("nope")

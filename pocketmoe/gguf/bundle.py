@@ -106,6 +106,10 @@ class GGUFBundle:
         """`raw` as torch.uint8 on the same memory (no copy); it must not be written."""
         return as_torch(self.raw(name))
 
+    def prefetch(self, name: str) -> bool:
+        """Read a tensor's pages in the background (see GGUFFile.prefetch)."""
+        return self.files[self.info(name).file_index].prefetch(name)
+
     def expert_raw(self, name: str, expert: int) -> np.ndarray:
         """uint8 [out, row_bytes] of expert `expert` of a stacked tensor [E, out, in]."""
         info = self.info(name)

@@ -241,6 +241,23 @@ class GGUFFile:
         """`raw` as a torch.uint8 tensor on the same memory; it must not be written."""
         return as_torch(self.raw(name))
 
+    def prefetch(self, name: str) -> bool:
+        """Ask the kernel to read a tensor's pages in now, in the background (MADV_WILLNEED).
+
+        For tensors read a row at a time in no order, such as the token embedding: each new row would
+        otherwise fault its page in from disk when first used. False where madvise is not available.
+        """
+        info = self.info(name)
+        advice = getattr(mmap, "MADV_WILLNEED", None)
+        if advice is None or self._data is None:
+            return False
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            self._mmap.madvise(advice, start, info.offset + info.nbytes - start)
+        except (OSError, ValueError):
+            return False
+        return True
+
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
