@@ -34,12 +34,6 @@ float* grow(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
-// Sum of a[i] * b[i] in 8 lanes, then the lanes in hsum's order; n % 8 == 0.
-inline __m256 dot_lanes(const float* a, const float* b, int n, __m256 acc) {
-  for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  return acc;
-}
-
 // y = x * (1 / sqrt(mean(x^2) + eps)) * w over one row of d values. The squares are summed in double,
 // as llama.cpp does: the norm feeds the activation quantizers, and a different float sum would put a
 // value on the other side of a rounding step now and then.
