@@ -209,11 +209,13 @@ def test_all_2d_weights_quantized_closer_than_reference(tmp_path: Path, qtype: Q
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("native_synth")
-    return {q: write_fixture("deepseek2", "tiny", q, d / f"{q}.gguf", seed=5)[0] for q in ("Q4_K_M", "Q8_0")}
+    out = {q: write_fixture("deepseek2", "tiny", q, d / f"{q}.gguf", seed=5)[0] for q in ("Q4_K_M", "Q8_0")}
+    out["legacy-Q4_K_M"] = write_fixture("deepseek2", "tiny-legacy", "Q4_K_M", d / "legacy.gguf", seed=5)[0]
+    return out
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("quant", ["Q4_K_M", "Q8_0"])
+@pytest.mark.parametrize("quant", ["Q4_K_M", "Q8_0", "legacy-Q4_K_M"])
 def test_synth_fixture_argmax_and_greedy(synth, quant: str) -> None:
     """Whole synthetic fixture (every weight quantized as the mix says): argmax and greedy agree with
     llama.cpp wherever its margins exceed the measured native deviation."""
@@ -224,6 +226,10 @@ def test_synth_fixture_argmax_and_greedy(synth, quant: str) -> None:
 @pytest.mark.parity
 @pytest.mark.parametrize("quant", ["Q4_K_M", "Q8_0"])
 def test_synth_fixture_closer_than_reference(synth, quant: str) -> None:
+    """Not for the legacy attn_kv_b file: llama.cpp expands every cached c_kv through attn_kv_b with Q8_0
+    activations, while the graph runs that step absorbed in float, as the reference does (measured mean
+    |dlogit| vs llama.cpp: graph 2.0e-2, reference 1.9e-2, per-op path 8.5e-4). Its math is held to the
+    per-op path on float weights, and its argmax and greedy tokens to llama.cpp, above."""
     c = compare(synth[quant], 512)
     assert c["dn"].mean().item() <= c["dr"].mean().item()
 
@@ -293,11 +299,12 @@ def test_prefill_chunking_gives_same_tokens(synth, graph: bool) -> None:
         assert (l1 - lw).abs().max().item() <= SAME_MATH_TOL
 
 
-@pytest.mark.parametrize("name", [n for n in F32_CASES if not F32_CASES[n].legacy])
+@pytest.mark.parametrize("name", list(F32_CASES))
 def test_graph_matches_per_op_on_float_weights(tmp_path: Path, name: str) -> None:
     """The graph's norms, rotary, attention, routing (softmax / sigmoid, bias, groups, norm, scale), dense and
     shared FFNs against the per-op path (torch between the same kernels), where no activation is quantized:
-    float summation order alone (measured max 5e-7 on the tiny fixtures)."""
+    float summation order alone (measured max 5e-7 on the tiny fixtures; 1.5e-6 for the legacy attn_kv_b file,
+    which the graph runs absorbed and the per-op path expanded)."""
     t = F32_CASES[name]
     path = write_gguf(tmp_path / "f32.gguf", ds2_config(t), gguf_state_dict(hf_model(t, seed=3), t))
     prompt = prompt_for(t.vocab)
@@ -307,11 +314,14 @@ def test_graph_matches_per_op_on_float_weights(tmp_path: Path, name: str) -> Non
     assert (g.forward(prompt, 0) - want).abs().max().item() <= 1e-5
 
 
-def test_graph_says_why_not(tmp_path: Path) -> None:
+def test_graph_says_what_runs(tmp_path: Path, synth) -> None:
     t = F32_CASES["legacy-qlora-2dense"]
     path = write_gguf(tmp_path / "legacy.gguf", ds2_config(t), gguf_state_dict(hf_model(t, seed=3), t))
-    r = runner(path, "native")
-    assert r.graph is None and "attn_kv_b" in r.graph_note
+    assert "attn_kv_b split into float32 k_b / v_b" in runner(path, "native").graph_note
+    cfg = RunnerConfig(n_ctx=32, kv_dtype="f16")
+    b = make_backends("native", cfg)
+    r = ModelRunner(open_bundle(synth["Q4_K_M"]), cfg, backend=b.linear, make_experts=b.make_experts)
+    assert r.graph is None and r.graph_note == "per-op path (the KV cache is torch.float16; the graph reads float32)"
 
 
 def test_runs_and_threads_are_bitwise_identical(synth) -> None:

@@ -10,8 +10,10 @@ and attention sums each (head, query) over the cache in one fixed order, so pref
 decode give bitwise the same logits.
 
 `build_graph` returns None, with the reason, when the model has something the graph does not cover
-(legacy attn_kv_b layout, fused gate_up experts, weights without a native kernel, a non-float32
-cache); the per-op path then runs.
+(fused gate_up experts, weights without a native kernel, a non-float32 cache); the per-op path then
+runs. Files in the legacy attn_kv_b layout run on the graph too: attn_kv_b is split at load into the
+absorbed per-head k_b / v_b, kept in float32 (V2-Lite: 216 MiB), so attention stays in latent space
+instead of expanding every cached token's keys and values at each step.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ class GraphUnsupported(Exception):
 class NativeGraph:
     """forward(tokens, start, last_only) -> logits [T or 1, V] float32, writing the cache rows of those positions."""
 
-    def __init__(self, model: DeepSeek2Model, cache: LatentKVCache, handle: object) -> None:
+    def __init__(self, model: DeepSeek2Model, cache: LatentKVCache, handle: object, note: str) -> None:
         from pocketmoe import native
 
         self.native = native
         self.model, self.cache, self.handle = model, cache, handle
+        self.note = note  # what runs, as the start-up line says it
         self._one = np.zeros(1, dtype=np.int32)
 
     def forward(self, tokens: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
@@ -87,14 +90,15 @@ def _ffn(prefix: str, mlp: GatedMLP, types: frozenset[int]) -> dict[str, object]
 
 def _layer(block: object, types: frozenset[int]) -> tuple[dict[str, object], MoEBlock | None]:
     attn = block.attn
-    if not attn.absorbed:
-        raise GraphUnsupported("the legacy attn_kv_b layout runs on the per-op path")
     d: dict[str, object] = {
         "attn_norm": _floats(block.attn_norm.weight, "attn_norm"),
         "wkv_a": _linear(attn.wkv_a, types), "kv_a_norm": _floats(attn.kv_a_norm.weight, "kv_a_norm"),
-        "k_b": _linear(attn.k_b, types), "v_b": _linear(attn.v_b, types), "wo": _linear(attn.wo, types),
-        "ffn_norm": _floats(block.ffn_norm.weight, "ffn_norm"),
+        "wo": _linear(attn.wo, types), "ffn_norm": _floats(block.ffn_norm.weight, "ffn_norm"),
     }
+    if attn.absorbed:
+        d.update(k_b=_linear(attn.k_b, types), v_b=_linear(attn.v_b, types))
+    else:
+        d.update(absorbed_from_kv_b(attn))
     if attn.wq is not None:
         d["wq"] = _linear(attn.wq, types)
     else:
@@ -116,6 +120,20 @@ def _layer(block: object, types: frozenset[int]) -> tuple[dict[str, object], MoE
     return d, ffn
 
 
+def absorbed_from_kv_b(attn: object) -> dict[str, tuple[np.ndarray, int, int]]:
+    """Legacy attn_kv_b [H*(N+V), C] -> k_b [H, C, N] and v_b [H, V, C] as float32 weights (ggml type F32).
+
+    Per head, kv_b's first N rows map c_kv to k_nope and the next V rows to v; the absorbed form needs
+    k_b transposed, which quantized blocks cannot be without requantizing, hence float32.
+    """
+    c = attn.cfg
+    kv = attn.wkv_b.dense().reshape(c.n_head, c.qk_nope + c.v_head, c.kv_lora)
+    k_b = kv[:, :c.qk_nope, :].transpose(1, 2).contiguous().numpy()  # [H, C, N]
+    v_b = kv[:, c.qk_nope:, :].contiguous().numpy()                   # [H, V, C]
+    f32 = 0
+    return {"k_b": (k_b.view(np.uint8), f32, c.qk_nope), "v_b": (v_b.view(np.uint8), f32, c.kv_lora)}
+
+
 def build_graph(model: object, cache: LatentKVCache) -> NativeGraph:
     """The native graph of a DeepSeek-V2 model built on the native backend; GraphUnsupported if it cannot run."""
     from pocketmoe import native
@@ -133,6 +151,10 @@ def build_graph(model: object, cache: LatentKVCache) -> NativeGraph:
         d, m = _layer(block, types)
         layers.append(d)
         moe = moe or m
+    note = "whole-model native graph"
+    if not model.blocks[0].attn.absorbed:
+        split = sum(d["k_b"][0].nbytes + d["v_b"][0].nbytes for d in layers)
+        note += f" (attn_kv_b split into float32 k_b / v_b at load: {split / 2**20:.0f} MiB)"
     cfg = model.cfg
     router = moe.router.cfg if moe is not None else None
     params = {
@@ -153,4 +175,4 @@ def build_graph(model: object, cache: LatentKVCache) -> NativeGraph:
                                         _linear(model.head, types), cache.data.numpy())
     except native.NativeKernelError as exc:
         raise GraphUnsupported(str(exc)) from exc
-    return NativeGraph(model, cache, handle)
+    return NativeGraph(model, cache, handle, note)

@@ -103,9 +103,10 @@ class ModelRunner:
         if not isinstance(self.backend, NativeLinearBackend):
             return None, "per-op path (torch reference backend)"
         try:
-            return build_graph(self.model, self.cache), "whole-model native graph"
+            graph = build_graph(self.model, self.cache)
         except GraphUnsupported as exc:
             return None, f"per-op path ({exc})"
+        return graph, graph.note
 
     def _make_linear(self, name: str, kind: str) -> QuantLinear:
         info = self.bundle.tensors[name]
