@@ -246,44 +246,33 @@ std::unique_ptr<GraphHandle> make_graph(const py::dict& params, const py::list& 
   auto h = std::make_unique<GraphHandle>();
   py::list& keep = h->keep;
   Deepseek2Params p;
-  const auto get_int = [&](const char* k) { return params[k].cast<int>(); };
-  p.hidden = get_int("hidden");
-  p.n_head = get_int("n_head");
-  p.qk_nope = get_int("qk_nope");
-  p.qk_rope = get_int("qk_rope");
-  p.v_head = get_int("v_head");
-  p.kv_lora = get_int("kv_lora");
-  p.q_lora = get_int("q_lora");
-  p.attn_scale = params["attn_scale"].cast<float>();
-  p.rms_eps = params["rms_eps"].cast<float>();
-  p.n_experts = get_int("n_experts");
-  p.top_k = get_int("top_k");
-  p.gating = get_int("gating");
-  p.n_groups = get_int("n_groups");
-  p.groups_used = get_int("groups_used");
+  using P = Deepseek2Params;
+  static const std::pair<const char*, int P::*> kInts[] = {
+      {"hidden", &P::hidden},       {"n_head", &P::n_head},   {"qk_nope", &P::qk_nope},   {"qk_rope", &P::qk_rope},
+      {"v_head", &P::v_head},       {"kv_lora", &P::kv_lora}, {"q_lora", &P::q_lora},     {"n_experts", &P::n_experts},
+      {"top_k", &P::top_k},         {"gating", &P::gating},   {"n_groups", &P::n_groups}, {"groups_used", &P::groups_used}};
+  static const std::pair<const char*, float P::*> kFloats[] = {
+      {"attn_scale", &P::attn_scale}, {"rms_eps", &P::rms_eps}, {"weight_scale", &P::weight_scale}};
+  for (const auto& [key, field] : kInts) p.*field = params[key].cast<int>();
+  for (const auto& [key, field] : kFloats) p.*field = params[key].cast<float>();
   p.weight_norm = params["weight_norm"].cast<bool>();
-  p.weight_scale = params["weight_scale"].cast<float>();
 
+  using L = Deepseek2Layer;
+  static const std::pair<const char*, GraphLinear L::*> kLinears[] = {
+      {"wq", &L::wq}, {"wq_a", &L::wq_a}, {"wq_b", &L::wq_b}, {"wkv_a", &L::wkv_a},
+      {"k_b", &L::k_b}, {"v_b", &L::v_b}, {"wo", &L::wo},     {"router", &L::router}};
+  static const std::pair<const char*, const float* L::*> kVectors[] = {
+      {"attn_norm", &L::attn_norm}, {"q_a_norm", &L::q_a_norm}, {"kv_a_norm", &L::kv_a_norm},
+      {"ffn_norm", &L::ffn_norm},   {"router_bias", &L::router_bias}};
   std::vector<Deepseek2Layer> ls;
   for (const py::handle& item : layers) {
     auto d = item.cast<py::dict>();
     Deepseek2Layer l;
-    const auto lin = [&](const char* k) { return d.contains(k) ? graph_linear(d[k], k, keep) : GraphLinear{}; };
-    const auto flt = [&](const char* k) { return d.contains(k) ? graph_floats(d[k], k, keep) : nullptr; };
-    l.attn_norm = flt("attn_norm");
-    l.wq = lin("wq");
-    l.wq_a = lin("wq_a");
-    l.wq_b = lin("wq_b");
-    l.q_a_norm = flt("q_a_norm");
-    l.wkv_a = lin("wkv_a");
-    l.kv_a_norm = flt("kv_a_norm");
-    l.k_b = lin("k_b");
-    l.v_b = lin("v_b");
-    l.wo = lin("wo");
-    l.ffn_norm = flt("ffn_norm");
+    for (const auto& [key, field] : kLinears)
+      if (d.contains(key)) l.*field = graph_linear(d[key], key, keep);
+    for (const auto& [key, field] : kVectors)
+      if (d.contains(key)) l.*field = graph_floats(d[key], key, keep);
     l.dense = graph_ffn(d, "dense_", keep);
-    l.router = lin("router");
-    l.router_bias = flt("router_bias");
     if (d.contains("experts_gate")) {
       l.experts_gate = graph_experts(d["experts_gate"], "experts_gate", keep);
       l.experts_up = graph_experts(d["experts_up"], "experts_up", keep);
