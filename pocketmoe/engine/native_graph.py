@@ -9,9 +9,9 @@ It also makes a token's logits independent of chunking: every op is per token or
 and attention sums each (head, query) over the cache in one fixed order, so prefill and one-token
 decode give bitwise the same logits.
 
-`build_graph` returns None, with the reason, when the model has something the graph does not cover
-(fused gate_up experts, weights without a native kernel, a non-float32 cache); the per-op path then
-runs. Files in the legacy attn_kv_b layout run on the graph too: attn_kv_b is split at load into the
+`build_graph` raises GraphUnsupported, with the reason, when the model has something the graph does not
+cover (fused gate_up experts, weights without a native kernel, a non-float32 cache); the per-op path
+then runs. Files in the legacy attn_kv_b layout run on the graph too: attn_kv_b is split at load into the
 absorbed per-head k_b / v_b, kept in float32 (V2-Lite: 216 MiB), so attention stays in latent space
 instead of expanding every cached token's keys and values at each step.
 """
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pocketmoe.engine.backends import NativeExperts, native_reads
+from pocketmoe.layers.linear import float_weight
 from pocketmoe.layers.mlp import GatedMLP
 from pocketmoe.layers.moe import MoEBlock
 
@@ -126,8 +127,9 @@ def absorbed_from_kv_b(attn: object) -> dict[str, tuple[np.ndarray, int, int]]:
     Per head, kv_b's first N rows map c_kv to k_nope and the next V rows to v; the absorbed form needs
     k_b transposed, which quantized blocks cannot be without requantizing, hence float32.
     """
-    c = attn.cfg
-    kv = attn.wkv_b.dense().reshape(c.n_head, c.qk_nope + c.v_head, c.kv_lora)
+    c, w = attn.cfg, attn.wkv_b
+    # float_weight, not w.dense(): that would also keep the per-op path's float copy, which never runs now
+    kv = float_weight(w.raw, w.ggml_type, w.shape).reshape(c.n_head, c.qk_nope + c.v_head, c.kv_lora)
     k_b = kv[:, :c.qk_nope, :].transpose(1, 2).contiguous().numpy()  # [H, C, N]
     v_b = kv[:, c.qk_nope:, :].contiguous().numpy()                   # [H, V, C]
     f32 = 0
