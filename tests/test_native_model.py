@@ -367,3 +367,28 @@ def test_graph_decode_checks_its_input(synth) -> None:
     with pytest.raises(ContextLengthError, match=r"positions 6\.\.8 do not fit"):
         r.forward([1, 2, 3], 6)
     assert torch.equal(r.decode(4, 3), r.forward([4], 3)[0])  # still usable after the errors
+
+
+def test_fused_gate_up_experts_run_natively_and_match_two_tensors(tmp_path: Path) -> None:
+    """`ffn_gate_up_exps` (gate rows first) runs on the native MoE op with strided experts, on the graph,
+    and gives bitwise the logits of the same blocks stored as two tensors."""
+    model = hf_model(QT, seed=5)
+    blocks, types = quantize_experts(model, QT, int(Q.Q4_K), seed=11)
+    sd = gguf_state_dict(model, QT)
+    split = write_gguf(tmp_path / "split.gguf", ds2_config(QT), sd, blocks, types)
+    for i in range(QT.dense_lead, QT.layers):
+        b = f"blk.{i}."
+        gate, up = (blocks.pop(b + f"ffn_{p}_exps.weight").reshape(QT.experts, QT.moe_ff, -1) for p in ("gate", "up"))
+        blocks[b + "ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
+        types[b + "ffn_gate_up_exps.weight"] = int(Q.Q4_K)
+        sd[b + "ffn_gate_up_exps.weight"] = torch.cat([sd.pop(b + "ffn_gate_exps.weight"),
+                                                       sd.pop(b + "ffn_up_exps.weight")], dim=1)
+    fused = write_gguf(tmp_path / "fused.gguf", ds2_config(QT), sd, blocks, types)
+    r = runner(fused, "native")
+    assert "blk.1.ffn_gate_up_exps.weight" in r.bundle.tensors and r.graph is not None
+    assert type(r.model.blocks[-1].ffn.experts).__name__ == "NativeExperts"
+    prompt = prompt_for(QT.vocab)
+    want = runner(split, "native").forward(prompt, 0)
+    assert torch.equal(r.forward(prompt, 0), want)
+    assert torch.equal(runner(fused, "native", graph=False).forward(prompt, 0),
+                       runner(split, "native", graph=False).forward(prompt, 0))

@@ -130,7 +130,16 @@ py::array_t<float> gemm_batched_py(const py::array& weight, int ggml_type, const
   return y;
 }
 
+// uint8 GGUF blocks, C-contiguous, or [E, rows, row_bytes] with each expert's rows contiguous and any
+// stride between experts (one half of a fused gate_up tensor, as numpy slices it).
 MoEWeights expert_weights(const py::array& a, const char* name, int ggml_type) {
+  if (a.ndim() == 3 && a.dtype().is(py::dtype::of<uint8_t>()) && !(a.flags() & py::array::c_style) &&
+      a.strides(2) == 1 && a.strides(1) == a.shape(2) && a.strides(0) >= a.shape(1) * a.shape(2)) {
+    const size_t expert = static_cast<size_t>(a.shape(1) * a.shape(2));
+    const size_t stride = static_cast<size_t>(a.strides(0));
+    const size_t span = a.shape(0) > 0 ? static_cast<size_t>(a.shape(0) - 1) * stride + expert : 0;
+    return {static_cast<const uint8_t*>(a.data()), span, ggml_type, stride};
+  }
   auto w = checked<uint8_t>(a, name, -1);
   return {w.data(), static_cast<size_t>(w.nbytes()), ggml_type};
 }
@@ -226,9 +235,9 @@ const float* graph_floats(const py::handle& a, const char* name, py::list& keep)
 
 MoEWeights graph_experts(const py::handle& spec, const char* name, py::list& keep) {
   auto t = spec.cast<py::tuple>();
-  auto a = checked<uint8_t>(t[0].cast<py::array>(), name, -1);
+  auto a = t[0].cast<py::array>();
   keep.append(a);
-  return {a.data(), static_cast<size_t>(a.nbytes()), t[1].cast<int>()};
+  return expert_weights(a, name, t[1].cast<int>());
 }
 
 GraphFFN graph_ffn(const py::dict& d, const char* prefix, py::list& keep) {

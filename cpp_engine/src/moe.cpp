@@ -58,15 +58,21 @@ Routing route(const int32_t* ids, int n_pairs, int n_experts, Buffer& ints) {
   return r;
 }
 
-size_t checked_row_bytes(const char* what, const MoEWeights& w, int n_experts, int rows, int cols) {
+// The bytes from one expert to the next, after checking that the weight holds n_experts of [rows, cols].
+size_t checked_stride(const char* what, const MoEWeights& w, int n_experts, int rows, int cols) {
   const TypeInfo& t = type_info(w.ggml_type);
   const size_t row_bytes = weight_row_bytes(t, cols);
-  const size_t want = static_cast<size_t>(n_experts) * rows * row_bytes;
-  if (w.data == nullptr || w.nbytes != want)
+  const size_t expert = static_cast<size_t>(rows) * row_bytes;
+  const size_t stride = w.expert_stride ? w.expert_stride : expert;
+  const size_t want = static_cast<size_t>(n_experts - 1) * stride + expert;
+  if (stride < expert)
+    throw std::invalid_argument(std::string("moe_forward: ") + what + " experts are " + std::to_string(stride) +
+                                " bytes apart, less than one expert's " + std::to_string(expert));
+  if (w.data == nullptr || (w.expert_stride ? w.nbytes < want : w.nbytes != want))
     throw std::invalid_argument(std::string("moe_forward: ") + what + " holds " + std::to_string(w.nbytes) +
                                 " bytes; " + std::to_string(n_experts) + " experts of [" + std::to_string(rows) +
                                 ", " + std::to_string(cols) + "] " + t.name + " need " + std::to_string(want));
-  return row_bytes;
+  return stride;
 }
 
 }  // namespace
@@ -83,13 +89,15 @@ void moe_forward(Engine& e, const float* x, int n_tokens, int hidden, const int3
                  int ffn, float* y) {
   if (n_experts <= 0 || top_k <= 0 || hidden <= 0 || ffn <= 0)
     throw std::invalid_argument("moe_forward: n_experts, top_k, hidden and ffn must be positive");
-  const size_t gate_rb = checked_row_bytes("gate", gate, n_experts, ffn, hidden);
-  const size_t up_rb = checked_row_bytes("up", up, n_experts, ffn, hidden);
-  const size_t down_rb = checked_row_bytes("down", down, n_experts, hidden, ffn);
+  const size_t gate_es = checked_stride("gate", gate, n_experts, ffn, hidden);
+  const size_t up_es = checked_stride("up", up, n_experts, ffn, hidden);
+  const size_t down_es = checked_stride("down", down, n_experts, hidden, ffn);
   if (n_tokens <= 0) return;
   const TypeInfo& gt = type_info(gate.ggml_type);
   const TypeInfo& ut = type_info(up.ggml_type);
   const TypeInfo& dt = type_info(down.ggml_type);
+  const size_t gate_rb = weight_row_bytes(gt, hidden), up_rb = weight_row_bytes(ut, hidden);
+  const size_t down_rb = weight_row_bytes(dt, ffn);
   const int n_pairs = n_tokens * top_k;
 
   ThreadPool& pool = *e.pool;
@@ -158,12 +166,12 @@ void moe_forward(Engine& e, const float* x, int n_tokens, int hidden, const int3
     task.n_tokens = count;
     task.out_stride = rows_a;
     task.scratch = scratch;
-    task.weight = gate.data + static_cast<size_t>(expert) * ffn * gate_rb;
+    task.weight = gate.data + static_cast<size_t>(expert) * gate_es;
     task.row_bytes = gate_rb;
     task.acts = slot_acts[0] + first;
     task.out = g;
     matmul_kernel(gate.ggml_type)(task);
-    task.weight = up.data + static_cast<size_t>(expert) * ffn * up_rb;
+    task.weight = up.data + static_cast<size_t>(expert) * up_es;
     task.row_bytes = up_rb;
     task.acts = slot_acts[1] + first;
     task.out = u;
@@ -188,7 +196,7 @@ void moe_forward(Engine& e, const float* x, int n_tokens, int hidden, const int3
     for (int i = 0; i < rt.n_active; ++i) {
       const int expert = rt.active[i];
       MatmulTask task{};
-      task.weight = down.data + static_cast<size_t>(expert) * hidden * down_rb;
+      task.weight = down.data + static_cast<size_t>(expert) * down_es;
       task.row_bytes = down_rb;
       task.cols = ffn;
       task.row_begin = r0;

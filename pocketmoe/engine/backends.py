@@ -95,7 +95,12 @@ def native_reads(raw: torch.Tensor, ggml_type: int, types: frozenset[int]) -> bo
 
 
 def native_can_run(gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, types: frozenset[int]) -> bool:
-    return all(native_reads(w.raw, w.ggml_type, types) for w in (gate, up, down))
+    """Each expert's rows contiguous; experts may sit further apart (the halves of a fused gate_up tensor)."""
+    def rows_packed(raw: torch.Tensor) -> bool:
+        return raw.dim() == 3 and raw.stride(2) == 1 and raw.stride(1) == raw.shape[2]
+
+    return all(w.ggml_type in types and w.raw.device.type == "cpu" and not w.raw.is_floating_point()
+               and (w.raw.is_contiguous() or rows_packed(w.raw)) for w in (gate, up, down))
 
 
 @dataclass(frozen=True)

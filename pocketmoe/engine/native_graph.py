@@ -10,8 +10,7 @@ and attention sums each (head, query) over the cache in one fixed order, so pref
 decode give bitwise the same logits.
 
 `build_graph` raises GraphUnsupported, with the reason, when the model has something the graph does not
-cover (fused gate_up experts, weights without a native kernel, a non-float32 cache); the per-op path
-then runs. Files in the legacy attn_kv_b layout run on the graph too: attn_kv_b is split at load into the
+cover (weights without a native kernel, a non-float32 cache); the per-op path then runs. Files in the legacy attn_kv_b layout run on the graph too: attn_kv_b is split at load into the
 absorbed per-head k_b / v_b, kept in float32 (V2-Lite: 216 MiB), so attention stays in latent space
 instead of expanding every cached token's keys and values at each step.
 """

@@ -17,9 +17,12 @@ void gemm_batched(const uint8_t* weight, int heads, int rows, size_t row_bytes, 
                   int n_tokens, int cols, float* y);
 
 struct MoEWeights {
-  const uint8_t* data;   // [n_experts, out_features, row_bytes] GGUF blocks, experts contiguous
-  size_t nbytes;
+  const uint8_t* data;   // expert 0's [out_features, row_bytes] GGUF blocks
+  size_t nbytes;         // bytes from data to the end of the last expert
   int ggml_type;
+  // Bytes from one expert to the next; 0: out_features * row_bytes (experts packed). Larger when the
+  // tensor is one half of a fused [E, 2 * ffn, row_bytes] gate_up tensor.
+  size_t expert_stride = 0;
 };
 
 // y[t] = sum over k = 0..K-1 of weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k],
