@@ -45,6 +45,16 @@ void rms_norm_row(const float* x, const float* w, int d, float eps, float* y) {
   for (int j = 0; j < d; ++j) y[j] = x[j] * scale * w[j];
 }
 
+// rms_norm_row over n rows of d values (x and y may be the same rows).
+void rms_norm_rows(const float* x, const float* w, int n, int d, float eps, float* y) {
+  for (int t = 0; t < n; ++t) rms_norm_row(x + static_cast<size_t>(t) * d, w, d, eps, y + static_cast<size_t>(t) * d);
+}
+
+// x[i] += y[i] for i < n (the residual adds).
+void add_into(float* x, const float* y, size_t n) {
+  for (size_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
 // Rotary embedding on interleaved pairs with tables as Rotary.span builds them:
 // (x0, x1) -> (x0 * cos2[2i] + x1 * sin2[2i], x1 * cos2[2i+1] + x0 * sin2[2i+1]).
 void rope_row(const float* x, const float* cos2, const float* sin2, int r, float* y) {
@@ -162,8 +172,7 @@ void Deepseek2Graph::forward(const int32_t* tokens, int n, int start, const floa
   laps.last = std::chrono::steady_clock::now();  // the layers keep laps of their own
   const int first = last_only ? n - 1 : 0;
   float* xn = grow(xn_, static_cast<size_t>(n) * d);
-  for (int t = first; t < n; ++t)
-    rms_norm_row(x + static_cast<size_t>(t) * d, output_norm_, d, p_.rms_eps, xn + static_cast<size_t>(t - first) * d);
+  rms_norm_rows(x + static_cast<size_t>(first) * d, output_norm_, n - first, d, p_.rms_eps, xn);
   laps.lap(GraphProfile::kNorm);
   linear(e, head_, xn, n - first, logits);
   laps.lap(GraphProfile::kHead);
@@ -177,8 +186,7 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
   Laps laps{profile_};
   float* x = x_.data();
   float* xn = grow(xn_, static_cast<size_t>(n) * d);
-  for (int t = 0; t < n; ++t)
-    rms_norm_row(x + static_cast<size_t>(t) * d, l.attn_norm, d, p.rms_eps, xn + static_cast<size_t>(t) * d);
+  rms_norm_rows(x, l.attn_norm, n, d, p.rms_eps, xn);
   laps.lap(GraphProfile::kNorm);
 
   // q [n, H*(N+R)] (directly, or q_a for the LoRA pair) and the cache rows' inputs [n, W], in one dispatch.
@@ -191,10 +199,7 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
   gemm_multi(e, ops, 2, xn, n, d);
   if (!l.wq.present()) {
     float* qa = qa_.data();
-    for (int t = 0; t < n; ++t) {
-      float* row = qa + static_cast<size_t>(t) * p.q_lora;
-      rms_norm_row(row, l.q_a_norm, p.q_lora, p.rms_eps, row);
-    }
+    rms_norm_rows(qa, l.q_a_norm, n, p.q_lora, p.rms_eps, qa);
     linear(e, l.wq_b, qa, n, q);
   }
   laps.lap(GraphProfile::kQKV);
@@ -239,15 +244,14 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
   laps.lap(GraphProfile::kVB);
   float* y = grow(t0_, static_cast<size_t>(n) * d);
   linear(e, l.wo, oc, n, y);
-  for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) x[i] += y[i];
+  add_into(x, y, static_cast<size_t>(n) * d);
   laps.lap(GraphProfile::kAttnOut);
 
-  for (int t = 0; t < n; ++t)
-    rms_norm_row(x + static_cast<size_t>(t) * d, l.ffn_norm, d, p.rms_eps, xn + static_cast<size_t>(t) * d);
+  rms_norm_rows(x, l.ffn_norm, n, d, p.rms_eps, xn);
   laps.lap(GraphProfile::kNorm);
   if (l.dense.present()) {
     ffn(e, l.dense, xn, n, y);
-    for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) x[i] += y[i];
+    add_into(x, y, static_cast<size_t>(n) * d);
     laps.lap(GraphProfile::kDense);
     return;
   }
@@ -260,9 +264,9 @@ void Deepseek2Graph::layer(Engine& e, const Deepseek2Layer& l, float* cache, int
   if (l.shared.present()) {
     float* ys = grow(t1_, static_cast<size_t>(n) * d);
     ffn(e, l.shared, xn, n, ys);
-    for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) y[i] += ys[i];
+    add_into(y, ys, static_cast<size_t>(n) * d);
   }
-  for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) x[i] += y[i];
+  add_into(x, y, static_cast<size_t>(n) * d);
   laps.lap(GraphProfile::kShared);
 }
 

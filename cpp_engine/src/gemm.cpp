@@ -34,7 +34,22 @@ void gemm(Engine& e, const uint8_t* weight, int rows, size_t row_bytes, int ggml
   gemm_multi(e, &op, 1, x, n_tokens, cols);
 }
 
+uint8_t* quantize_rows(ThreadPool& pool, Buffer& buf, ActFormat format, const float* x, int n_rows, int cols,
+                       bool on_caller) {
+  const size_t arb = act_row_bytes(format, cols);
+  uint8_t* rows = buf.get(arb * n_rows);
+  const auto one = [&](int r) { quantize_act_row(format, x + static_cast<size_t>(r) * cols, cols, rows + arb * r); };
+  if (on_caller) {
+    for (int r = 0; r < n_rows; ++r) one(r);
+  } else {
+    pool.parallel_for(n_rows, [&](int r, int) { one(r); });
+  }
+  return rows;
+}
+
 void gemm_multi(Engine& e, const GemmOp* ops, int n_ops, const float* x, int n_tokens, int cols) {
+  constexpr int kMaxOps = 4;
+  if (n_ops > kMaxOps) throw std::invalid_argument("gemm_multi: at most 4 weights per call");
   size_t work = 0;
   for (int i = 0; i < n_ops; ++i) {
     const GemmOp& op = ops[i];
@@ -52,42 +67,35 @@ void gemm_multi(Engine& e, const GemmOp* ops, int n_ops, const float* x, int n_t
   Workspace& ws = e.ws;
   const bool inline_call = work < kInlineWork;
 
-  // The activation rows in each format the ops need, quantized once: Q8_K in slot 0, Q8_0 in slot 1.
-  const uint8_t** acts[2] = {nullptr, nullptr};
-  const uint8_t** f32_acts = nullptr;
+  // Per op, its kernel and its activation rows; x is quantized once per format (Q8_K in slot 0, Q8_0 in 1).
+  const uint8_t** slot_acts[3] = {nullptr, nullptr, nullptr};  // Q8_K, Q8_0, F32
+  const uint8_t** op_acts[kMaxOps];
+  MatmulFn fns[kMaxOps];
   for (int i = 0; i < n_ops; ++i) {
     const ActFormat fmt = type_info(ops[i].ggml_type).act;
-    if (fmt == ActFormat::kF32) {
-      if (f32_acts) continue;
-      f32_acts = ws.f32_ptrs.get_as<const uint8_t*>(n_tokens);
-      for (int t = 0; t < n_tokens; ++t) f32_acts[t] = reinterpret_cast<const uint8_t*>(x + static_cast<size_t>(t) * cols);
-      continue;
+    const int slot = fmt == ActFormat::kQ8_K ? 0 : fmt == ActFormat::kQ8_0 ? 1 : 2;
+    if (!slot_acts[slot]) {
+      const uint8_t** acts = slot_acts[slot] = ws.act_ptrs[slot].get_as<const uint8_t*>(n_tokens);
+      if (fmt == ActFormat::kF32) {
+        for (int t = 0; t < n_tokens; ++t) acts[t] = reinterpret_cast<const uint8_t*>(x + static_cast<size_t>(t) * cols);
+      } else {
+        const size_t arb = act_row_bytes(fmt, cols);
+        const uint8_t* rows = quantize_rows(pool, ws.acts[slot], fmt, x, n_tokens, cols, inline_call || n_tokens == 1);
+        for (int t = 0; t < n_tokens; ++t) acts[t] = rows + arb * t;
+      }
     }
-    const int slot = fmt == ActFormat::kQ8_K ? 0 : 1;
-    if (acts[slot]) continue;
-    const size_t arb = act_row_bytes(fmt, cols);
-    uint8_t* buf = ws.acts[slot].get(arb * n_tokens);
-    acts[slot] = ws.act_ptrs[slot].get_as<const uint8_t*>(n_tokens);
-    for (int t = 0; t < n_tokens; ++t) acts[slot][t] = buf + arb * t;
-    if (inline_call || n_tokens == 1) {
-      for (int t = 0; t < n_tokens; ++t) quantize_act_row(fmt, x + static_cast<size_t>(t) * cols, cols, buf + arb * t);
-    } else {
-      pool.parallel_for(n_tokens, [&](int t, int) {
-        quantize_act_row(fmt, x + static_cast<size_t>(t) * cols, cols, buf + arb * t);
-      });
-    }
+    op_acts[i] = slot_acts[slot];
+    fns[i] = matmul_kernel(ops[i].ggml_type);
   }
 
   // Work items: (op, row block, token chunk), about 8 per thread for each op.
-  constexpr int kMaxOps = 4;
-  if (n_ops > kMaxOps) throw std::invalid_argument("gemm_multi: at most 4 weights per call");
   int rows_per_item[kMaxOps], row_items[kMaxOps], first_item[kMaxOps + 1];
   size_t scratch = 0;
   const int token_chunks = (n_tokens + kTokenChunk - 1) / kTokenChunk;
+  const int target_items = inline_call ? 1 : std::max(1, pool.size() * 8 / token_chunks);
   first_item[0] = 0;
   for (int i = 0; i < n_ops; ++i) {
     const int rows = std::max(ops[i].rows, 0);
-    const int target_items = inline_call ? 1 : std::max(1, pool.size() * 8 / token_chunks);
     rows_per_item[i] =
         inline_call ? std::max(rows, 1) : std::min(rows, std::max(16, round_up((rows + target_items - 1) / target_items, 8)));
     row_items[i] = rows == 0 ? 0 : (rows + rows_per_item[i] - 1) / rows_per_item[i];
@@ -103,19 +111,18 @@ void gemm_multi(Engine& e, const GemmOp* ops, int n_ops, const float* x, int n_t
     const int local = item - first_item[i];
     const int r0 = (local % row_items[i]) * rows_per_item[i];
     const int t0 = (local / row_items[i]) * kTokenChunk;
-    const ActFormat fmt = type_info(op.ggml_type).act;
     MatmulTask task{};
     task.weight = op.weight;
     task.row_bytes = op.row_bytes;
     task.cols = cols;
     task.row_begin = r0;
     task.row_end = std::min(op.rows, r0 + rows_per_item[i]);
-    task.acts = (fmt == ActFormat::kF32 ? f32_acts : acts[fmt == ActFormat::kQ8_K ? 0 : 1]) + t0;
+    task.acts = op_acts[i] + t0;
     task.n_tokens = std::min(kTokenChunk, n_tokens - t0);
     task.out = op.y + static_cast<size_t>(t0) * op.rows + r0;
     task.out_stride = op.rows;
     task.scratch = ws.per_thread[thread].get(scratch + 64);
-    matmul_kernel(op.ggml_type)(task);
+    fns[i](task);
   });
 }
 
@@ -146,17 +153,11 @@ void gemm_batched(Engine& e, const uint8_t* weight, int heads, int rows, size_t 
   if (type.act == ActFormat::kF32) {
     for (int i = 0; i < n_act; ++i) acts[i] = reinterpret_cast<const uint8_t*>(x + static_cast<size_t>(i) * cols);
   } else {
-    const size_t arb = act_row_bytes(type.act, cols);
-    uint8_t* buf = ws.acts[0].get(arb * n_act);
-    for (int i = 0; i < n_act; ++i) acts[i] = buf + arb * i;
     // A few rows (decode: one per head) quantize faster than the pool wakes.
-    if (inline_call || static_cast<size_t>(n_act) * cols <= kInlineQuantValues) {
-      for (int i = 0; i < n_act; ++i) quantize_act_row(type.act, x + static_cast<size_t>(i) * cols, cols, buf + arb * i);
-    } else {
-      pool.parallel_for(n_act, [&](int i, int) {
-        quantize_act_row(type.act, x + static_cast<size_t>(i) * cols, cols, buf + arb * i);
-      });
-    }
+    const size_t arb = act_row_bytes(type.act, cols);
+    const uint8_t* rows = quantize_rows(pool, ws.acts[0], type.act, x, n_act, cols,
+                                        inline_call || static_cast<size_t>(n_act) * cols <= kInlineQuantValues);
+    for (int i = 0; i < n_act; ++i) acts[i] = rows + arb * i;
   }
 
   const size_t scratch = matmul_scratch_bytes(ggml_type, cols);

@@ -58,8 +58,13 @@ Routing route(const int32_t* ids, int n_pairs, int n_experts, Buffer& ints) {
   return r;
 }
 
-// The bytes from one expert to the next, after checking that the weight holds n_experts of [rows, cols].
-size_t checked_stride(const char* what, const MoEWeights& w, int n_experts, int rows, int cols) {
+struct ExpertLayout {
+  size_t row_bytes;
+  size_t stride;  // bytes from one expert to the next
+};
+
+// Row bytes and expert stride, after checking that the weight holds n_experts of [rows, cols].
+ExpertLayout checked_layout(const char* what, const MoEWeights& w, int n_experts, int rows, int cols) {
   const TypeInfo& t = type_info(w.ggml_type);
   const size_t row_bytes = weight_row_bytes(t, cols);
   const size_t expert = static_cast<size_t>(rows) * row_bytes;
@@ -72,7 +77,7 @@ size_t checked_stride(const char* what, const MoEWeights& w, int n_experts, int 
     throw std::invalid_argument(std::string("moe_forward: ") + what + " holds " + std::to_string(w.nbytes) +
                                 " bytes; " + std::to_string(n_experts) + " experts of [" + std::to_string(rows) +
                                 ", " + std::to_string(cols) + "] " + t.name + " need " + std::to_string(want));
-  return stride;
+  return {row_bytes, stride};
 }
 
 }  // namespace
@@ -89,15 +94,15 @@ void moe_forward(Engine& e, const float* x, int n_tokens, int hidden, const int3
                  int ffn, float* y) {
   if (n_experts <= 0 || top_k <= 0 || hidden <= 0 || ffn <= 0)
     throw std::invalid_argument("moe_forward: n_experts, top_k, hidden and ffn must be positive");
-  const size_t gate_es = checked_stride("gate", gate, n_experts, ffn, hidden);
-  const size_t up_es = checked_stride("up", up, n_experts, ffn, hidden);
-  const size_t down_es = checked_stride("down", down, n_experts, hidden, ffn);
+  const ExpertLayout gl = checked_layout("gate", gate, n_experts, ffn, hidden);
+  const ExpertLayout ul = checked_layout("up", up, n_experts, ffn, hidden);
+  const ExpertLayout dl = checked_layout("down", down, n_experts, hidden, ffn);
+  const size_t gate_rb = gl.row_bytes, gate_es = gl.stride, up_rb = ul.row_bytes, up_es = ul.stride;
+  const size_t down_rb = dl.row_bytes, down_es = dl.stride;
   if (n_tokens <= 0) return;
   const TypeInfo& gt = type_info(gate.ggml_type);
   const TypeInfo& ut = type_info(up.ggml_type);
   const TypeInfo& dt = type_info(down.ggml_type);
-  const size_t gate_rb = weight_row_bytes(gt, hidden), up_rb = weight_row_bytes(ut, hidden);
-  const size_t down_rb = weight_row_bytes(dt, ffn);
   const int n_pairs = n_tokens * top_k;
 
   ThreadPool& pool = *e.pool;
@@ -118,13 +123,8 @@ void moe_forward(Engine& e, const float* x, int n_tokens, int hidden, const int3
       act_rows[1] = act_rows[0];
       act_stride[1] = act_stride[0];
     } else {
-      const size_t arb = act_row_bytes(formats[i], hidden);
-      uint8_t* buf = ws.acts[i].get(arb * n_tokens);
-      pool.parallel_for(n_tokens, [&](int t, int) {
-        quantize_act_row(formats[i], x + static_cast<size_t>(t) * hidden, hidden, buf + arb * t);
-      });
-      act_rows[i] = buf;
-      act_stride[i] = arb;
+      act_rows[i] = quantize_rows(pool, ws.acts[i], formats[i], x, n_tokens, hidden, false);
+      act_stride[i] = act_row_bytes(formats[i], hidden);
     }
     slot_acts[i] = ws.act_ptrs[i].get_as<const uint8_t*>(n_pairs);
     for (int s = 0; s < n_pairs; ++s) slot_acts[i][s] = act_rows[i] + act_stride[i] * (rt.pair[s] / top_k);

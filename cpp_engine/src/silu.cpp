@@ -2,6 +2,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace pocketmoe {
 namespace {
 
@@ -51,9 +53,7 @@ float exp_shifted(float* x, int n, float shift) {
     _mm256_storeu_ps(x + i, e);
     acc = _mm256_add_ps(acc, e);
   }
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  float sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+  float sum = simd::hsum(acc);
   if (i < n) {
     float t[8] = {};
     for (int j = i; j < n; ++j) t[j - i] = x[j];

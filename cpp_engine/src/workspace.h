@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "pocketmoe/thread_pool.h"
+#include "pocketmoe/types.h"
 
 namespace pocketmoe {
 
@@ -32,8 +33,7 @@ class Buffer {
 
 struct Workspace {
   Buffer acts[2];
-  Buffer act_ptrs[2];
-  Buffer f32_ptrs;
+  Buffer act_ptrs[3];   // row pointers: [0] Q8_K / generic, [1] Q8_0, [2] float rows (gemm_multi)
   Buffer hidden;
   Buffer hidden_ptrs;
   Buffer ints;
@@ -65,6 +65,11 @@ struct GemmOp {
   float* y;
 };
 void gemm_multi(Engine& e, const GemmOp* ops, int n_ops, const float* x, int n_tokens, int cols);
+
+// x [n_rows, cols] quantized to `format` in buf, act_row_bytes(format, cols) bytes a row, on the caller
+// alone or spread over the pool; returns the first row.
+uint8_t* quantize_rows(ThreadPool& pool, Buffer& buf, ActFormat format, const float* x, int n_rows, int cols,
+                       bool on_caller);
 void gemm_batched(Engine& e, const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type,
                   const float* x, int n_tokens, int cols, float* y);
 void moe_forward(Engine& e, const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,

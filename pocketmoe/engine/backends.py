@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pocketmoe.errors import PocketMoEError
@@ -47,9 +48,9 @@ class NativeLinearBackend:
         return 1
 
     def _weight(self, layer: QuantLinear) -> object:
-        """The weight as the kernel takes it (uint8 [*lead, O, row_bytes] numpy), or False: the fallback's."""
-        ok = len(layer.shape) in (2, 3) and native_reads(layer.raw, layer.ggml_type, self.types)
-        return layer.raw.reshape(*layer.shape[:-1], -1).numpy() if ok else False
+        """The weight as the kernel takes it, or False: the fallback's."""
+        w = native_blocks(layer, self.types)
+        return False if w is None else w
 
     def _run(self, kernel, fallback, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         w = layer.backend_data
@@ -77,10 +78,10 @@ class NativeExperts:
         self.native = native
         self.gate, self.up, self.down = gate, up, down
         self.n_experts, self.ffn = gate.shape[0], gate.shape[1]
-        self._raw = tuple(w.raw.numpy() for w in (gate, up, down))  # uint8 blocks, no copy
+        self.raw = tuple(w.raw.numpy() for w in (gate, up, down))  # uint8 blocks, no copy (the graph reads them too)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        gate, up, down = self._raw
+        gate, up, down = self.raw
         y = self.native.moe_forward(
             x.float().contiguous().numpy(), ids.to(torch.int32).contiguous().numpy(),
             weights.float().contiguous().numpy(), gate, self.gate.ggml_type, up, self.up.ggml_type,
@@ -88,19 +89,25 @@ class NativeExperts:
         return torch.from_numpy(y)
 
 
-def native_reads(raw: torch.Tensor, ggml_type: int, types: frozenset[int]) -> bool:
-    """The native kernels take this weight as it is: raw host blocks, contiguous, of a type they know."""
-    return (ggml_type in types and raw.device.type == "cpu" and not raw.is_floating_point()
-            and raw.is_contiguous())
+def native_blocks(layer: QuantLinear, types: frozenset[int]) -> np.ndarray | None:
+    """A 2-D or per-head 3-D weight as the kernels take it (uint8 [*lead, O, row_bytes] numpy, no copy), or None."""
+    ok = len(layer.shape) in (2, 3) and native_reads(layer.raw, layer.ggml_type, types)
+    return layer.raw.reshape(*layer.shape[:-1], -1).numpy() if ok else None
+
+
+def native_reads(raw: torch.Tensor, ggml_type: int, types: frozenset[int], strided_experts: bool = False) -> bool:
+    """The native kernels take this weight as it is: raw host blocks, contiguous, of a type they know.
+
+    With strided_experts, a stacked [E, rows, row_bytes] weight may also have its experts further apart
+    than one expert's bytes, each expert's rows still packed (a half of a fused gate_up tensor).
+    """
+    packed = raw.is_contiguous() or (strided_experts and raw.dim() == 3 and raw.stride(2) == 1
+                                     and raw.stride(1) == raw.shape[2])
+    return ggml_type in types and raw.device.type == "cpu" and not raw.is_floating_point() and packed
 
 
 def native_can_run(gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, types: frozenset[int]) -> bool:
-    """Each expert's rows contiguous; experts may sit further apart (the halves of a fused gate_up tensor)."""
-    def rows_packed(raw: torch.Tensor) -> bool:
-        return raw.dim() == 3 and raw.stride(2) == 1 and raw.stride(1) == raw.shape[2]
-
-    return all(w.ggml_type in types and w.raw.device.type == "cpu" and not w.raw.is_floating_point()
-               and (w.raw.is_contiguous() or rows_packed(w.raw)) for w in (gate, up, down))
+    return all(native_reads(w.raw, w.ggml_type, types, strided_experts=True) for w in (gate, up, down))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pocketmoe.engine.backends import NativeExperts, native_reads
+from pocketmoe.engine.backends import NativeExperts, native_blocks, native_reads
 from pocketmoe.layers.linear import float_weight
 from pocketmoe.layers.mlp import GatedMLP
 from pocketmoe.layers.moe import MoEBlock
@@ -78,9 +78,10 @@ def _floats(t: torch.Tensor | None, what: str) -> np.ndarray | None:
 
 
 def _linear(layer: QuantLinear, types: frozenset[int]) -> tuple[np.ndarray, int, int]:
-    if not native_reads(layer.raw, layer.ggml_type, types) or len(layer.shape) not in (2, 3):
+    blocks = native_blocks(layer, types)
+    if blocks is None:
         raise GraphUnsupported(f"{layer.name or 'a weight'} (type {layer.ggml_type}) has no native kernel")
-    return layer.raw.reshape(*layer.shape[:-1], -1).numpy(), layer.ggml_type, layer.in_features
+    return blocks, layer.ggml_type, layer.in_features
 
 
 def _ffn(prefix: str, mlp: GatedMLP, types: frozenset[int]) -> dict[str, object]:
@@ -111,7 +112,7 @@ def _layer(block: object, types: frozenset[int]) -> tuple[dict[str, object], MoE
     if not isinstance(ffn.experts, NativeExperts):
         raise GraphUnsupported("routed experts are not on the native CPU kernels")
     ex = ffn.experts
-    gate, up, down = ex._raw
+    gate, up, down = ex.raw
     d.update(router=_linear(ffn.router.gate, types), router_bias=_floats(ffn.router.bias, "exp_probs_b"),
              experts_gate=(gate, ex.gate.ggml_type), experts_up=(up, ex.up.ggml_type),
              experts_down=(down, ex.down.ggml_type), expert_ffn=ex.ffn)
