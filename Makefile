@@ -7,7 +7,7 @@ DEMO_DIR ?= out/demo
 # llama.cpp (the parity reference) builds from source in ~4 minutes on 2 cores; pip caches the wheel.
 LLAMA_CPP_ARGS ?= -DGGML_NATIVE=OFF
 
-.PHONY: venv native parity test demo lint clean
+.PHONY: venv native parity simde test demo lint clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,13 @@ $(VENV)/.parity: $(VENV)/.installed
 
 parity: $(VENV)/.parity
 
-test: venv native parity
+# SIMDe (header-only) lets the C++ tests run the VNNI kernels on a CPU without VNNI.
+simde:
+	@test -f /usr/include/simde/x86/avx512/dpbusd.h || apt-get install -y -q libsimde-dev >/dev/null \
+		|| (apt-get update -q >/dev/null && apt-get install -y -q libsimde-dev >/dev/null) \
+		|| echo "warning: libsimde-dev did not install; the emulated VNNI kernel test will not run"
+
+test: venv native parity simde
 	$(PY) -m pytest -q --timeout=1800 tests
 
 demo: venv native

@@ -1,8 +1,10 @@
 """The standalone C++ tests of cpp_engine/ (kernels vs the scalar reference, bitwise stability, gemm_multi,
-gemm_batched and MoE against gemm), built with CMake into a temporary folder and run."""
+gemm_batched and MoE against gemm, and the VNNI kernels against AVX2 through SIMDe's portable vpdpbusd /
+vpdpwssd), built with CMake into a temporary folder and run."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,3 +24,7 @@ def test_cpp_kernel_tests(tmp_path: Path) -> None:
     assert made.returncode == 0, made.stdout[-4000:] + made.stderr[-4000:]
     run = subprocess.run([str(build / "test_kernels")], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.rstrip().endswith("all passed"), run.stdout[-4000:]
+    # The VNNI kernels cannot run natively on an AVX2-only machine; with SIMDe (Debian libsimde-dev,
+    # which `make test` installs) they run here, and must have.
+    if Path("/usr/include/simde/x86/avx512/dpbusd.h").exists():
+        assert re.search(r"^vnni_kernels_match_avx2\s+ok$", run.stdout, re.M), run.stdout[-4000:]

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -377,3 +382,67 @@ def test_cpu_without_avx2_is_refused_before_import(monkeypatch) -> None:
     monkeypatch.setattr(native, "_cpu_flags", lambda: frozenset({"sse2", "avx"}))
     module, reason = native._load()
     assert module is None and "avx2" in reason and "fma" in reason
+
+
+def _isa_in_subprocess(env_value: str | None) -> dict:
+    """native.kernel_isa() (or the error it raises) in a fresh process with POCKETMOE_ISA set."""
+    env = {k: v for k, v in os.environ.items() if k != "POCKETMOE_ISA"}
+    if env_value is not None:
+        env["POCKETMOE_ISA"] = env_value
+    code = ("import json; from pocketmoe import native\n"
+            "try:\n    print(json.dumps(native.kernel_isa()))\n"
+            "except native.NativeKernelError as e:\n    print(json.dumps({'error': str(e)}))\n")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout)
+
+
+def test_kernel_isa_is_the_widest_the_cpu_has() -> None:
+    """The dispatcher against /proc/cpuinfo: AVX-512 VNNI (with F, BW, VL), then AVX-VNNI, then AVX2."""
+    flags = native._cpu_flags() or frozenset()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        expected = "avx512vnni"
+    elif "avx_vnni" in flags:
+        expected = "avxvnni"
+    else:
+        expected = "avx2"
+    isa = _isa_in_subprocess(None)
+    # A wider set is only left out when its start-up check failed, and then the note says so.
+    assert isa["name"] == expected or "start-up check" in isa["note"], isa
+    assert isa["name"] in native.describe()
+
+
+def test_pocketmoe_isa_caps_the_kernels() -> None:
+    assert _isa_in_subprocess("avx2")["name"] == "avx2"
+    flags = native._cpu_flags() or frozenset()
+    if "avx512_vnni" not in flags:
+        isa = _isa_in_subprocess("avx512vnni")
+        assert isa["name"] in ("avxvnni", "avx2") and "lacks" in isa["note"], isa
+    bad = _isa_in_subprocess("avx9")
+    assert "POCKETMOE_ISA=avx9" in bad["error"] and "avx512vnni, avxvnni or avx2" in bad["error"], bad
+
+
+def test_wide_instructions_stay_in_the_dispatched_kernels() -> None:
+    """The extension runs on any AVX2 CPU: every AVX-512 or VNNI instruction in it lies in the kernels
+    compiled for those sets (namespaces avx512vnni / avxvnni), which run only after the CPU check, and
+    both sets are built (vpdpbusd / vpdpwssd present)."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed")
+    from pocketmoe import _native
+    text = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", _native.__file__], capture_output=True,
+                          text=True, check=True, timeout=600).stdout
+    wide = re.compile(r"%zmm|%[xy]mm(1[6-9]|2\d|3[01])\b|%k[0-7]\b|\{1to\d+\}|\{evex\}|vpdpbusd|vpdpwssd|"
+                      r"vpternlog|vmovdqu(8|16|32|64)\b|vmovdqa(32|64)\b|vperm[it]2|vpbroadcastm")
+    func, outside, vnni = "", set(), {"avx512vnni": 0, "avxvnni": 0}
+    for line in text.splitlines():
+        if line.endswith(">:"):
+            func = line
+        elif "\t" in line and wide.search(line):
+            owner = next((ns for ns in vnni if f"pocketmoe::{ns}::" in func), None)
+            if owner is None:
+                outside.add(func)
+            elif "vpdp" in line:
+                vnni[owner] += 1
+    assert not outside, sorted(outside)[:10]
+    assert vnni["avx512vnni"] > 0 and vnni["avxvnni"] > 0, vnni

@@ -13,8 +13,8 @@
 #include <ctime>
 #include <vector>
 
-#include "fixtures.h"
 #include "pocketmoe/engine.h"
+#include "pocketmoe/samples.h"
 #include "pocketmoe/thread_pool.h"
 #include "pocketmoe/types.h"
 
@@ -88,10 +88,10 @@ void bench_gemm(const Shape& s, std::mt19937& rng) {
   const size_t row_bytes = weight_row_bytes(t, s.cols);
   const size_t bytes = row_bytes * s.rows;
   const int copies = static_cast<int>(std::max<size_t>(1, (384u << 20) / bytes));
-  std::vector<uint8_t> one = testing::random_weight(s.type, s.rows, s.cols, rng);
+  std::vector<uint8_t> one = samples::random_weight(s.type, s.rows, s.cols, rng);
   std::vector<uint8_t> many(bytes * copies);
   for (int c = 0; c < copies; ++c) std::copy(one.begin(), one.end(), many.begin() + bytes * c);
-  const std::vector<float> x = testing::random_floats(static_cast<size_t>(128) * s.cols, rng);
+  const std::vector<float> x = samples::random_floats(static_cast<size_t>(128) * s.cols, rng);
   std::vector<float> y(static_cast<size_t>(128) * s.rows);
 
   // Best of many calls: other processes on a shared machine only ever slow a call down.
@@ -127,12 +127,12 @@ void bench_moe(const MoEShape& m, std::mt19937& rng) {
   const size_t down_bytes = weight_row_bytes(type_info(m.down_type), m.ffn) * m.hidden * m.n_experts;
   std::vector<std::vector<uint8_t>> gate, up, down;
   for (int l = 0; l < m.layers; ++l) {
-    gate.push_back(testing::random_weight(m.gate_type, m.ffn * m.n_experts, m.hidden, rng));
-    up.push_back(testing::random_weight(m.gate_type, m.ffn * m.n_experts, m.hidden, rng));
-    down.push_back(testing::random_weight(m.down_type, m.hidden * m.n_experts, m.ffn, rng));
+    gate.push_back(samples::random_weight(m.gate_type, m.ffn * m.n_experts, m.hidden, rng));
+    up.push_back(samples::random_weight(m.gate_type, m.ffn * m.n_experts, m.hidden, rng));
+    down.push_back(samples::random_weight(m.down_type, m.hidden * m.n_experts, m.ffn, rng));
   }
   const int max_tokens = 128;
-  const std::vector<float> x = testing::random_floats(static_cast<size_t>(max_tokens) * m.hidden, rng);
+  const std::vector<float> x = samples::random_floats(static_cast<size_t>(max_tokens) * m.hidden, rng);
   std::vector<float> y(static_cast<size_t>(max_tokens) * m.hidden);
   std::vector<int32_t> ids(static_cast<size_t>(max_tokens) * m.top_k);
   std::vector<float> w(ids.size(), 1.0f / m.top_k);

@@ -11,6 +11,7 @@
 #include "pocketmoe/act_quant.h"
 #include "pocketmoe/deepseek2_graph.h"
 #include "pocketmoe/engine.h"
+#include "pocketmoe/isa.h"
 #include "pocketmoe/matmul.h"
 #include "pocketmoe/types.h"
 
@@ -368,6 +369,13 @@ PYBIND11_MODULE(_native, m) {
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("describe", &describe);
+  m.def(
+      "kernel_isa",
+      [] {
+        const KernelIsa& isa = kernel_isa();
+        return py::dict(py::arg("name") = isa.name, py::arg("note") = isa.note);
+      },
+      "{'name': the instruction set of the integer kernels, 'note': why a wider one this CPU has is unused}.");
   m.def("cpu_supported", &cpu_supported);
   m.def("supported_types", &supported_types);
 }

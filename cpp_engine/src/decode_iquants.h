@@ -5,7 +5,7 @@
 #include "iq_tables.h"
 #include "simd.h"
 
-namespace pocketmoe::decode {
+namespace pocketmoe::PM_ISA::decode {
 
 // IQ2_XXS, 66 bytes: d, then per 32 weights two u32: four grid indices, and four 7-bit sign indices
 // plus a 4-bit scale s in the top bits; w = d * (2s+1)/8 * grid * sign. Weights are stored + 64.
@@ -96,4 +96,4 @@ struct IQ4XS {
   }
 };
 
-}  // namespace pocketmoe::decode
+}  // namespace pocketmoe::PM_ISA::decode

@@ -3,7 +3,7 @@
 
 #include "simd.h"
 
-namespace pocketmoe::decode {
+namespace pocketmoe::PM_ISA::decode {
 
 using namespace simd;
 
@@ -172,4 +172,4 @@ struct Q3K {
   }
 };
 
-}  // namespace pocketmoe::decode
+}  // namespace pocketmoe::PM_ISA::decode

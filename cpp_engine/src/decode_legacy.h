@@ -4,7 +4,7 @@
 
 #include "simd.h"
 
-namespace pocketmoe::decode {
+namespace pocketmoe::PM_ISA::decode {
 
 using namespace simd;
 
@@ -108,4 +108,4 @@ struct BF16 {
   }
 };
 
-}  // namespace pocketmoe::decode
+}  // namespace pocketmoe::PM_ISA::decode

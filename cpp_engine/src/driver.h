@@ -7,7 +7,7 @@
 #include "pocketmoe/matmul.h"
 #include "simd.h"
 
-namespace pocketmoe::driver {
+namespace pocketmoe::PM_ISA::driver {
 
 // Up to this many tokens, blocks are decoded on the fly, one row at a time; above, two rows at a
 // time are decoded once into the family's canonical form and reused for every token.
@@ -81,4 +81,4 @@ void matmul(const MatmulTask& t) {
   }
 }
 
-}  // namespace pocketmoe::driver
+}  // namespace pocketmoe::PM_ISA::driver

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "pocketmoe/engine.h"
+#include "pocketmoe/isa.h"
 #include "workspace.h"
 
 namespace pocketmoe {
@@ -85,10 +86,11 @@ bool cpu_supported() {
 }
 
 std::string describe() {
-  std::string isa = cpu_supported() ? "AVX2+FMA+F16C int8 kernels" : "unsupported CPU (needs AVX2, FMA, F16C, BMI2)";
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512vnni")) isa += " (CPU has AVX-512 VNNI; no VNNI kernels compiled yet)";
-  return isa + ", " + std::to_string(get_num_threads()) + " threads (" + std::to_string(physical_core_count()) +
+  if (!cpu_supported()) return "unsupported CPU (the native kernels need AVX2, FMA, F16C and BMI2)";
+  const KernelIsa& isa = kernel_isa();
+  std::string s = isa.name + " int8 kernels";
+  if (!isa.note.empty()) s += " (" + isa.note + ")";
+  return s + ", " + std::to_string(get_num_threads()) + " threads (" + std::to_string(physical_core_count()) +
          " physical cores)";
 }
 

@@ -7,7 +7,7 @@
 
 #include "simd.h"
 
-namespace pocketmoe::ffamily {
+namespace pocketmoe::PM_ISA::ffamily {
 
 using namespace simd;
 
@@ -43,4 +43,4 @@ struct Family {
   }
 };
 
-}  // namespace pocketmoe::ffamily
+}  // namespace pocketmoe::PM_ISA::ffamily

@@ -1,27 +1,37 @@
-// Per-type matmul entry points (one translation unit per kernel family).
+// The kernels of each instruction set, by ggml type (isa_*.cpp), and the set chosen at run time
+// (isa.cpp). The integer-weight kernels exist for AVX2, AVX-VNNI and AVX-512 VNNI and give bitwise
+// the same results; the float-weight ones (F32, F16, BF16) are AVX2 only.
 #pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
 
 #include "pocketmoe/matmul.h"
 
-namespace pocketmoe::kernels {
+namespace pocketmoe {
 
-void matmul_q2_k(const MatmulTask& t);
-void matmul_q3_k(const MatmulTask& t);
-void matmul_q4_k(const MatmulTask& t);
-void matmul_q5_k(const MatmulTask& t);
-void matmul_q6_k(const MatmulTask& t);
-void matmul_iq2_xxs(const MatmulTask& t);
-void matmul_iq1_m(const MatmulTask& t);
-void matmul_iq4_xs(const MatmulTask& t);
-void matmul_q4_0(const MatmulTask& t);
-void matmul_q5_0(const MatmulTask& t);
-void matmul_q8_0(const MatmulTask& t);
-void matmul_mxfp4(const MatmulTask& t);
-void matmul_f32(const MatmulTask& t);
-void matmul_f16(const MatmulTask& t);
-void matmul_bf16(const MatmulTask& t);
+using KernelTable = MatmulFn (*)(int ggml_type);   // nullptr for a type the set has no kernel for
 
-size_t kfamily_scratch_bytes(int cols);
-size_t lfamily_scratch_bytes(int cols);
+namespace avx2 {
+MatmulFn integer_kernel(int ggml_type);
+MatmulFn float_kernel(int ggml_type);
+size_t scratch_bytes(int ggml_type, int cols);
+}  // namespace avx2
+namespace avxvnni {
+MatmulFn integer_kernel(int ggml_type);
+}  // namespace avxvnni
+namespace avx512vnni {
+MatmulFn integer_kernel(int ggml_type);
+}  // namespace avx512vnni
 
-}  // namespace pocketmoe::kernels
+// The integer kernel of ggml_type in the chosen set (kernel_isa()); nullptr for float types.
+MatmulFn active_integer_kernel(int ggml_type);
+
+// Runs every integer type's kernel from `candidate` and from AVX2 on the same random blocks
+// (rows x 512, each token count in turn, both from `seed`) and compares the outputs bit for bit.
+// Returns "" when all are identical, else a sentence naming the first difference.
+std::string compare_with_avx2(KernelTable candidate, const std::vector<int>& token_counts, int rows, uint32_t seed);
+
+}  // namespace pocketmoe

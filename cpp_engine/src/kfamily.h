@@ -5,8 +5,10 @@
 // applied to the activation sums of 16 (bsums):
 //   block dot = d * da * (sum_g madd(maddubs(q_g, a_g), scale_g) [+ madd(corr, bsums) if kOffset])
 //             [+ dmin * da * madd(corr, bsums) if kMin]
-// All integer sums are exact; the float steps per (row, token) are the same in every tile shape and
-// in the repacked form, so a result never depends on tiling, threads or the batch it came in.
+// With VNNI, vpdpwssd does each madd and the add after it in one step, with the same wrapping
+// result, so every build gives the same integers. All integer sums are exact; the float steps per
+// (row, token) are the same in every tile shape and in the repacked form, so a result never depends
+// on the instruction set, tiling, threads or the batch it came in.
 #pragma once
 
 #include <cstddef>
@@ -15,7 +17,7 @@
 #include "pocketmoe/matmul.h"
 #include "simd.h"
 
-namespace pocketmoe::kfamily {
+namespace pocketmoe::PM_ISA::kfamily {
 
 using namespace simd;
 
@@ -127,7 +129,12 @@ struct Family {
           for (int c = 0; c < C; ++c) {
             __m256i av = load256(a[c].qs + 256 * b + 32 * G);
             if constexpr (Dec::kSigned) av = _mm256_sign_epi8(av, q);
-            isum[r][c] = _mm256_add_epi32(isum[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(qu, av), s));
+            const __m256i m = _mm256_maddubs_epi16(qu, av);
+#if PM_VNNI
+            isum[r][c] = dpwssd(isum[r][c], m, s);
+#else
+            isum[r][c] = _mm256_add_epi32(isum[r][c], _mm256_madd_epi16(m, s));
+#endif
             // Keep the sum a running one: left free, GCC reassociates the eight groups' integer adds of
             // a repacked tile into a tree and spills every product to the stack (GEMM 15-25% slower).
             if constexpr (Dec::kCanonical) keep_in_register(isum[r][c]);
@@ -140,7 +147,13 @@ struct Family {
         const float da = a[c].d[b];
         for (int r = 0; r < R; ++r) {
           __m256i is = isum[r][c];
-          if constexpr (Dec::kOffset) is = _mm256_add_epi32(is, _mm256_madd_epi16(h[r].corr, bs));
+          if constexpr (Dec::kOffset) {
+#if PM_VNNI
+            is = dpwssd(is, h[r].corr, bs);
+#else
+            is = _mm256_add_epi32(is, _mm256_madd_epi16(h[r].corr, bs));
+#endif
+          }
           acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(h[r].d * da), acc[r][c]);
           if constexpr (Dec::kMin) {
             const __m256i m = _mm256_madd_epi16(h[r].corr, bs);
@@ -154,4 +167,4 @@ struct Family {
   }
 };
 
-}  // namespace pocketmoe::kfamily
+}  // namespace pocketmoe::PM_ISA::kfamily

@@ -4,7 +4,8 @@
 // of a row with a token is formed first, then acc = fma(float(dot), dw * da, acc), block after
 // block. The fused path (few tokens) reduces per-row vectors to those dots with a fixed add tree;
 // the batched path repacks eight rows interleaved, four bytes per row, so one maddubs covers eight
-// rows. Both give the same integers and the same float steps, so results never depend on batch.
+// rows (one vpdpbusd with VNNI). Both paths, in every instruction set, give the same integers and
+// the same float steps, so results never depend on the batch or the CPU's VNNI.
 //
 // A decoder Dec gives a block's 32 weights as q + kOffset (unsigned, kOffset > 0) or as signed
 // int8 (kOffset == 0), its scale, and the scales of eight blocks as one vector.
@@ -16,7 +17,7 @@
 #include "pocketmoe/matmul.h"
 #include "simd.h"
 
-namespace pocketmoe::lfamily {
+namespace pocketmoe::PM_ISA::lfamily {
 
 using namespace simd;
 
@@ -40,26 +41,33 @@ struct alignas(32) CanonX8 {
 static_assert(sizeof(CanonX8) == 288);
 
 // The fused path's exact add tree over eight rows, from unpacks and adds (cheaper than hadd). It
-// starts from each row's maddubs output m (16 int16, 2 products each); fold_pair(m_r, m_r+1) and
-// fold_quad of two such pairs leave, per 128-bit half, [r, r+1, r+2, r+3] int32 partial sums.
-// Unsigned weights (kOffset > 0) are below 32, so 8 products stay below 8 * 31 * 127 < 2^15 and the
-// first two levels can add int16 lanes; signed Q8_0 (|product pair| up to 32512) widens first.
+// starts from each row's products p (below); fold_pair(p_r, p_r+1) and fold_quad of two such pairs
+// leave, per 128-bit half, [r, r+1, r+2, r+3] int32 partial sums. Without VNNI, p is maddubs's 16
+// int16 sums of 2 products: unsigned weights (kOffset > 0) are below 32, so 8 products stay below
+// 8 * 31 * 127 < 2^15 and the first two levels can add int16 lanes, while signed Q8_0 (|product
+// pair| up to 32512) widens first. With VNNI, p is vpdpbusd's 8 int32 sums of 4 products, the same
+// integers as the widened maddubs (no maddubs pair here can saturate), and the tree is all int32.
+template <class Dec>
+constexpr bool kFoldInt16 = !kVnni && Dec::kOffset > 0;
+
 template <class Dec>
 PM_INLINE __m256i fold_pair(__m256i x, __m256i y) {
-  if constexpr (Dec::kOffset > 0) {
+  if constexpr (kFoldInt16<Dec>) {
     static_assert(Dec::kOffset <= 16, "int16 folds need weights below 32");
     return _mm256_add_epi16(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));   // int16 [r r r+1 r+1 ..]
   } else {
-    const __m256i ones = _mm256_set1_epi16(1);
-    x = _mm256_madd_epi16(x, ones);
-    y = _mm256_madd_epi16(y, ones);
+    if constexpr (!kVnni) {
+      const __m256i ones = _mm256_set1_epi16(1);
+      x = _mm256_madd_epi16(x, ones);
+      y = _mm256_madd_epi16(y, ones);
+    }
     return _mm256_add_epi32(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));   // int32 [r r+1 r r+1]
   }
 }
 
 template <class Dec>
 PM_INLINE __m256i fold_quad(__m256i x, __m256i y) {
-  if constexpr (Dec::kOffset > 0) {
+  if constexpr (kFoldInt16<Dec>) {
     const __m256i s16 = _mm256_add_epi16(_mm256_unpacklo_epi64(x, y), _mm256_unpackhi_epi64(x, y));
     return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
   } else {
@@ -67,12 +75,29 @@ PM_INLINE __m256i fold_quad(__m256i x, __m256i y) {
   }
 }
 
-// maddubs of one decoded block q with 32 activations a: 16 int16 sums of 2 products.
+// The operands of one decoded block q against 32 activations a as (unsigned, signed) bytes: signed
+// weights move their signs onto the activations.
 template <class Dec>
-PM_INLINE __m256i maddubs_q(__m256i q, const int8_t* a) {
-  const __m256i av = load256(a);
-  if constexpr (Dec::kOffset > 0) return _mm256_maddubs_epi16(q, av);
-  return _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(av, q));
+PM_INLINE void operands(__m256i q, __m256i a, __m256i& u, __m256i& s) {
+  if constexpr (Dec::kOffset > 0) {
+    u = q;
+    s = a;
+  } else {
+    u = _mm256_abs_epi8(q);
+    s = _mm256_sign_epi8(a, q);
+  }
+}
+
+// The products of one decoded block q with 32 activations a, as fold_pair takes them.
+template <class Dec>
+PM_INLINE __m256i products(__m256i q, const int8_t* a) {
+  __m256i u, s;
+  operands<Dec>(q, load256(a), u, s);
+#if PM_VNNI
+  return dpbusd(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_maddubs_epi16(u, s);
+#endif
 }
 
 PM_INLINE void store_rows(float* out, __m256 v, int n_rows) {
@@ -113,7 +138,7 @@ __attribute__((noinline)) void fused8(const uint8_t* const (&w)[8], size_t row_b
       const __m256i q0 = Dec::quants(blk[2 * p]), q1 = Dec::quants(blk[2 * p + 1]);
       for (int c = 0; c < C; ++c) {
         const int8_t* ac = a[c].qs + 32 * b;
-        pair[p][c] = fold_pair<Dec>(maddubs_q<Dec>(q0, ac), maddubs_q<Dec>(q1, ac));
+        pair[p][c] = fold_pair<Dec>(products<Dec>(q0, ac), products<Dec>(q1, ac));
       }
     });
     const __m256 dw = Dec::scales8(blk);
@@ -167,20 +192,24 @@ void repack8(const uint8_t* const (&w)[8], size_t row_bytes, int nb, CanonX8* ds
 template <class Dec, int C>
 __attribute__((noinline)) void tile8(const CanonX8* w, const ActQ8_0* a, int nb, float* out, ptrdiff_t out_stride,
                                      int n_rows) {
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   for (int b = 0; b < nb; ++b) {
-    __m256i dot[C], part[C];
+    __m256i dot[C];
+    [[maybe_unused]] __m256i part[C];
     for (int c = 0; c < C; ++c) dot[c] = _mm256_setzero_si256();
     static_for<8>([&](auto sc) {
       constexpr int s = decltype(sc)::value;
       const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[b].q[s]));
-      const __m256i qu = Dec::kOffset > 0 ? q : _mm256_abs_epi8(q);
       for (int c = 0; c < C; ++c) {
-        __m256i av = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(a[c].qs + 32 * b + 4 * s))));
-        if constexpr (Dec::kOffset == 0) av = _mm256_sign_epi8(av, q);
-        const __m256i m = _mm256_maddubs_epi16(qu, av);
+        const auto* a4 = reinterpret_cast<const uint8_t*>(a[c].qs + 32 * b + 4 * s);
+        __m256i u, av;
+        operands<Dec>(q, _mm256_set1_epi32(static_cast<int>(load_u32(a4))), u, av);
+#if PM_VNNI
+        dot[c] = dpbusd(dot[c], u, av);
+#else
+        const __m256i m = _mm256_maddubs_epi16(u, av);
         if constexpr (Dec::kOffset > 0) {
           // Unsigned q < 2 * kOffset: four steps' int16 lanes (8 products) stay below 2^15, so they are
           // added as int16 and widened once.
@@ -190,6 +219,7 @@ __attribute__((noinline)) void tile8(const CanonX8* w, const ActQ8_0* a, int nb,
         } else {
           dot[c] = _mm256_add_epi32(dot[c], _mm256_madd_epi16(m, ones));
         }
+#endif
         // A running sum: left free, GCC turns the steps into a tree and spills them (see kfamily.h).
         keep_in_register(dot[c]);
       }
@@ -244,4 +274,4 @@ void matmul(const MatmulTask& t) {
   }
 }
 
-}  // namespace pocketmoe::lfamily
+}  // namespace pocketmoe::PM_ISA::lfamily

@@ -1,5 +1,19 @@
 // AVX2 helpers shared by the kernels.
+//
+// The kernel headers (this one, driver.h, the decoders and the families) are compiled once per
+// instruction set: by default for the AVX2 baseline, and again by isa_avxvnni.cpp and
+// isa_avx512vnni.cpp under a target pragma, with PM_ISA naming the set. Everything they define lives
+// in namespace pocketmoe::PM_ISA, so no inline function compiled for a wider set can be merged by
+// the linker into the AVX2 path of a CPU that lacks it.
 #pragma once
+
+#ifndef PM_ISA
+#define PM_ISA avx2
+#endif
+// 1 where the set has VPDPBUSD / VPDPWSSD (PM_DPBUSD / PM_DPWSSD name the 256-bit intrinsics).
+#ifndef PM_VNNI
+#define PM_VNNI 0
+#endif
 
 #include <immintrin.h>
 
@@ -10,7 +24,10 @@
 
 #define PM_INLINE inline __attribute__((always_inline))
 
-namespace pocketmoe::simd {
+namespace pocketmoe::PM_ISA::simd {
+
+// Whether this build of the kernels has the VNNI dot-product instructions.
+constexpr bool kVnni = PM_VNNI != 0;
 
 template <class F, int... I>
 PM_INLINE void static_for_impl(F& f, std::integer_sequence<int, I...>) {
@@ -109,4 +126,16 @@ PM_INLINE __m256i set_u64x4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
                            static_cast<int64_t>(a));
 }
 
-}  // namespace pocketmoe::simd
+#if PM_VNNI
+// acc + the sums of four u8 x s8 products per int32 lane (exact, wrapping like vpaddd).
+PM_INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return PM_DPBUSD(acc, u, s); }
+// acc + the sums of two int16 x int16 products per int32 lane: vpmaddwd then vpaddd, in one step.
+PM_INLINE __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return PM_DPWSSD(acc, a, b); }
+#endif
+
+}  // namespace pocketmoe::PM_ISA::simd
+
+// The AVX2 build's helpers, for the code compiled only once (activation quantizers, the graph).
+namespace pocketmoe {
+namespace simd = PM_ISA::simd;
+}

@@ -12,16 +12,23 @@
 #include <string>
 #include <vector>
 
-#include "fixtures.h"
 #include "pocketmoe/act_quant.h"
 #include "pocketmoe/engine.h"
 #include "pocketmoe/matmul.h"
+#include "pocketmoe/samples.h"
 #include "pocketmoe/silu.h"
 #include "pocketmoe/thread_pool.h"
 #include "pocketmoe/types.h"
+#include "../src/kernels.h"
 #include "../src/workspace.h"
 
 using namespace pocketmoe;
+
+#if PM_TEST_VNNI_EMU
+namespace pocketmoe::vnni_emu {
+MatmulFn integer_kernel(int ggml_type);
+}  // namespace pocketmoe::vnni_emu
+#endif
 
 namespace {
 
@@ -52,7 +59,7 @@ void test_gemm_matches_reference() {
     const TypeInfo& t = type_info(type);
     const int cols = t.block_values == 1 ? 300 : 512;
     for (int rows : {1, 33, 257}) {
-      const std::vector<uint8_t> w = testing::random_weight(type, rows, cols, rng);
+      const std::vector<uint8_t> w = samples::random_weight(type, rows, cols, rng);
       const size_t rb = weight_row_bytes(t, cols);
       std::vector<double> wf(static_cast<size_t>(rows) * cols);
       std::vector<float> row(cols);
@@ -61,7 +68,7 @@ void test_gemm_matches_reference() {
         std::copy(row.begin(), row.end(), wf.begin() + static_cast<size_t>(r) * cols);
       }
       for (int n_tokens : {1, 3, 17, 64}) {
-        const std::vector<float> x = testing::random_floats(static_cast<size_t>(n_tokens) * cols, rng);
+        const std::vector<float> x = samples::random_floats(static_cast<size_t>(n_tokens) * cols, rng);
         const std::vector<float> y = gemm_vec(w, type, rows, cols, x, n_tokens);
         std::vector<uint8_t> act(act_row_bytes(t.act, cols));
         std::vector<float> a(cols);
@@ -91,8 +98,8 @@ void test_gemm_bitwise_stable() {
   for (int type : supported_types()) {
     const TypeInfo& t = type_info(type);
     const int cols = t.block_values == 1 ? 264 : 512;
-    const std::vector<uint8_t> w = testing::random_weight(type, rows, cols, rng);
-    const std::vector<float> x = testing::random_floats(static_cast<size_t>(n_tokens) * cols, rng);
+    const std::vector<uint8_t> w = samples::random_weight(type, rows, cols, rng);
+    const std::vector<float> x = samples::random_floats(static_cast<size_t>(n_tokens) * cols, rng);
     set_num_threads(2);
     const std::vector<float> batch = gemm_vec(w, type, rows, cols, x, n_tokens);
     set_num_threads(1);
@@ -120,11 +127,11 @@ void test_moe_matches_gemm_composition() {
   for (const Case& c : cases) {
     const size_t grb = weight_row_bytes(type_info(c.gate_type), c.hidden);
     const size_t drb = weight_row_bytes(type_info(c.down_type), c.ffn);
-    const auto gate = testing::random_weight(c.gate_type, n_experts * c.ffn, c.hidden, rng);
-    const auto up = testing::random_weight(c.gate_type, n_experts * c.ffn, c.hidden, rng);
-    const auto down = testing::random_weight(c.down_type, n_experts * c.hidden, c.ffn, rng);
+    const auto gate = samples::random_weight(c.gate_type, n_experts * c.ffn, c.hidden, rng);
+    const auto up = samples::random_weight(c.gate_type, n_experts * c.ffn, c.hidden, rng);
+    const auto down = samples::random_weight(c.down_type, n_experts * c.hidden, c.ffn, rng);
     for (int n_tokens : {1, 2, 9, 40}) {
-      const std::vector<float> x = testing::random_floats(static_cast<size_t>(n_tokens) * c.hidden, rng);
+      const std::vector<float> x = samples::random_floats(static_cast<size_t>(n_tokens) * c.hidden, rng);
       std::vector<int32_t> ids(static_cast<size_t>(n_tokens) * top_k);
       std::vector<float> wts(ids.size());
       std::uniform_int_distribution<int> pick(0, n_experts - 1);
@@ -166,7 +173,7 @@ void test_activation_quantization() {
   std::mt19937 rng(3);
   for (ActFormat f : {ActFormat::kQ8_0, ActFormat::kQ8_K}) {
     const int cols = 1024, bv = act_block_values(f);
-    std::vector<float> x = testing::random_floats(cols, rng);
+    std::vector<float> x = samples::random_floats(cols, rng);
     std::fill(x.begin() + bv, x.begin() + 2 * bv, 0.0f);   // an all-zero block
     std::vector<uint8_t> row(act_row_bytes(f, cols));
     std::vector<float> back(cols);
@@ -201,7 +208,7 @@ void test_activation_quantization() {
 // silu_mul against the libm formula, and the same bits wherever a value sits in the row.
 void test_silu() {
   std::mt19937 rng(9);
-  std::vector<float> g = testing::random_floats(1003, rng, 6.0f), u = testing::random_floats(1003, rng);
+  std::vector<float> g = samples::random_floats(1003, rng, 6.0f), u = samples::random_floats(1003, rng);
   g[0] = -100.0f, g[1] = 100.0f, g[2] = 0.0f, g[3] = -87.5f;
   std::vector<float> out = g;
   silu_mul(out.data(), u.data(), static_cast<int>(g.size()));
@@ -256,8 +263,8 @@ void test_gemm_batched_matches_gemm() {
     for (const auto& [heads, rows, cols, n_tokens] :
          {std::array<int, 4>{16, 128, 512, 1}, std::array<int, 4>{4, 40, 256, 3}, std::array<int, 4>{3, 24, 512, 17}}) {
       const size_t rb = weight_row_bytes(t, cols);
-      const std::vector<uint8_t> w = testing::random_weight(type, heads * rows, cols, rng);
-      const std::vector<float> x = testing::random_floats(static_cast<size_t>(heads) * n_tokens * cols, rng);
+      const std::vector<uint8_t> w = samples::random_weight(type, heads * rows, cols, rng);
+      const std::vector<float> x = samples::random_floats(static_cast<size_t>(heads) * n_tokens * cols, rng);
       for (int threads : {1, 2}) {
         set_num_threads(threads);
         std::vector<float> y(static_cast<size_t>(heads) * n_tokens * rows);
@@ -282,9 +289,9 @@ void test_gemm_multi_matches_gemm() {
   const int types[4] = {kQ4_K, kQ8_0, kF32, kQ6_K};
   const int rows[4] = {40, 17, 9, 64};
   std::vector<std::vector<uint8_t>> w;
-  for (int i = 0; i < 4; ++i) w.push_back(testing::random_weight(types[i], rows[i], cols, rng));
+  for (int i = 0; i < 4; ++i) w.push_back(samples::random_weight(types[i], rows[i], cols, rng));
   for (int n_tokens : {1, 3, 17}) {
-    const std::vector<float> x = testing::random_floats(static_cast<size_t>(n_tokens) * cols, rng);
+    const std::vector<float> x = samples::random_floats(static_cast<size_t>(n_tokens) * cols, rng);
     for (int threads : {1, 2}) {
       set_num_threads(threads);
       std::vector<std::vector<float>> y(4);
@@ -309,6 +316,19 @@ void test_gemm_multi_matches_gemm() {
 
 }  // namespace
 
+// The VNNI kernels (the AVX-VNNI / AVX-512 VNNI source, with SIMDe standing in for vpdpbusd and
+// vpdpwssd) against the AVX2 kernels, bit for bit: every integer type, the fused (T <= 4) and the
+// repacked paths, and row counts that leave tails of the 8-row groups.
+#if PM_TEST_VNNI_EMU
+void test_vnni_kernels_match_avx2() {
+  uint32_t seed = 11;
+  for (int rows : {1, 7, 33, 257}) {
+    const std::string diff = compare_with_avx2(vnni_emu::integer_kernel, {1, 2, 3, 4, 5, 17, 64}, rows, seed++);
+    CHECK(diff.empty(), "%d rows: %s", rows, diff.c_str());
+  }
+}
+#endif
+
 int main() {
   const std::pair<const char*, void (*)()> tests[] = {
       {"thread_pool", test_thread_pool},
@@ -320,12 +340,18 @@ int main() {
       {"gemm_multi_matches_gemm", test_gemm_multi_matches_gemm},
       {"moe_matches_gemm_composition", test_moe_matches_gemm_composition},
       {"errors", test_errors},
+#if PM_TEST_VNNI_EMU
+      {"vnni_kernels_match_avx2", test_vnni_kernels_match_avx2},
+#endif
   };
   for (const auto& [name, fn] : tests) {
     const int before = g_failures;
     fn();
     std::printf("%-32s %s\n", name, g_failures == before ? "ok" : "FAILED");
   }
+#if !PM_TEST_VNNI_EMU
+  std::printf("%-32s %s\n", "vnni_kernels_match_avx2", "skipped (SIMDe not found)");
+#endif
   std::printf("%s\n", g_failures ? "FAILED" : "all passed");
   return g_failures ? 1 : 0;
 }

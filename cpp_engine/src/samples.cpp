@@ -1,4 +1,4 @@
-#include "fixtures.h"
+#include "pocketmoe/samples.h"
 
 #include <immintrin.h>
 
@@ -6,7 +6,7 @@
 
 #include "pocketmoe/types.h"
 
-namespace pocketmoe::testing {
+namespace pocketmoe::samples {
 namespace {
 
 uint16_t half_bits(float v) { return _cvtss_sh(v, 0); }
@@ -77,4 +77,4 @@ std::vector<uint8_t> random_weight(int ggml_type, int rows, int cols, std::mt199
   return w;
 }
 
-}  // namespace pocketmoe::testing
+}  // namespace pocketmoe::samples
