@@ -103,8 +103,9 @@ constexpr int kPrefetchBytes = 2048;
 PM_INLINE void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 
 // An empty asm the value must pass through in a vector register: a barrier to the compiler's
-// reassociation of integer sums across it (it emits no instruction).
-PM_INLINE void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
+// reassociation of integer sums across it (it emits no instruction). "v": any vector register,
+// ymm16-31 included where the build has AVX-512.
+PM_INLINE void keep_in_register(__m256i& v) { asm("" : "+v"(v)); }
 
 // Sum of 8 float lanes in one fixed order.
 PM_INLINE float hsum(__m256 v) {

@@ -329,7 +329,31 @@ void test_vnni_kernels_match_avx2() {
 }
 #endif
 
+// The VNNI kernels on this CPU's own vpdpbusd / vpdpwssd, where it has them (and the dispatcher then
+// runs every other test here on them too): bitwise the AVX2 outputs.
+void test_native_vnni_kernels_match_avx2() {
+  __builtin_cpu_init();
+  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  const std::pair<const char*, KernelTable> sets[] = {
+      {"avx512vnni", has512 ? avx512vnni::integer_kernel : nullptr},
+      {"avxvnni", __builtin_cpu_supports("avxvnni") ? avxvnni::integer_kernel : nullptr},
+  };
+  for (const auto& [name, table] : sets) {
+    if (table == nullptr || table(kQ4_K) == nullptr) {
+      std::printf("  (%s: not on this CPU or not built, skipped)\n", name);
+      continue;
+    }
+    uint32_t seed = 23;
+    for (int rows : {1, 7, 33, 257}) {
+      const std::string diff = compare_with_avx2(table, {1, 2, 3, 4, 5, 17, 64}, rows, seed++);
+      CHECK(diff.empty(), "%s, %d rows: %s", name, rows, diff.c_str());
+    }
+  }
+}
+
 int main() {
+  std::printf("%s\n", describe().c_str());
   const std::pair<const char*, void (*)()> tests[] = {
       {"thread_pool", test_thread_pool},
       {"activation_quantization", test_activation_quantization},
@@ -343,6 +367,7 @@ int main() {
 #if PM_TEST_VNNI_EMU
       {"vnni_kernels_match_avx2", test_vnni_kernels_match_avx2},
 #endif
+      {"native_vnni_kernels_match_avx2", test_native_vnni_kernels_match_avx2},
   };
   for (const auto& [name, fn] : tests) {
     const int before = g_failures;
