@@ -31,7 +31,7 @@ MatmulFn active_integer_kernel(int ggml_type);
 
 // Runs every integer type's kernel from `candidate` and from AVX2 on the same random blocks
 // (rows x 512, each token count in turn, both from `seed`) and compares the outputs bit for bit.
-// Returns "" when all are identical, else a sentence naming the first difference.
+// Returns "" when all are identical, else the first difference of each type that differs, "; "-joined.
 std::string compare_with_avx2(KernelTable candidate, const std::vector<int>& token_counts, int rows, uint32_t seed);
 
 }  // namespace pocketmoe
