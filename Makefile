@@ -7,7 +7,7 @@ DEMO_DIR ?= out/demo
 # llama.cpp (the parity reference) builds from source in ~4 minutes on 2 cores; pip caches the wheel.
 LLAMA_CPP_ARGS ?= -DGGML_NATIVE=OFF
 
-.PHONY: venv native parity simde test demo lint clean
+.PHONY: venv native parity simde test avx512-emulated demo lint clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ simde:
 
 test: venv native parity simde
 	$(PY) -m pytest -q --timeout=1800 tests
+
+# The C++ kernel tests on an emulated AVX-512 VNNI CPU (Bochs; minutes; not part of `make test`).
+avx512-emulated:
+	scripts/avx512_emulated/check.sh
 
 demo: venv native
 	$(PY) -m pocketmoe.demo --out $(DEMO_DIR)
