@@ -64,7 +64,7 @@ Chosen choose() {
   }
   std::string note;
   if (want != "auto" && !kCandidates[first].cpu_has())
-    add_note(note, std::string("POCKETMOE_ISA=") + want + " asks for " + kCandidates[first].label + ", which this CPU lacks");
+    add_note(note, "POCKETMOE_ISA=" + want + " asks for " + kCandidates[first].label + ", which this CPU lacks");
   for (int i = 0; i < kNumCandidates; ++i) {
     const Candidate& c = kCandidates[i];
     if (!c.cpu_has()) continue;
