@@ -49,10 +49,18 @@ struct IQ1M {
     for (int i = 0; i < 4; ++i) s[i] = load_u16(b + 48 + 2 * i);
     const uint16_t dbits = static_cast<uint16_t>((s[0] >> 12) | ((s[1] >> 8) & 0x00F0) | ((s[2] >> 4) & 0x0F00) |
                                                  (s[3] & 0xF000));
-    alignas(16) int8_t ls[16];
-    for (int i = 0; i < 16; ++i) ls[i] = static_cast<int8_t>(2 * ((s[i / 4] >> (3 * (i % 4))) & 7) + 1);
-    const __m128i raw = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
-    const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 4));
+    // Scale i is bits 3(i%4)..+2 of word i/4: each word is spread over four int16 lanes, shifted left
+    // by 9 - 3(i%4) (a multiply), and bits 9..11 taken; then 2s + 1.
+    const __m256i packed = _mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 48)));
+    const __m256i words = _mm256_shuffle_epi8(packed, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                                                       4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7));
+    const __m256i fields = _mm256_and_si256(
+        _mm256_srli_epi16(_mm256_mullo_epi16(words, _mm256_setr_epi16(512, 64, 8, 1, 512, 64, 8, 1, 512, 64, 8, 1,
+                                                                        512, 64, 8, 1)), 9),
+        _mm256_set1_epi16(7));
+    const __m256i ls = _mm256_add_epi16(_mm256_add_epi16(fields, fields), _mm256_set1_epi16(1));   // int16, in order
+    const __m128i raw = _mm_packs_epi16(_mm256_castsi256_si128(ls), _mm256_extracti128_si256(ls, 1));
+    const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(ls, 4));
     return {0.125f * _cvtsh_ss(dbits), 0.0f, corr, split_scales_i16(raw)};
   }
   template <int G>
