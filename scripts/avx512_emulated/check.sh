@@ -9,15 +9,15 @@
 #   1. evex_disp8_check: single EVEX instructions with 8-bit displacements against the values they
 #      must load. Under Bochs 2.7, VPINSRB is WRONG (it scales the displacement by 2, where the
 #      Intel SDM's disp8*N has N = 1); the others are right. Reported, not a failure of ours.
-#   2. test_kernels as built for users. Its IQ1_M AVX-512 kernel contains EVEX VPINSRB with an 8-bit
-#      displacement (GCC spills to the stack and reloads into xmm16-31), so under Bochs 2.7 it
-#      differs from AVX2, the start-up check refuses the set and AVX2 runs: expected here, and a
-#      demonstration of the fallback. Every other type must match.
+#   2. test_kernels as built for users: the dispatcher must choose the AVX-512 VNNI kernels (their
+#      start-up check against AVX2 passes) and every test must pass on them.
 #   3. test_kernels with the AVX-512 code kept out of xmm16-31 (-ffixed-xmm16..31; the assembler
-#      then picks the VEX form of VPINSRB): the AVX-512 VNNI kernels must pass the start-up check
-#      and every test.
+#      then picks the VEX form of VPINSRB, which Bochs gets right): the same must hold. If 2 fails
+#      where 3 passes, look in the failing kernel (objdump -d) for an EVEX VPINSRB with a
+#      displacement: the Bochs bug of 1, not ours. (An earlier IQ1_M kernel built its scales in a
+#      stack array that GCC reloaded that way; its scales are now computed in vector registers.)
 # Needs (Debian): bochs bochsbios vgabios xorriso cpio libsimde-dev, and apt-get download for the
-# guest kernel (first run only). Exit status 0 when 3 passes and 2 fails only on IQ1_M, if at all.
+# guest kernel (first run only). Exit status 0 when 2 and 3 pass, 1 when 3 fails, 2 when only 2 fails.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -38,21 +38,20 @@ echo "== 1. EVEX loads with disp8 under Bochs"
 "$HERE/run_in_bochs.sh" "$OUT/evex_disp8_check" | tee "$OUT/evex_disp8_check.txt" || true
 
 echo "== 2. test_kernels as built for users"
-"$HERE/run_in_bochs.sh" "$OUT/build/test_kernels" | tee "$OUT/test_kernels.txt" || true
+users=0
+"$HERE/run_in_bochs.sh" "$OUT/build/test_kernels" | tee "$OUT/test_kernels.txt" || users=$?
 
 echo "== 3. test_kernels, AVX-512 code out of xmm16-31"
-status=0
-"$HERE/run_in_bochs.sh" "$OUT/build_low_regs/test_kernels" | tee "$OUT/test_kernels_low_regs.txt" || status=$?
+low=0
+"$HERE/run_in_bochs.sh" "$OUT/build_low_regs/test_kernels" | tee "$OUT/test_kernels_low_regs.txt" || low=$?
 
+chose_avx512() { head -1 "$1" | grep -q "^avx512vnni int8 kernels"; }
 echo "== summary"
-if [ "$status" -eq 0 ] && head -1 "$OUT/test_kernels_low_regs.txt" | grep -q "^avx512vnni int8 kernels"; then
-  echo "3: AVX-512 VNNI kernels chosen, start-up check passed, all tests passed"
-else
-  echo "3: FAILED (status $status)"; exit 1
+if [ "$low" -ne 0 ] || ! chose_avx512 "$OUT/test_kernels_low_regs.txt"; then
+  echo "3: FAILED (status $low): $(head -1 "$OUT/test_kernels_low_regs.txt")"; exit 1
 fi
-# In 2, only IQ1_M may differ (the Bochs VPINSRB bug); any other type is a failure.
-others=$(grep -o "avx512vnni, [0-9]* rows: .*" "$OUT/test_kernels.txt" | tr ';' '\n' | grep -v "IQ1_M" | grep -c "gives" || true)
-if [ "$others" -ne 0 ]; then
-  echo "2: AVX-512 kernels other than IQ1_M differ from AVX2"; exit 1
+echo "3: AVX-512 VNNI kernels chosen, start-up check passed, all tests passed"
+if [ "$users" -ne 0 ] || ! chose_avx512 "$OUT/test_kernels.txt"; then
+  echo "2: FAILED (status $users): $(head -1 "$OUT/test_kernels.txt"); see the note on 3 above"; exit 2
 fi
-echo "2: every type but IQ1_M bitwise equal to AVX2 ($(head -1 "$OUT/test_kernels.txt"))"
+echo "2: AVX-512 VNNI kernels chosen, start-up check passed, all tests passed"
