@@ -98,6 +98,12 @@ const Chosen& chosen() {
 
 const KernelIsa& kernel_isa() { return chosen().isa; }
 
+bool cpu_has_isa(const std::string& name) {
+  for (const Candidate& c : kCandidates)
+    if (name == c.name) return c.cpu_has();
+  return false;
+}
+
 MatmulFn active_integer_kernel(int ggml_type) { return chosen().table(ggml_type); }
 
 std::string compare_with_avx2(KernelTable candidate, const std::vector<int>& token_counts, int rows, uint32_t seed) {
@@ -116,6 +122,7 @@ std::string compare_with_avx2(KernelTable candidate, const std::vector<int>& tok
     }
     const std::vector<uint8_t> w = samples::random_weight(type, rows, kCols, rng);
     const size_t act_bytes = act_row_bytes(t.act, kCols);
+    uint8_t* const scratch_area = scratch.get(avx2::scratch_bytes(type, kCols));
     for (int n : token_counts) {
       const std::vector<float> x = samples::random_floats(static_cast<size_t>(n) * kCols, rng);
       uint8_t* a = acts.get(n * act_bytes);
@@ -128,7 +135,7 @@ std::string compare_with_avx2(KernelTable candidate, const std::vector<int>& tok
       for (int k = 0; k < 2; ++k) {
         y[k].assign(static_cast<size_t>(n) * rows, 0.0f);
         const MatmulTask task{w.data(), weight_row_bytes(t, kCols), kCols, 0, rows, act_rows.data(), n,
-                              y[k].data(), rows, scratch.get(avx2::scratch_bytes(type, kCols))};
+                              y[k].data(), rows, scratch_area};
         (k == 0 ? reference : fn)(task);
       }
       size_t i = 0;

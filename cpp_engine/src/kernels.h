@@ -26,6 +26,9 @@ namespace avx512vnni {
 MatmulFn integer_kernel(int ggml_type);
 }  // namespace avx512vnni
 
+// Whether this CPU (and its OS) can run the set named as POCKETMOE_ISA names it; false for other names.
+bool cpu_has_isa(const std::string& name);
+
 // The integer kernel of ggml_type in the chosen set (kernel_isa()); nullptr for float types.
 MatmulFn active_integer_kernel(int ggml_type);
 

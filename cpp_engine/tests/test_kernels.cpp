@@ -316,39 +316,33 @@ void test_gemm_multi_matches_gemm() {
 
 }  // namespace
 
-// The VNNI kernels (the AVX-VNNI / AVX-512 VNNI source, with SIMDe standing in for vpdpbusd and
-// vpdpwssd) against the AVX2 kernels, bit for bit: every integer type, the fused (T <= 4) and the
+// `table` against the AVX2 kernels, bit for bit: every integer type, the fused (T <= 4) and the
 // repacked paths, and row counts that leave tails of the 8-row groups.
-#if PM_TEST_VNNI_EMU
-void test_vnni_kernels_match_avx2() {
-  uint32_t seed = 11;
+void check_matches_avx2(const char* name, KernelTable table, uint32_t seed) {
   for (int rows : {1, 7, 33, 257}) {
-    const std::string diff = compare_with_avx2(vnni_emu::integer_kernel, {1, 2, 3, 4, 5, 17, 64}, rows, seed++);
-    CHECK(diff.empty(), "%d rows: %s", rows, diff.c_str());
+    const std::string diff = compare_with_avx2(table, {1, 2, 3, 4, 5, 17, 64}, rows, seed++);
+    CHECK(diff.empty(), "%s, %d rows: %s", name, rows, diff.c_str());
   }
 }
+
+// The VNNI kernel source with SIMDe standing in for vpdpbusd and vpdpwssd, on any CPU.
+#if PM_TEST_VNNI_EMU
+void test_vnni_kernels_match_avx2() { check_matches_avx2("vnni_emu", vnni_emu::integer_kernel, 11); }
 #endif
 
 // The VNNI kernels on this CPU's own vpdpbusd / vpdpwssd, where it has them (and the dispatcher then
-// runs every other test here on them too): bitwise the AVX2 outputs.
+// runs every other test here on them too).
 void test_native_vnni_kernels_match_avx2() {
-  __builtin_cpu_init();
-  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   const std::pair<const char*, KernelTable> sets[] = {
-      {"avx512vnni", has512 ? avx512vnni::integer_kernel : nullptr},
-      {"avxvnni", __builtin_cpu_supports("avxvnni") ? avxvnni::integer_kernel : nullptr},
+      {"avx512vnni", avx512vnni::integer_kernel},
+      {"avxvnni", avxvnni::integer_kernel},
   };
   for (const auto& [name, table] : sets) {
-    if (table == nullptr || table(kQ4_K) == nullptr) {
+    if (!cpu_has_isa(name) || table(kQ4_K) == nullptr) {
       std::printf("  (%s: not on this CPU or not built, skipped)\n", name);
       continue;
     }
-    uint32_t seed = 23;
-    for (int rows : {1, 7, 33, 257}) {
-      const std::string diff = compare_with_avx2(table, {1, 2, 3, 4, 5, 17, 64}, rows, seed++);
-      CHECK(diff.empty(), "%s, %d rows: %s", name, rows, diff.c_str());
-    }
+    check_matches_avx2(name, table, 23);
   }
 }
 
