@@ -1,6 +1,6 @@
 """Generate text from a GGUF model on this machine.
 
-    python -m pocketmoe.generate --model PATH (--prompt TEXT | --chat TEXT | --token-ids 1,2,3)
+    python -m pocketmoe.generate [--model PATH] (--prompt TEXT | --chat TEXT | --token-ids 1,2,3)
         [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S]
         [--threads N] [--n-ctx C] [--stop STR ...] [--json] [--dump-logits FILE.npy]
 
@@ -22,7 +22,8 @@ from pocketmoe.errors import PocketMoEError
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pocketmoe.generate", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="GGUF file, any shard of a bundle, or its directory")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, any shard of a bundle, or its directory (default: the built-in demo model)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text prompt (BOS added as the file asks)")
     src.add_argument("--chat", help="one user message, rendered with the model's chat template")
@@ -71,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     mem = MemoryWatch()
     t_load = time.perf_counter()
+    if args.model is None:
+        from pocketmoe.demo_model import demo_model_path
+
+        args.model = str(demo_model_path())
     llm = LLM(args.model, n_ctx=args.n_ctx, threads=args.threads, chunk_size=args.chunk_size,
               backend=args.backend)
     load_s = time.perf_counter() - t_load
