@@ -40,8 +40,9 @@ test: venv native parity simde
 avx512-emulated:
 	scripts/avx512_emulated/check.sh
 
+# The built-in demo model (pocketmoe/data/demo-model.gguf): a plain completion and a chat turn, then how to serve it.
 demo: venv native
-	$(PY) -m pocketmoe.demo --out $(DEMO_DIR)
+	$(PY) -m pocketmoe.demo
 
 lint: venv
 	$(VENV)/bin/ruff check pocketmoe tests scripts
