@@ -66,6 +66,7 @@ setup(
         "cuda": ["cupy-cuda12x>=13"],
         "test": read_requirements("requirements-test.txt"),
         "parity": ["llama-cpp-python==0.3.36"],
+        "plots": ["matplotlib>=3.7"],  # scripts/demo_model_report.py only
     },
     ext_modules=[ext] if ext is not None else [],
     cmdclass={"build_ext": OptionalBuildExt},
