@@ -4,7 +4,7 @@
 
 The demo model ships inside the package (pocketmoe/data/demo-model.gguf): a small DeepSeek-V2-shaped
 MoE trained on the docstrings of Python's standard library (docs/demo-model.md), so it writes
-recognisable English about Python, through the same code paths as a real checkpoint. At the end it
+recognisable English about Python (fluent more than correct: it is tiny), through the same code paths as a real checkpoint. At the end it
 prints the command that serves it over HTTP and a `curl` to try.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 from pocketmoe.cli_util import run_cli
 
-PROMPT = "The json module"
-CHAT = "What does the json module do?"
+PROMPT = "The argparse module"
+CHAT = "What does os.path.join() do?"
 SERVED_NAME = "pocketmoe-demo"
 PORT = 8000
 
@@ -58,8 +58,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag, text in (("--prompt", args.prompt), ("--chat", args.chat)):
         cmd = [*model_flag, flag, text, "--max-tokens", str(args.max_tokens), *threads]
         print(f"\n== python -m pocketmoe.generate {shlex.join(cmd)}", flush=True)
-        if flag == "--prompt":
-            sys.stdout.write(text)
         rc = generate.main(cmd)
         sys.stdout.flush()
         if rc != 0:
