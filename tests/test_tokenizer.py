@@ -191,3 +191,12 @@ def test_bad_metadata() -> None:
     assert tok.pre == "gpt-2"
     with pytest.raises(TokenizerError):
         Tokenizer.from_metadata(meta).token_to_piece(5000)
+
+
+def test_damaged_byte_token_is_refused() -> None:
+    meta = tokenizer_metadata(700, model="llama")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    i = tokens.index("<0x41>")
+    tokens[i] = "<0xG1>"
+    with pytest.raises(TokenizerError, match=rf"token {i} is marked as a byte token but reads '<0xG1>'"):
+        Tokenizer.from_metadata(dict(meta, **{"tokenizer.ggml.tokens": tokens}))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +26,9 @@ from pocketmoe.tokenizer.stream import StreamDecoder
 _K = "tokenizer.ggml."
 # pre types for which llama.cpp keeps clean_up_tokenization_spaces on
 _CLEAN_SPACES_PRE = frozenset({"default", "gpt-2"})
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class TokenizerError(PocketMoEError):
@@ -128,6 +133,9 @@ class Tokenizer:
                 return symbols_to_bytes(text)
             return text.replace("\u2581", " ").encode("utf-8")
         if attr & TokenAttr.BYTE:
+            if not _BYTE_TOKEN.fullmatch(text):
+                raise TokenizerError(f"token {i} is marked as a byte token but reads {text!r}, not <0xHH>; "
+                                     "the file's tokenizer.ggml.tokens or token_type is damaged.")
             return bytes([int(text[3:5], 16)])
         return b""
 
