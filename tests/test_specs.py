@@ -163,8 +163,18 @@ def test_deepseek2_vocab_falls_back_to_token_embd_rows():
     del meta["tokenizer.ggml.tokens"]
     with pytest.raises(SpecError, match="vocabulary size"):
         spec_from_metadata(meta)
-    bundle = SimpleNamespace(metadata=meta, tensors={"token_embd.weight": SimpleNamespace(shape=(123, 64))})
+    tensors = {"token_embd.weight": SimpleNamespace(shape=(123, 64)), "blk.1.attn_norm.weight": SimpleNamespace(shape=(64,))}
+    bundle = SimpleNamespace(metadata=meta, tensors=tensors)
     assert spec_from_bundle(bundle).config.n_vocab == 123
+
+
+def test_block_count_beyond_the_files_blocks_is_refused_before_listing_tensors():
+    """A damaged block_count (here 2^31 - 1) must not make the spec list tensors for every block it names."""
+    meta = ds2_minimal_metadata()
+    meta["deepseek2.block_count"] = 2**31 - 1
+    tensors = {"token_embd.weight": SimpleNamespace(shape=(123, 64)), "blk.1.attn_norm.weight": SimpleNamespace(shape=(64,))}
+    with pytest.raises(SpecError, match=r"block_count is 2147483647 but the file holds tensors for 2 blocks"):
+        spec_from_bundle(SimpleNamespace(metadata=meta, tensors=tensors))
 
 
 def test_deepseek2_legacy_layout_from_metadata():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import re
 from typing import Any, TypeVar
 
 from pocketmoe.specs.base import (
@@ -27,6 +28,7 @@ __all__ = ["KV", "SUPPORTED_ARCHITECTURES", "DeepSeek2Config", "DeepSeek2Spec", 
 
 S = TypeVar("S", bound=type[ModelSpec])
 _REGISTRY: dict[str, type[ModelSpec]] = {}
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 def register(arch: str) -> Callable[[S], S]:
@@ -72,7 +74,14 @@ def spec_from_bundle(bundle: Any) -> ModelSpec:
     """The spec for an open bundle (`.metadata`, `.tensors` with torch-order `.shape`)."""
     embd = bundle.tensors.get("token_embd.weight")
     hint = int(embd.shape[0]) if embd is not None and len(embd.shape) == 2 else None
-    return spec_from_metadata(bundle.metadata, hint)
+    spec = spec_from_metadata(bundle.metadata, hint)
+    # Before anything builds per-layer lists: a damaged block_count would otherwise ask for millions.
+    blocks = {int(m.group(1)) for m in map(_BLOCK.match, bundle.tensors) if m}
+    held = max(blocks) + 1 if blocks else 0
+    if spec.config.n_layer > held:
+        raise SpecError(f"{spec.architecture}.block_count is {spec.config.n_layer} but the file holds tensors for "
+                        f"{held} blocks (blk.0..blk.{held - 1}); the file is damaged or incomplete.")
+    return spec
 
 
 def metadata_from_config(arch: str, config: Any) -> dict[str, KV]:
