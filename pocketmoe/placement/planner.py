@@ -78,7 +78,8 @@ def make_plan(spec: Any, tensors: Mapping[str, TensorLike], devices: Devices,
     opts = options or PlanOptions()
     mb = model_bytes(spec, tensors)
     meta = dict(metadata) if metadata is not None else spec_metadata(spec)
-    kv = kv_reserve(spec.architecture, meta, opts.context_length, opts.batch, opts.kv_dtype)
+    kv = kv_reserve(spec.architecture, meta, opts.context_length, opts.batch, opts.kv_dtype,
+                    spec.kv_values_per_token())
     rows = {t.role: t.rows for t in mb.tensors if t.layer is None}
     hidden = int(meta.get(f"{spec.architecture}.embedding_length") or 0)
     vocab = rows.get("head", rows.get(EMBEDDING, 0))

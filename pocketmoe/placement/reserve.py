@@ -43,17 +43,20 @@ def _int(meta: Mapping[str, Any], arch: str, key: str, default: int | None = Non
 
 
 def kv_reserve(arch: str, meta: Mapping[str, Any], context_length: int, batch: int,
-               dtype: str = "f16") -> KVReserve:
-    """KV bytes per layer for `batch` sequences of `context_length` tokens, keyed on the architecture."""
+               dtype: str = "f16", values_per_token: int | None = None) -> KVReserve:
+    """KV bytes per layer for `batch` sequences of `context_length` tokens, keyed on the architecture.
+
+    `values_per_token`: the spec's own count where its cache is uniform (ModelSpec.kv_values_per_token).
+    """
     if dtype not in KV_DTYPE_BYTES:
         raise ValueError(f"KV dtype {dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)}")
     size = KV_DTYPE_BYTES[dtype]
     n_layers = _int(meta, arch, "block_count")
     ctx, b = context_length, batch
-    if arch == "deepseek2":
-        dims = _int(meta, arch, "attention.kv_lora_rank") + _int(meta, arch, "rope.dimension_count")
-        rule = f"MLA latent cache: (kv_lora_rank + rope dims) = {dims} values/token/layer in {dtype}"
-        per_layer = {layer: dims * ctx * b * size for layer in range(n_layers)}
+    if values_per_token is not None:
+        what = "MLA latent cache: (kv_lora_rank + rope dims)" if arch == "deepseek2" else "KV cache:"
+        rule = f"{what} = {values_per_token} values/token/layer in {dtype}"
+        per_layer = {layer: values_per_token * ctx * b * size for layer in range(n_layers)}
     elif arch == "deepseek4":
         per_layer, rule = _deepseek4(meta, arch, n_layers, ctx, b, size, dtype)
     else:

@@ -191,6 +191,11 @@ class ModelSpec:
     def moe_layers(self) -> list[int]:
         raise NotImplementedError
 
+    def kv_values_per_token(self) -> int | None:
+        """Values one token keeps in every layer's KV cache, where that is one number for all layers
+        (None: the architecture's cache is not uniform; placement/reserve.py has its rule)."""
+        return None
+
     @property
     def n_experts(self) -> int:
         return int(self.config.n_expert)

@@ -103,6 +103,11 @@ class DeepSeek2Config:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def kv_cache_width(self) -> int:
+        """Values an MLA layer caches per token: the normed latent c_kv and the roped k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
     def n_ff_shexp(self) -> int:
         """Width of the shared-expert FFN (all shared experts fused, as llama.cpp loads them)."""
         return self.n_ff_exp * self.n_expert_shared
@@ -230,6 +235,9 @@ class DeepSeek2Spec(ModelSpec):
 
     def moe_layers(self) -> list[int]:
         return list(range(self.config.n_dense_lead, self.config.n_layer))
+
+    def kv_values_per_token(self) -> int:
+        return self.config.kv_cache_width
 
     def _tensors(self, present: frozenset[str] | None) -> list[TensorSpec]:
         c = self.config
