@@ -16,7 +16,7 @@ def read_requirements(path: str) -> list[str]:
 
 def native_extension():
     """pocketmoe._native from cpp_engine/src + cpp_engine/python; None when there are no sources."""
-    sources = sorted(glob.glob("cpp_engine/src/*.cpp")) + sorted(glob.glob("cpp_engine/python/*.cpp"))
+    sources = sorted(glob.glob("cpp_engine/src/*.cpp") + glob.glob("cpp_engine/src/ops/*.cpp")) + sorted(glob.glob("cpp_engine/python/*.cpp"))
     if not sources or os.environ.get("POCKETMOE_NO_NATIVE") == "1":
         return None
     from pybind11.setup_helpers import Pybind11Extension

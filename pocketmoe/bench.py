@@ -40,9 +40,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp (llama-cpp-python)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--profile", action="store_true",
-                   help="also print where the native graph's time goes, per op (always in --json)")
-    p.add_argument("--per-op", action="store_true",
-                   help="run the native kernels op by op from Python instead of as one graph (to compare)")
+                   help="time every op call and print where each token's time goes, by op (adds ~1 us a call)")
     p.add_argument("--engine", default="pocketmoe", choices=["pocketmoe", "llama-cpp"], help=argparse.SUPPRESS)
     p.add_argument("--token-ids", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -87,7 +85,7 @@ def llama_child(args: argparse.Namespace, s: BenchSettings) -> int:
 
 
 def run(model: Path, s: BenchSettings, backend: str, llama: bool, bandwidth_mib: int = 512,
-        native_graph: bool = True) -> dict[str, Any]:
+        profile: bool = False) -> dict[str, Any]:
     from pocketmoe.benchmark.bounds import decode_bound, decode_bytes_per_token
     from pocketmoe.benchmark.llama_ref import require_llama_cpp, run_llama_cpp_subprocess
     from pocketmoe.benchmark.ours import run_pocketmoe
@@ -96,7 +94,7 @@ def run(model: Path, s: BenchSettings, backend: str, llama: bool, bandwidth_mib:
 
     if llama:
         require_llama_cpp()
-    ours, ids, our_tokens, llm = run_pocketmoe(model, s, backend, native_graph)
+    ours, ids, our_tokens, llm = run_pocketmoe(model, s, backend, profile)
     arch = llm.bundle.architecture
     file_bytes = sum(p.stat().st_size for p in llm.bundle.paths)
     per_token = decode_bytes_per_token(llm.bundle)
@@ -152,7 +150,7 @@ def render(r: dict[str, Any], profile: bool = False) -> str:
 
 
 def render_profile(prof: dict[str, Any]) -> str:
-    """Per-op ms per token of the native graph, prefill and decode side by side."""
+    """Per-op ms per token, prefill and decode side by side."""
     ops = list(prof["decode"]["ms_per_token"])
     rows = []
     for op in ops:
@@ -164,7 +162,7 @@ def render_profile(prof: dict[str, Any]) -> str:
         rows.append(cells)
     totals = ["total"] + [c for ph in ("prefill", "decode")
                           for c in (f"{sum(prof[ph]['ms_per_token'].values()):.3f}", "")]
-    return "native graph, ms per token by op (last timed run):\n" + table(
+    return "ms per token by op (last timed run):\n" + table(
         ["op", "prefill ms", "share", "decode ms", "share"], rows + [totals])
 
 
@@ -176,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise PocketMoEError(f"model file {model} does not exist; pass a GGUF file, shard, or directory.")
     if args.engine == "llama-cpp":
         return llama_child(args, s)
-    report = run(model, s, args.backend, args.llama_cpp, args.bandwidth_mib, native_graph=not args.per_op)
+    report = run(model, s, args.backend, args.llama_cpp, args.bandwidth_mib, profile=args.profile)
     print(json.dumps(report) if args.json else render(report, args.profile))
     return 0
 

@@ -193,18 +193,3 @@ def activation_roundtrip(x: Any, ggml_type: int) -> np.ndarray:
     """float32 [T, cols]: the activations ggml_type's kernel really multiplies (after Q8_K / Q8_0 rounding)."""
     return _call(_lib().activation_roundtrip, _floats(x), int(ggml_type))
 
-
-def deepseek2_graph(params: dict[str, Any], layers: list[dict[str, Any]], embed: tuple[Any, int, int],
-                    output_norm: np.ndarray, head: tuple[Any, int, int], cache: np.ndarray) -> Any:
-    """A pocketmoe._native.Deepseek2Graph over these arrays (see pocketmoe.engine.native_graph)."""
-    lib = _lib()
-    if not hasattr(lib, "Deepseek2Graph"):
-        raise NativeKernelError("pocketmoe._native predates Deepseek2Graph; rebuild it with "
-                                "`python setup.py build_ext --inplace`")
-    return _call(lib.Deepseek2Graph, params, layers, embed, output_norm, head, cache)
-
-
-def graph_forward(graph: Any, tokens: np.ndarray, start: int, cos2: np.ndarray, sin2: np.ndarray,
-                  last_only: bool) -> np.ndarray:
-    """logits of tokens (int32 [T]) at positions start.. through a Deepseek2Graph."""
-    return _call(graph.forward, tokens, int(start), cos2, sin2, bool(last_only))

@@ -14,7 +14,7 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf3
 
-from pocketmoe.engine import ContextLengthError, LatentKVCache
+from pocketmoe.engine import ContextLengthError, KVPoolFullError, PagedKVCache
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.gguf import open_bundle
 from pocketmoe.layers import (
@@ -30,6 +30,7 @@ from pocketmoe.layers import (
     apply_rope,
 )
 from pocketmoe.layers.linear import tiled_linear
+from pocketmoe.ops.reference import ReferenceOps
 from pocketmoe.quant.quantize import random_blocks
 
 QTYPES = [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.IQ2_XXS, Q.F16]
@@ -139,7 +140,7 @@ def hf_router_case(v3: bool) -> tuple[torch.nn.Module, Router]:
     rc = RouterConfig(8, 3, gating=2 if v3 else 1, n_groups=4 if v3 else 1, groups_used=2, norm=v3,
                       scale=2.5 if v3 else 1.7)
     bias = ref.e_score_correction_bias.detach() if v3 else None
-    return ref, Router(QuantLinear(ref.weight.detach(), 0, (8, 32)), rc, bias)
+    return ref, Router(QuantLinear(ref.weight.detach(), 0, (8, 32)), rc, bias, ReferenceOps())
 
 
 @pytest.mark.parametrize("v3", [False, True], ids=["softmax", "sigmoid-bias-groups-norm"])
@@ -177,14 +178,23 @@ def test_reference_experts_match_hf_and_are_batch_invariant() -> None:
         assert torch.equal(bank(x[rows], ids[rows], w[rows]), y[rows])
 
 
-def test_latent_cache() -> None:
-    cache = LatentKVCache(n_layer=2, max_ctx=8, width=5)
-    a, b = torch.randn(3, 5), torch.randn(2, 5)
-    cache.update(1, 0, a)
-    assert torch.equal(cache.update(1, 3, b), torch.cat([a, b]))
-    assert cache.update(0, 0, b).shape == (2, 5)
-    with pytest.raises(ContextLengthError, match="6 tokens and 3 more were requested, 9 in all, but the "
-                                                 "context holds 8"):
-        cache.check_fits(6, 3)
-    with pytest.raises(ContextLengthError, match="position 8"):
-        cache.update(0, 7, b)
+def test_paged_cache() -> None:
+    cache = PagedKVCache(n_layer=2, width=5, n_pages=3, max_seq_len=40, page=4)
+    cache.reserve("a", 6)                      # pages 0, 1
+    cache.reserve("b", 3)                      # page 2
+    assert cache.rows("a", 0, 6).tolist() == [0, 1, 2, 3, 4, 5]
+    assert cache.rows("b", 1, 2).tolist() == [9, 10]
+    assert cache.page_table(["b", "a"]).tolist() == [[2, -1], [0, 1]]
+    with pytest.raises(KVPoolFullError, match="0 free pages of 4 positions but 1 more are needed"):
+        cache.reserve("a", 9)
+    cache.free("b")
+    cache.reserve("a", 9)                      # takes b's page back
+    assert cache.rows("a", 8, 1).tolist() == [8] and cache.free_pages == 0
+    rows = cache.rows("a", 0, 3)
+    cache.data[1, torch.from_numpy(rows).long()] = torch.arange(15.0).view(3, 5)
+    assert torch.equal(cache.keys(1, rows), torch.arange(15.0).view(3, 5))
+    with pytest.raises(ContextLengthError, match="6 tokens and 35 more were requested, 41 in all, but the "
+                                                 "context holds 40"):
+        cache.check_fits(6, 35)
+    with pytest.raises(ContextLengthError, match="position 40 is past the context of 40"):
+        cache.reserve("a", 41)

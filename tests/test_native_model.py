@@ -15,15 +15,14 @@ differ only by float summation order. Measured on these fixtures (mean / max |dl
 
 Q8_0 activation blocks carry an fp16 scale, as llama.cpp's block_q8_0 does (with an fp32 one, Q8_0
 weights were 1.1e-4 mean / 1.1e-3 max off; the whole Q8_0 synth file 7.1e-4 mean vs the reference's 7.8e-3).
-By default the model runs as one native graph (engine/native_graph.py); the same-math test holds the
-per-op path, see its docstring.
+The native ops (ops/cpu.py) run norms, rotary, MLA attention and routing in C++ as well; the same-math
+test runs attention on the torch reference between the native kernels, see its docstring.
 The per-head 3-D attn_k_b / attn_v_b run through native gemm_batched with quantized activations,
 as llama.cpp does them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -37,9 +36,10 @@ from gguf import GGMLQuantizationType as Q
 
 from pocketmoe import native
 from pocketmoe.engine import ContextLengthError, ModelRunner, RunnerConfig
-from pocketmoe.engine.backends import make_backends
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.gguf import open_bundle
+from pocketmoe.ops.cpu import NativeOps
+from pocketmoe.ops.reference import ReferenceOps
 from pocketmoe.testing.synth import write_fixture
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
@@ -66,12 +66,25 @@ def one_thread():
         native.set_num_threads(m)
 
 
-def runner(path: Path, backend: str, n_ctx: int = 64, chunk_size: int = 256, graph: bool = True) -> ModelRunner:
-    cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, native_graph=graph)
-    b = make_backends(backend, cfg)
-    assert b.name == backend
-    cfg = dataclasses.replace(cfg, cache_kinds=b.cache_kinds)
-    return ModelRunner(open_bundle(path), cfg, backend=b.linear, make_experts=b.make_experts)
+class TorchAttentionOps(NativeOps):
+    """The native GEMM and MoE kernels with every other op in torch between them: norms, residual adds,
+    rotary, MLA attention (scores, softmax), routing, the FFN's activation."""
+
+    embed = ReferenceOps.embed
+    rms_norm = ReferenceOps.rms_norm
+    add_rms_norm = ReferenceOps.add_rms_norm
+    finalize = ReferenceOps.finalize
+    mla_attention = ReferenceOps.mla_attention
+    route = ReferenceOps.route
+    ffn = ReferenceOps.ffn
+
+
+def runner(path: Path, backend: str, n_ctx: int = 64, chunk_size: int = 256, torch_attention: bool = False,
+           **kw: object) -> ModelRunner:
+    cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, backend=backend, **kw)
+    r = ModelRunner(open_bundle(path), cfg, ops=TorchAttentionOps() if torch_attention else None)
+    assert r.ops.name == backend
+    return r
 
 
 def prompt_for(vocab: int) -> list[int]:
@@ -109,11 +122,11 @@ def llama_greedy(llm, prompt: list[int], n: int) -> tuple[list[int], list[float]
     return out, gaps
 
 
-def compare(path: Path, vocab: int, graph: bool = True) -> dict[str, object]:
+def compare(path: Path, vocab: int, torch_attention: bool = False) -> dict[str, object]:
     prompt = prompt_for(vocab)
     llm = llama(path, PROMPT_LEN + GEN)
     ref = llama_logits(llm, prompt)
-    nat = runner(path, "native", graph=graph).forward(prompt, 0)
+    nat = runner(path, "native", torch_attention=torch_attention).forward(prompt, 0)
     tor = runner(path, "reference").forward(prompt, 0)
     return {"prompt": prompt, "llm": llm, "llama": ref, "native": nat, "reference": tor,
             "dn": (nat - ref).abs(), "dr": (tor - ref).abs()}
@@ -159,14 +172,14 @@ def test_quantized_experts_closer_than_reference(qexperts, qtype: Q) -> None:
 @pytest.mark.parity
 @pytest.mark.parametrize("qtype", [*K_TYPES, Q.Q8_0], ids=[q.name for q in [*K_TYPES, Q.Q8_0]])
 def test_quantized_experts_same_math_as_llamacpp(qexperts, qtype: Q) -> None:
-    """The kernels' math, on the per-op path (torch between the kernels).
+    """The kernels' math, with attention in torch between them.
 
-    The native graph gets the same logits within 3e-6 at 23 of 24 positions; at position 7 a layer-1 MoE
-    input sits 1.9e-5 quantization steps from a rounding boundary (other positions: >= 7e-4), and its
-    attention, summed in another float order, puts it on the other side: 5.8e-3 there. That is a
-    boundary flip, not a math difference; the graph's math is held to the per-op path on float weights
-    in test_graph_matches_per_op_on_float_weights."""
-    c = compare(qexperts[qtype], QT.vocab, graph=False)
+    The native attention op gets the same logits within 3e-6 at 23 of 24 positions; at position 7 a
+    layer-1 MoE input sits 1.9e-5 quantization steps from a rounding boundary (other positions: >= 7e-4),
+    and its attention, summed in another float order, puts it on the other side: 5.8e-3 there. That is a
+    boundary flip, not a math difference; the native attention's math is held to torch's on float
+    weights in test_native_attention_matches_torch_on_float_weights."""
+    c = compare(qexperts[qtype], QT.vocab, torch_attention=True)
     assert c["dn"].max().item() <= SAME_MATH_TOL
 
 
@@ -227,9 +240,10 @@ def test_synth_fixture_argmax_and_greedy(synth, quant: str) -> None:
 @pytest.mark.parametrize("quant", ["Q4_K_M", "Q8_0"])
 def test_synth_fixture_closer_than_reference(synth, quant: str) -> None:
     """Not for the legacy attn_kv_b file: llama.cpp expands every cached c_kv through attn_kv_b with Q8_0
-    activations, while the graph runs that step absorbed in float, as the reference does (measured mean
-    |dlogit| vs llama.cpp: graph 2.0e-2, reference 1.9e-2, per-op path 8.5e-4). Its math is held to the
-    per-op path on float weights, and its argmax and greedy tokens to llama.cpp, above."""
+    activations, while the native ops run that step absorbed in float, as the reference does (measured
+    mean |dlogit| vs llama.cpp: native 2.0e-2, reference 1.9e-2, native kernels with attn_kv_b expanded
+    8.5e-4). Its math is held to torch's on float weights, and its argmax and greedy tokens to llama.cpp,
+    above."""
     c = compare(synth[quant], 512)
     assert c["dn"].mean().item() <= c["dr"].mean().item()
 
@@ -277,51 +291,45 @@ def greedy_chunked(r: ModelRunner, prompt: list[int], n: int, chunk: int) -> tup
     return out, logits
 
 
-@pytest.mark.parametrize("graph", [True, False], ids=["graph", "per-op"])
-def test_prefill_chunking_gives_same_tokens(synth, graph: bool) -> None:
+def test_prefill_chunking_gives_same_tokens(synth) -> None:
     path = synth["Q4_K_M"]
     prompt = prompt_for(512)
-    r = runner(path, "native", n_ctx=PROMPT_LEN + GEN, graph=graph)
-    assert (r.graph is not None) == graph
+    r = runner(path, "native", n_ctx=PROMPT_LEN + GEN)
     whole, lw = greedy_chunked(r, prompt, GEN, PROMPT_LEN)
     by3, l3 = greedy_chunked(r, prompt, GEN, 3)
     by1, l1 = greedy_chunked(r, prompt, GEN, 1)
     assert whole == by3 == by1
     assert whole == r.generate_greedy(prompt, GEN)
-    if graph:
-        # Every op of the graph is per token or batch-invariant and attention sums each (head, query)
-        # in one order: a token's logits do not depend on the chunk it came in, bit for bit.
-        assert torch.equal(l3, lw) and torch.equal(l1, lw)
-    else:
-        # The per-op path's attention (torch) sums in another order per chunk: float noise (measured
-        # max 9.5e-7), not bitwise.
-        assert (l3 - lw).abs().max().item() <= SAME_MATH_TOL
-        assert (l1 - lw).abs().max().item() <= SAME_MATH_TOL
+    # Every native op is per token or batch-invariant and attention sums each (head, query) in one
+    # order: a token's logits do not depend on the chunk it came in, bit for bit.
+    assert torch.equal(l3, lw) and torch.equal(l1, lw)
 
 
 @pytest.mark.parametrize("name", list(F32_CASES))
-def test_graph_matches_per_op_on_float_weights(tmp_path: Path, name: str) -> None:
-    """The graph's norms, rotary, attention, routing (softmax / sigmoid, bias, groups, norm, scale), dense and
-    shared FFNs against the per-op path (torch between the same kernels), where no activation is quantized:
-    float summation order alone (measured max 5e-7 on the tiny fixtures; 1.5e-6 for the legacy attn_kv_b file,
-    which the graph runs absorbed and the per-op path expanded)."""
+def test_native_attention_matches_torch_on_float_weights(tmp_path: Path, name: str) -> None:
+    """The native ops (norms, rotary, MLA attention, routing: softmax / sigmoid, bias, groups, norm, scale;
+    dense and shared FFNs) against the same kernels with attention in torch, where no activation is
+    quantized: float summation order alone (measured max 5e-7 on the tiny fixtures; 1.5e-6 for the legacy
+    attn_kv_b file, which both run absorbed)."""
     t = F32_CASES[name]
     path = write_gguf(tmp_path / "f32.gguf", ds2_config(t), gguf_state_dict(hf_model(t, seed=3), t))
     prompt = prompt_for(t.vocab)
-    g = runner(path, "native", chunk_size=5)
-    assert g.graph is not None, g.graph_note
-    want = runner(path, "native", chunk_size=5, graph=False).forward(prompt, 0)
-    assert (g.forward(prompt, 0) - want).abs().max().item() <= 1e-5
+    want = runner(path, "native", chunk_size=5, torch_attention=True).forward(prompt, 0)
+    assert (runner(path, "native", chunk_size=5).forward(prompt, 0) - want).abs().max().item() <= 1e-5
 
 
-def test_graph_says_what_runs(tmp_path: Path, synth) -> None:
+def test_legacy_split_and_f16_cache(tmp_path: Path, synth) -> None:
+    """attn_kv_b is split into float32 k_b / v_b for the native attention; an f16 KV cache runs the
+    attention on the reference (the native op reads float32 rows) and still gives the same greedy tokens."""
     t = F32_CASES["legacy-qlora-2dense"]
     path = write_gguf(tmp_path / "legacy.gguf", ds2_config(t), gguf_state_dict(hf_model(t, seed=3), t))
-    assert "attn_kv_b split into float32 k_b / v_b" in runner(path, "native").graph_note
-    cfg = RunnerConfig(n_ctx=32, kv_dtype="f16")
-    b = make_backends("native", cfg)
-    r = ModelRunner(open_bundle(synth["Q4_K_M"]), cfg, backend=b.linear, make_experts=b.make_experts)
-    assert r.graph is None and r.graph_note == "per-op path (the KV cache is torch.float16; the graph reads float32)"
+    attn = runner(path, "native").model.blocks[0].attn
+    assert attn.absorbed and attn.wkv_b is None and attn.k_b.ggml_type == 0
+    assert runner(path, "reference").model.blocks[0].attn.wkv_b is not None
+    prompt = prompt_for(512)
+    f16 = runner(synth["Q4_K_M"], "native", n_ctx=PROMPT_LEN + GEN, kv_dtype="f16")
+    f32 = runner(synth["Q4_K_M"], "native", n_ctx=PROMPT_LEN + GEN)
+    assert f16.generate_greedy(prompt, 4) == f32.generate_greedy(prompt, 4)
 
 
 def test_runs_and_threads_are_bitwise_identical(synth) -> None:
@@ -356,9 +364,8 @@ def test_generate_cli_native_json(synth) -> None:
     assert out["token_ids"] == runner(path, "native").generate_greedy(ids, 5)
 
 
-def test_graph_decode_checks_its_input(synth) -> None:
+def test_decode_checks_its_input(synth) -> None:
     r = runner(synth["Q4_K_M"], "native", n_ctx=8)
-    assert r.graph is not None
     r.forward([1, 2, 3], 0)
     with pytest.raises(PocketMoEError, match="token id 512 is outside the vocabulary of 512"):
         r.decode(512, 3)
@@ -370,8 +377,8 @@ def test_graph_decode_checks_its_input(synth) -> None:
 
 
 def test_fused_gate_up_experts_run_natively_and_match_two_tensors(tmp_path: Path) -> None:
-    """`ffn_gate_up_exps` (gate rows first) runs on the native MoE op with strided experts, on the graph,
-    and gives bitwise the logits of the same blocks stored as two tensors."""
+    """`ffn_gate_up_exps` (gate rows first) runs on the native MoE op with strided experts and gives
+    bitwise the logits of the same blocks stored as two tensors."""
     model = hf_model(QT, seed=5)
     blocks, types = quantize_experts(model, QT, int(Q.Q4_K), seed=11)
     sd = gguf_state_dict(model, QT)
@@ -385,10 +392,8 @@ def test_fused_gate_up_experts_run_natively_and_match_two_tensors(tmp_path: Path
                                                        sd.pop(b + "ffn_up_exps.weight")], dim=1)
     fused = write_gguf(tmp_path / "fused.gguf", ds2_config(QT), sd, blocks, types)
     r = runner(fused, "native")
-    assert "blk.1.ffn_gate_up_exps.weight" in r.bundle.tensors and r.graph is not None
+    assert "blk.1.ffn_gate_up_exps.weight" in r.bundle.tensors
     assert type(r.model.blocks[-1].ffn.experts).__name__ == "NativeExperts"
     prompt = prompt_for(QT.vocab)
     want = runner(split, "native").forward(prompt, 0)
     assert torch.equal(r.forward(prompt, 0), want)
-    assert torch.equal(runner(fused, "native", graph=False).forward(prompt, 0),
-                       runner(split, "native", graph=False).forward(prompt, 0))

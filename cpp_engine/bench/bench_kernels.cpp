@@ -13,7 +13,7 @@
 #include <ctime>
 #include <vector>
 
-#include "pocketmoe/engine.h"
+#include "pocketmoe/runtime.h"
 #include "pocketmoe/samples.h"
 #include "pocketmoe/thread_pool.h"
 #include "pocketmoe/types.h"

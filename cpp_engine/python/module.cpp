@@ -9,8 +9,8 @@
 #include <memory>
 
 #include "pocketmoe/act_quant.h"
-#include "pocketmoe/deepseek2_graph.h"
-#include "pocketmoe/engine.h"
+#include "pocketmoe/ops.h"
+#include "pocketmoe/runtime.h"
 #include "pocketmoe/isa.h"
 #include "pocketmoe/matmul.h"
 #include "pocketmoe/types.h"
@@ -201,143 +201,201 @@ py::array_t<float> activation_roundtrip_py(const py::array& x, int ggml_type) {
   return y;
 }
 
-// ---- Deepseek2Graph: the arrays it reads are kept alive by the Python object.
+// ---- Ops (pocketmoe/ops.h). Weights and fixed parameters are handles made once at load; the
+// per-call arrays are checked here.
 
-struct GraphHandle {
-  std::unique_ptr<Deepseek2Graph> graph;
-  py::list keep;   // every array the graph points into
-  int qk_rope = 0;
+// A weight and the array it points into (kept alive by the handle).
+struct WeightHandle {
+  Weight w;
+  py::array keep;
 };
 
-// (uint8 [rows, row_bytes] or [heads, rows, row_bytes] blocks, ggml_type, cols), or None.
-GraphLinear graph_linear(const py::handle& spec, const char* name, py::list& keep) {
-  GraphLinear w;
-  if (spec.is_none()) return w;
-  auto t = spec.cast<py::tuple>();
-  if (t.size() != 3) throw py::value_error(std::string(name) + " must be (blocks, ggml_type, cols)");
-  auto a = checked<uint8_t>(t[0].cast<py::array>(), name, -1);
-  if (a.ndim() != 2 && a.ndim() != 3) throw py::value_error(std::string(name) + " blocks must have 2 or 3 dimensions");
-  keep.append(a);
-  w.data = a.data();
-  w.ggml_type = t[1].cast<int>();
-  w.heads = a.ndim() == 3 ? static_cast<int>(a.shape(0)) : 1;
-  w.rows = static_cast<int>(a.shape(a.ndim() - 2));
-  w.row_bytes = static_cast<size_t>(a.shape(a.ndim() - 1));
-  w.cols = t[2].cast<int>();
-  return w;
-}
-
-const float* graph_floats(const py::handle& a, const char* name, py::list& keep) {
-  if (a.is_none()) return nullptr;
-  auto f = checked<float>(a.cast<py::array>(), name, 1);
-  keep.append(f);
-  return f.data();
-}
-
-MoEWeights graph_experts(const py::handle& spec, const char* name, py::list& keep) {
-  auto t = spec.cast<py::tuple>();
-  auto a = t[0].cast<py::array>();
-  keep.append(a);
-  return expert_weights(a, name, t[1].cast<int>());
-}
-
-GraphFFN graph_ffn(const py::dict& d, const char* prefix, py::list& keep) {
-  const std::string p(prefix);
-  GraphFFN f;
-  if (!d.contains(p + "gate")) return f;
-  f.gate = graph_linear(d[(p + "gate").c_str()], (p + "gate").c_str(), keep);
-  f.up = graph_linear(d[(p + "up").c_str()], (p + "up").c_str(), keep);
-  f.down = graph_linear(d[(p + "down").c_str()], (p + "down").c_str(), keep);
-  return f;
-}
-
-std::unique_ptr<GraphHandle> make_graph(const py::dict& params, const py::list& layers, const py::handle& embed,
-                                        const py::handle& output_norm, const py::handle& head, const py::array& cache) {
-  auto h = std::make_unique<GraphHandle>();
-  py::list& keep = h->keep;
-  Deepseek2Params p;
-  using P = Deepseek2Params;
-  static const std::pair<const char*, int P::*> kInts[] = {
-      {"hidden", &P::hidden},       {"n_head", &P::n_head},   {"qk_nope", &P::qk_nope},   {"qk_rope", &P::qk_rope},
-      {"v_head", &P::v_head},       {"kv_lora", &P::kv_lora}, {"q_lora", &P::q_lora},     {"n_experts", &P::n_experts},
-      {"top_k", &P::top_k},         {"gating", &P::gating},   {"n_groups", &P::n_groups}, {"groups_used", &P::groups_used}};
-  static const std::pair<const char*, float P::*> kFloats[] = {
-      {"attn_scale", &P::attn_scale}, {"rms_eps", &P::rms_eps}, {"weight_scale", &P::weight_scale}};
-  for (const auto& [key, field] : kInts) p.*field = params[key].cast<int>();
-  for (const auto& [key, field] : kFloats) p.*field = params[key].cast<float>();
-  p.weight_norm = params["weight_norm"].cast<bool>();
-
-  using L = Deepseek2Layer;
-  static const std::pair<const char*, GraphLinear L::*> kLinears[] = {
-      {"wq", &L::wq}, {"wq_a", &L::wq_a}, {"wq_b", &L::wq_b}, {"wkv_a", &L::wkv_a},
-      {"k_b", &L::k_b}, {"v_b", &L::v_b}, {"wo", &L::wo},     {"router", &L::router}};
-  static const std::pair<const char*, const float* L::*> kVectors[] = {
-      {"attn_norm", &L::attn_norm}, {"q_a_norm", &L::q_a_norm}, {"kv_a_norm", &L::kv_a_norm},
-      {"ffn_norm", &L::ffn_norm},   {"router_bias", &L::router_bias}};
-  std::vector<Deepseek2Layer> ls;
-  for (const py::handle& item : layers) {
-    auto d = item.cast<py::dict>();
-    Deepseek2Layer l;
-    for (const auto& [key, field] : kLinears)
-      if (d.contains(key)) l.*field = graph_linear(d[key], key, keep);
-    for (const auto& [key, field] : kVectors)
-      if (d.contains(key)) l.*field = graph_floats(d[key], key, keep);
-    l.dense = graph_ffn(d, "dense_", keep);
-    if (d.contains("experts_gate")) {
-      l.experts_gate = graph_experts(d["experts_gate"], "experts_gate", keep);
-      l.experts_up = graph_experts(d["experts_up"], "experts_up", keep);
-      l.experts_down = graph_experts(d["experts_down"], "experts_down", keep);
-      l.expert_ffn = d["expert_ffn"].cast<int>();
-    }
-    l.shared = graph_ffn(d, "shared_", keep);
-    ls.push_back(l);
-  }
-  auto c = checked<float>(cache, "cache", 3);
-  if (!c.writeable()) throw py::value_error("cache must be writeable");
-  if (c.shape(0) != static_cast<py::ssize_t>(ls.size()) || c.shape(2) != p.kv_lora + p.qk_rope)
-    throw py::value_error("cache must have shape (" + std::to_string(ls.size()) + ", n_ctx, " +
-                          std::to_string(p.kv_lora + p.qk_rope) + ")");
-  keep.append(c);
-  h->qk_rope = p.qk_rope;
-  h->graph = std::make_unique<Deepseek2Graph>(p, std::move(ls), graph_linear(embed, "embed", keep),
-                                              graph_floats(output_norm, "output_norm", keep),
-                                              graph_linear(head, "head", keep), c.mutable_data(),
-                                              static_cast<int>(c.shape(1)));
+WeightHandle make_weight(const py::array& blocks, int ggml_type, int cols) {
+  auto a = checked<uint8_t>(blocks, "blocks", -1);
+  if (a.ndim() != 2 && a.ndim() != 3) throw py::value_error("blocks must have 2 or 3 dimensions");
+  WeightHandle h;
+  h.w.data = a.data();
+  h.w.ggml_type = ggml_type;
+  h.w.heads = a.ndim() == 3 ? static_cast<int>(a.shape(0)) : 1;
+  h.w.rows = static_cast<int>(a.shape(a.ndim() - 2));
+  h.w.row_bytes = static_cast<size_t>(a.shape(a.ndim() - 1));
+  h.w.cols = cols;
+  check_weight("weight", h.w, h.w.heads, h.w.rows, cols);
+  h.keep = a;
   return h;
 }
 
-py::array_t<float> graph_forward(GraphHandle& h, const py::handle& tokens, int start, const py::handle& cos2,
-                                 const py::handle& sin2, bool last_only) {
-  auto tk = as_array<int32_t>(tokens, "tokens");
-  auto c2 = as_array<float>(cos2, "cos2");
-  auto s2 = as_array<float>(sin2, "sin2");
-  const py::ssize_t n = tk.size();
-  if (tk.ndim() != 1) throw py::value_error("tokens must have 1 dimension");
-  for (const auto* a : {&c2, &s2})
-    if (a->ndim() != 2 || a->shape(0) != n || a->shape(1) != h.qk_rope)
-      throw py::value_error("cos2 and sin2 must have shape (" + std::to_string(n) + ", " + std::to_string(h.qk_rope) +
-                            ")");
-  py::array_t<float> logits({last_only ? py::ssize_t{1} : n, static_cast<py::ssize_t>(h.graph->vocab())});
-  const int32_t* tp = tk.data();
-  const float* cp = c2.data();
-  const float* sp = s2.data();
-  float* lp = logits.mutable_data();
-  {
-    py::gil_scoped_release release;
-    h.graph->forward(tp, static_cast<int>(n), start, cp, sp, last_only, lp);
-  }
-  return logits;
+// x as float32 [T, d] (C order): T = rows; d must match when given.
+py::array_t<float> rows_of(const py::array& x, const char* name, py::ssize_t d) {
+  auto a = checked<float>(x, name, 2);
+  if (d >= 0 && a.shape(1) != d)
+    throw py::value_error(std::string(name) + " rows have " + std::to_string(a.shape(1)) + " values, expected " +
+                          std::to_string(d));
+  return a;
 }
 
-py::dict graph_profile(const GraphHandle& h) {
-  const GraphProfile& prof = h.graph->profile();
-  py::dict seconds;
-  for (int op = 0; op < GraphProfile::kCount; ++op) seconds[GraphProfile::name(op)] = prof.seconds[op];
-  py::dict out;
-  out["seconds"] = seconds;
-  out["calls"] = prof.calls;
-  out["tokens"] = prof.tokens;
+const float* vector_of(const py::object& v, const char* name, py::ssize_t n) {
+  if (v.is_none()) return nullptr;
+  auto a = checked<float>(v.cast<py::array>(), name, 1);
+  if (a.shape(0) != n)
+    throw py::value_error(std::string(name) + " has " + std::to_string(a.shape(0)) + " values, expected " +
+                          std::to_string(n));
+  return a.data();
+}
+
+const int32_t* ints_of(const py::array& v, const char* name, py::ssize_t n) {
+  auto a = checked<int32_t>(v, name, 1);
+  if (a.shape(0) != n)
+    throw py::value_error(std::string(name) + " has " + std::to_string(a.shape(0)) + " values, expected " +
+                          std::to_string(n));
+  return a.data();
+}
+
+// Runs f without the GIL when the call moves at least this many bytes of weights (else it is too short).
+template <class F>
+void run(size_t work, F&& f) {
+  if (work < (size_t{64} << 10)) {
+    f();
+  } else {
+    py::gil_scoped_release release;
+    f();
+  }
+}
+
+size_t weight_bytes(const Weight& w) { return static_cast<size_t>(w.heads) * w.rows * w.row_bytes; }
+
+py::array_t<float> rms_norm_py(const py::array& x, const py::array& w, float eps) {
+  auto xa = rows_of(x, "x", -1);
+  const py::ssize_t n = xa.shape(0), d = xa.shape(1);
+  py::array_t<float> y({n, d});
+  rms_norm(xa.data(), vector_of(w, "weight", d), static_cast<int>(n), static_cast<int>(d), eps, y.mutable_data());
+  return y;
+}
+
+py::array_t<float> add_rms_norm_py(const py::array& x, const py::array& add, const py::array& w, float eps) {
+  auto xa = rows_of(x, "x", -1);
+  const py::ssize_t n = xa.shape(0), d = xa.shape(1);
+  auto aa = rows_of(add, "add", d);
+  if (aa.shape(0) != n) throw py::value_error("add must have as many rows as x");
+  py::array_t<float> y({n, d});
+  add_rms_norm(xa.mutable_data(), aa.data(), vector_of(w, "weight", d), static_cast<int>(n), static_cast<int>(d), eps,
+               y.mutable_data());
+  return y;
+}
+
+py::object finalize_py(const py::array& x, const py::array& a, const py::object& b, const py::object& w, float eps) {
+  auto xa = rows_of(x, "x", -1);
+  const py::ssize_t n = xa.shape(0), d = xa.shape(1);
+  auto aa = rows_of(a, "a", d);
+  const float* bp = nullptr;
+  if (!b.is_none()) {
+    auto ba = rows_of(b.cast<py::array>(), "b", d);
+    if (ba.shape(0) != n) throw py::value_error("b must have as many rows as x");
+    bp = ba.data();
+  }
+  if (aa.shape(0) != n) throw py::value_error("a must have as many rows as x");
+  const float* wp = vector_of(w, "weight", d);
+  if (wp == nullptr) {
+    finalize(xa.mutable_data(), aa.data(), bp, nullptr, static_cast<int>(n), static_cast<int>(d), eps, nullptr);
+    return py::none();
+  }
+  py::array_t<float> y({n, d});
+  finalize(xa.mutable_data(), aa.data(), bp, wp, static_cast<int>(n), static_cast<int>(d), eps, y.mutable_data());
+  return std::move(y);
+}
+
+void rope_py(const py::array& x, int heads, int head_dim, int rot, bool neox, const py::array& cos2,
+             const py::array& sin2) {
+  auto xa = checked<float>(x, "x", 2);
+  if (xa.shape(1) != static_cast<py::ssize_t>(heads) * head_dim)
+    throw py::value_error("x rows must hold heads * head_dim values");
+  const py::ssize_t n = xa.shape(0);
+  auto c = rows_of(cos2, "cos2", rot), s = rows_of(sin2, "sin2", rot);
+  if (c.shape(0) != n || s.shape(0) != n) throw py::value_error("cos2 and sin2 need one row per row of x");
+  rope(xa.mutable_data(), static_cast<int>(n), static_cast<size_t>(xa.shape(1)), heads, head_dim, rot, neox, c.data(),
+       s.data());
+}
+
+py::array_t<float> mla_attention_py(const MLAShape& sh, const py::array& q, const py::array& kv,
+                                    const py::array& kv_norm, const WeightHandle& k_b, const WeightHandle& v_b,
+                                    const py::array& cos2, const py::array& sin2, const py::array& cache,
+                                    const py::array& seq, const py::array& keys, const py::array& write_rows,
+                                    const py::array& table, int page) {
+  const int w = sh.kv_lora + sh.qk_rope;
+  auto qa = rows_of(q, "q", static_cast<py::ssize_t>(sh.n_head) * (sh.qk_nope + sh.qk_rope));
+  const py::ssize_t n = qa.shape(0);
+  auto kva = rows_of(kv, "kv", w);
+  auto c = rows_of(cos2, "cos2", sh.qk_rope), s = rows_of(sin2, "sin2", sh.qk_rope);
+  if (kva.shape(0) != n || c.shape(0) != n || s.shape(0) != n)
+    throw py::value_error("q, kv, cos2 and sin2 need the same number of rows");
+  auto ca = rows_of(cache, "cache", w);
+  if (!ca.writeable()) throw py::value_error("cache must be writeable");
+  auto ta = checked<int32_t>(table, "page_table", 2);
+  KVLayout layout{ints_of(seq, "seq", n), ints_of(keys, "keys", n), ints_of(write_rows, "write_rows", n), ta.data(),
+                  static_cast<int>(ta.shape(0)), static_cast<int>(ta.shape(1)), page,
+                  static_cast<int>(ca.shape(0))};
+  const float* norm = vector_of(kv_norm, "kv_norm", sh.kv_lora);
+  py::array_t<float> out({n, static_cast<py::ssize_t>(sh.n_head) * sh.v_head});
+  const float *qp = qa.data(), *kvp = kva.data(), *cp = c.data(), *sp = s.data();
+  float* cachep = ca.mutable_data();
+  float* op = out.mutable_data();
+  run(size_t{1} << 20, [&] {
+    mla_attention(sh, qp, kvp, norm, k_b.w, v_b.w, cp, sp, cachep, layout, static_cast<int>(n), op);
+  });
   return out;
+}
+
+py::tuple route_py(const RouteParams& p, const py::array& x, const WeightHandle& gate, const py::object& bias) {
+  auto xa = rows_of(x, "x", gate.w.cols);
+  const py::ssize_t n = xa.shape(0);
+  py::array_t<int32_t> ids({n, static_cast<py::ssize_t>(p.top_k)});
+  py::array_t<float> weights({n, static_cast<py::ssize_t>(p.top_k)});
+  const float* bp = vector_of(bias, "bias", p.n_experts);
+  route(p, xa.data(), static_cast<int>(n), gate.w, bp, ids.mutable_data(), weights.mutable_data());
+  return py::make_tuple(ids, weights);
+}
+
+py::array_t<float> gated_ffn_py(const py::array& x, const WeightHandle& gate, const WeightHandle& up,
+                                const WeightHandle& down) {
+  auto xa = rows_of(x, "x", gate.w.cols);
+  const py::ssize_t n = xa.shape(0);
+  py::array_t<float> y({n, static_cast<py::ssize_t>(down.w.rows)});
+  const float* xp = xa.data();
+  float* yp = y.mutable_data();
+  run(weight_bytes(gate.w) * 3, [&] { gated_ffn(gate.w, up.w, down.w, xp, static_cast<int>(n), yp); });
+  return y;
+}
+
+py::list linear_multi_py(const py::array& x, const std::vector<const WeightHandle*>& weights) {
+  if (weights.empty() || weights.size() > 4) throw py::value_error("linear_multi takes 1 to 4 weights");
+  const int cols = weights[0]->w.cols;
+  auto xa = rows_of(x, "x", cols);
+  const py::ssize_t n = xa.shape(0);
+  py::list outs;
+  const Weight* ws[4];
+  float* ys[4];
+  size_t work = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const Weight& w = weights[i]->w;
+    if (w.cols != cols || w.heads != 1) throw py::value_error("linear_multi weights must be 2-D and share their input");
+    py::array_t<float> y({n, static_cast<py::ssize_t>(w.rows)});
+    ws[i] = &w;
+    ys[i] = y.mutable_data();
+    work += weight_bytes(w);
+    outs.append(y);
+  }
+  const float* xp = xa.data();
+  const int n_w = static_cast<int>(weights.size());
+  run(work, [&] { linear_multi(ws, n_w, xp, static_cast<int>(n), ys); });
+  return outs;
+}
+
+py::array_t<float> embed_py(const WeightHandle& table, const py::array& tokens) {
+  auto ta = checked<int32_t>(tokens, "tokens", 1);
+  const py::ssize_t n = ta.shape(0);
+  py::array_t<float> y({n, static_cast<py::ssize_t>(table.w.cols)});
+  embed(table.w, ta.data(), static_cast<int>(n), y.mutable_data());
+  return y;
 }
 
 }  // namespace
@@ -357,15 +415,43 @@ PYBIND11_MODULE(_native, m) {
         "Scalar reference dequantization of n values.");
   m.def("activation_roundtrip", &activation_roundtrip_py, py::arg("x"), py::arg("ggml_type"),
         "The activation values the kernels of ggml_type actually multiply (x after Q8_K / Q8_0 rounding).");
-  py::class_<GraphHandle>(m, "Deepseek2Graph",
-                          "A whole DeepSeek-V2 forward pass on the native kernels over caller-owned arrays.")
-      .def(py::init(&make_graph), py::arg("params"), py::arg("layers"), py::arg("embed"), py::arg("output_norm"),
-           py::arg("head"), py::arg("cache"))
-      .def("forward", &graph_forward, py::arg("tokens"), py::arg("start"), py::arg("cos2"), py::arg("sin2"),
-           py::arg("last_only") = false,
-           "logits [n or 1, vocab] of tokens [n] at positions start..; writes their cache rows.")
-      .def("profile", &graph_profile, "{'seconds': {op: s}, 'calls': n, 'tokens': n} since the last reset.")
-      .def("reset_profile", [](GraphHandle& h) { h.graph->reset_profile(); });
+  py::class_<WeightHandle>(m, "Weight", "A weight for the ops: uint8 [heads,] rows x row_bytes GGUF blocks.")
+      .def(py::init(&make_weight), py::arg("blocks"), py::arg("ggml_type"), py::arg("cols"))
+      .def_property_readonly("rows", [](const WeightHandle& h) { return h.w.rows; })
+      .def_property_readonly("cols", [](const WeightHandle& h) { return h.w.cols; });
+  py::class_<MLAShape>(m, "MLAShape")
+      .def(py::init([](int n_head, int qk_nope, int qk_rope, int v_head, int kv_lora, float scale, float eps) {
+             return MLAShape{n_head, qk_nope, qk_rope, v_head, kv_lora, scale, eps};
+           }),
+           py::arg("n_head"), py::arg("qk_nope"), py::arg("qk_rope"), py::arg("v_head"), py::arg("kv_lora"),
+           py::arg("scale"), py::arg("eps"));
+  py::class_<RouteParams>(m, "RouteParams")
+      .def(py::init([](int n_experts, int top_k, int gating, int n_groups, int groups_used, bool norm, float scale,
+                       float weight_sum_min, int gating_softmax, int gating_sigmoid) {
+             return RouteParams{n_experts, top_k, gating, n_groups, groups_used, norm, scale, weight_sum_min,
+                                gating_softmax, gating_sigmoid};
+           }),
+           py::arg("n_experts"), py::arg("top_k"), py::arg("gating"), py::arg("n_groups"), py::arg("groups_used"),
+           py::arg("norm"), py::arg("scale"), py::arg("weight_sum_min"), py::arg("gating_softmax"),
+           py::arg("gating_sigmoid"));
+  m.def("rms_norm", &rms_norm_py, py::arg("x"), py::arg("weight"), py::arg("eps"), "y = rms_norm(x) * weight per row.");
+  m.def("add_rms_norm", &add_rms_norm_py, py::arg("x"), py::arg("add"), py::arg("weight"), py::arg("eps"),
+        "x += add (in place), then y = rms_norm(x) * weight.");
+  m.def("finalize", &finalize_py, py::arg("x"), py::arg("a"), py::arg("b"), py::arg("weight"), py::arg("eps"),
+        "x += a + b (in place; b may be None); with a norm weight returns rms_norm(x) * weight, else None.");
+  m.def("rope", &rope_py, py::arg("x"), py::arg("heads"), py::arg("head_dim"), py::arg("rot"), py::arg("neox"),
+        py::arg("cos2"), py::arg("sin2"), "Rotary embedding in place on the first rot dims of every head.");
+  m.def("mla_attention", &mla_attention_py, py::arg("shape"), py::arg("q"), py::arg("kv"), py::arg("kv_norm"),
+        py::arg("k_b"), py::arg("v_b"), py::arg("cos2"), py::arg("sin2"), py::arg("cache"), py::arg("seq"),
+        py::arg("keys"), py::arg("write_rows"), py::arg("page_table"), py::arg("page"),
+        "MLA attention of rows of several sequences over a paged latent cache -> [T, H*V].");
+  m.def("route", &route_py, py::arg("params"), py::arg("x"), py::arg("gate"), py::arg("bias"),
+        "(ids int32 [T, K], weights float32 [T, K]) of the router.");
+  m.def("gated_ffn", &gated_ffn_py, py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("down"),
+        "down(silu(gate x) * up x).");
+  m.def("linear_multi", &linear_multi_py, py::arg("x"), py::arg("weights"),
+        "[x @ W^T for W in weights] in one dispatch, x quantized once per activation format.");
+  m.def("embed", &embed_py, py::arg("table"), py::arg("tokens"), "Dequantized embedding rows of int32 tokens.");
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("describe", &describe);

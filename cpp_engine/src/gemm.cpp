@@ -3,7 +3,7 @@
 #include <string>
 
 #include "pocketmoe/act_quant.h"
-#include "pocketmoe/engine.h"
+#include "pocketmoe/runtime.h"
 #include "pocketmoe/matmul.h"
 #include "pocketmoe/types.h"
 #include "workspace.h"
@@ -25,10 +25,10 @@ int round_up(int v, int m) { return (v + m - 1) / m * m; }
 void gemm(const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens, int cols,
           float* y) {
   std::unique_lock<std::mutex> lock;
-  gemm(acquire_engine(lock), weight, rows, row_bytes, ggml_type, x, n_tokens, cols, y);
+  gemm(acquire_runtime(lock), weight, rows, row_bytes, ggml_type, x, n_tokens, cols, y);
 }
 
-void gemm(Engine& e, const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens,
+void gemm(Runtime& e, const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens,
           int cols, float* y) {
   const GemmOp op{weight, rows, row_bytes, ggml_type, y};
   gemm_multi(e, &op, 1, x, n_tokens, cols);
@@ -47,7 +47,7 @@ uint8_t* quantize_rows(ThreadPool& pool, Buffer& buf, ActFormat format, const fl
   return rows;
 }
 
-void gemm_multi(Engine& e, const GemmOp* ops, int n_ops, const float* x, int n_tokens, int cols) {
+void gemm_multi(Runtime& e, const GemmOp* ops, int n_ops, const float* x, int n_tokens, int cols) {
   constexpr int kMaxOps = 4;
   if (n_ops > kMaxOps) throw std::invalid_argument("gemm_multi: at most 4 weights per call");
   size_t work = 0;
@@ -129,10 +129,10 @@ void gemm_multi(Engine& e, const GemmOp* ops, int n_ops, const float* x, int n_t
 void gemm_batched(const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type, const float* x,
                   int n_tokens, int cols, float* y) {
   std::unique_lock<std::mutex> lock;
-  gemm_batched(acquire_engine(lock), weight, heads, rows, row_bytes, ggml_type, x, n_tokens, cols, y);
+  gemm_batched(acquire_runtime(lock), weight, heads, rows, row_bytes, ggml_type, x, n_tokens, cols, y);
 }
 
-void gemm_batched(Engine& e, const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type,
+void gemm_batched(Runtime& e, const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type,
                   const float* x, int n_tokens, int cols, float* y) {
   const TypeInfo& type = type_info(ggml_type);
   const size_t expected = weight_row_bytes(type, cols);

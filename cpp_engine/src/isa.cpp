@@ -7,7 +7,7 @@
 
 #include "kernels.h"
 #include "pocketmoe/act_quant.h"
-#include "pocketmoe/engine.h"
+#include "pocketmoe/runtime.h"
 #include "pocketmoe/samples.h"
 #include "pocketmoe/types.h"
 #include "workspace.h"
@@ -85,7 +85,7 @@ Chosen choose() {
     }
     return {{c.name, note}, c.table};
   }
-  // No set at all: the CPU lacks AVX2; acquire_engine() refuses to run, this only names it.
+  // No set at all: the CPU lacks AVX2; acquire_runtime() refuses to run, this only names it.
   return {{"none", note}, avx2::integer_kernel};
 }
 

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "pocketmoe/act_quant.h"
-#include "pocketmoe/engine.h"
+#include "pocketmoe/runtime.h"
 #include "pocketmoe/matmul.h"
 #include "pocketmoe/silu.h"
 #include "pocketmoe/types.h"
@@ -86,10 +86,10 @@ void moe_forward(const float* x, int n_tokens, int hidden, const int32_t* ids, c
                  const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down, int n_experts, int ffn,
                  float* y) {
   std::unique_lock<std::mutex> lock;
-  moe_forward(acquire_engine(lock), x, n_tokens, hidden, ids, weights, top_k, gate, up, down, n_experts, ffn, y);
+  moe_forward(acquire_runtime(lock), x, n_tokens, hidden, ids, weights, top_k, gate, up, down, n_experts, ffn, y);
 }
 
-void moe_forward(Engine& e, const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
+void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
                  int top_k, const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down, int n_experts,
                  int ffn, float* y) {
   if (n_experts <= 0 || top_k <= 0 || hidden <= 0 || ffn <= 0)

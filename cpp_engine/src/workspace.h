@@ -1,4 +1,4 @@
-// Process-wide engine state: the thread pool and buffers that grow to the largest call and stay.
+// Process-wide kernel runtime: the thread pool and buffers that grow to the largest call and stay.
 #pragma once
 
 #include <cstddef>
@@ -40,20 +40,20 @@ struct Workspace {
   std::vector<Buffer> per_thread;   // one scratch area per pool thread
 };
 
-struct Engine {
+struct Runtime {
   std::mutex mutex;                 // one call at a time owns the pool and workspace
   std::unique_ptr<ThreadPool> pool;
   int n_threads = 0;                // requested size; 0 = one per physical core
   Workspace ws;
 };
 
-// The engine, locked by `lock`; creates the pool on first use.
-Engine& acquire_engine(std::unique_lock<std::mutex>& lock);
+// The runtime, locked by `lock`; creates the pool on first use.
+Runtime& acquire_runtime(std::unique_lock<std::mutex>& lock);
 
-// The entry points of engine.h for a caller that already holds the engine (a whole-model graph runs
+// The entry points of runtime.h for a caller that already holds the runtime (an op runs
 // many of them under one lock). They use e.ws.acts, act_ptrs, hidden, hidden_ptrs, ints, per_thread.
 struct MoEWeights;
-void gemm(Engine& e, const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens,
+void gemm(Runtime& e, const uint8_t* weight, int rows, size_t row_bytes, int ggml_type, const float* x, int n_tokens,
           int cols, float* y);
 // Several weights applied to the same x [T, cols] in one pool dispatch, x quantized once per format;
 // op.y gets [T, op.rows], bitwise what gemm gives for that weight alone.
@@ -64,15 +64,15 @@ struct GemmOp {
   int ggml_type;
   float* y;
 };
-void gemm_multi(Engine& e, const GemmOp* ops, int n_ops, const float* x, int n_tokens, int cols);
+void gemm_multi(Runtime& e, const GemmOp* ops, int n_ops, const float* x, int n_tokens, int cols);
 
 // x [n_rows, cols] quantized to `format` in buf, act_row_bytes(format, cols) bytes a row, on the caller
 // alone or spread over the pool; returns the first row.
 uint8_t* quantize_rows(ThreadPool& pool, Buffer& buf, ActFormat format, const float* x, int n_rows, int cols,
                        bool on_caller);
-void gemm_batched(Engine& e, const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type,
+void gemm_batched(Runtime& e, const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type,
                   const float* x, int n_tokens, int cols, float* y);
-void moe_forward(Engine& e, const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
+void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
                  int top_k, const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down, int n_experts,
                  int ffn, float* y);
 

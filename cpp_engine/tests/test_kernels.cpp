@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "pocketmoe/act_quant.h"
-#include "pocketmoe/engine.h"
+#include "pocketmoe/runtime.h"
 #include "pocketmoe/matmul.h"
 #include "pocketmoe/samples.h"
 #include "pocketmoe/silu.h"
@@ -302,7 +302,7 @@ void test_gemm_multi_matches_gemm() {
       }
       {
         std::unique_lock<std::mutex> lock;
-        gemm_multi(acquire_engine(lock), ops, 4, x.data(), n_tokens, cols);
+        gemm_multi(acquire_runtime(lock), ops, 4, x.data(), n_tokens, cols);
       }
       for (int i = 0; i < 4; ++i) {
         const std::vector<float> alone = gemm_vec(w[i], types[i], rows[i], cols, x, n_tokens);

@@ -10,6 +10,7 @@ from typing import Any
 
 from pocketmoe.benchmark.timing import Measured, measure, prompt_ids
 from pocketmoe.memstat import MemoryWatch
+from pocketmoe.ops.profile import OPS, OpProfile
 
 
 @dataclass(frozen=True)
@@ -36,34 +37,37 @@ def engine_result(backend: str, m: Measured, mem: MemoryWatch, load_s: float) ->
 
 
 class _RunnerStepper:
-    """With the native graph, keeps its per-op profile of the latest prefill, and of the decodes since."""
+    """Times the runner; with an OpProfile, keeps its per-op time of the latest prefill, and of the decodes since."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, profile: OpProfile | None) -> None:
         self.runner = runner
-        self.graph = runner.graph
+        self.profile = profile
         self.prefill_profile: dict[str, Any] | None = None
+        self.prefill_tokens = self.decode_tokens = 0
 
     def prefill(self, ids: Sequence[int]) -> int:
-        if self.graph is not None:
-            self.graph.reset_profile()
+        if self.profile is not None:
+            self.profile.reset()
         tok = int(self.runner.forward(ids, 0, last_only=True)[0].argmax())
-        if self.graph is not None:
-            self.prefill_profile = self.graph.profile()
-            self.graph.reset_profile()
+        if self.profile is not None:
+            self.prefill_profile, self.prefill_tokens = self.profile.snapshot(), len(ids)
+            self.profile.reset()
+            self.decode_tokens = 0
         return tok
 
     def profiles(self) -> dict[str, Any] | None:
         """{"prefill"|"decode": {"ms_per_token": {op: ms}, "tokens": n}} of the last timed run."""
-        if self.graph is None or self.prefill_profile is None:
+        if self.profile is None or self.prefill_profile is None:
             return None
-        out = {}
-        for phase, prof in (("prefill", self.prefill_profile), ("decode", self.graph.profile())):
-            n = max(int(prof["tokens"]), 1)
-            out[phase] = {"tokens": int(prof["tokens"]),
-                          "ms_per_token": {op: round(1e3 * s / n, 4) for op, s in prof["seconds"].items()}}
-        return out
+        phases = (("prefill", self.prefill_profile, self.prefill_tokens),
+                  ("decode", self.profile.snapshot(), self.decode_tokens))
+        names = [op for op in OPS if any(op in prof["seconds"] for _, prof, _ in phases)]
+        return {phase: {"tokens": n, "ms_per_token": {op: round(1e3 * prof["seconds"].get(op, 0.0) / max(n, 1), 4)
+                                                      for op in names}}
+                for phase, prof, n in phases}
 
     def decode(self, token: int, pos: int) -> int:
+        self.decode_tokens += 1
         return int(self.runner.decode(token, pos).argmax())
 
 
@@ -74,21 +78,20 @@ def ordinary_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
     return [i for i, a in enumerate(tokenizer.attrs[:vocab_size]) if a == TokenAttr.NORMAL]
 
 
-def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto", native_graph: bool = True
+def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto", profile: bool = False
                   ) -> tuple[dict[str, Any], list[int], list[int], Any]:
     """-> (result object, prompt ids, greedy tokens, the LLM, still open so the caller can read its bundle)."""
     from pocketmoe.engine.llm import LLM
 
     mem = MemoryWatch()
     t0 = time.perf_counter()
-    llm = LLM(model, n_ctx=s.n_ctx, threads=s.threads, chunk_size=s.chunk_size, backend=backend,
-              native_graph=native_graph)
+    llm = LLM(model, n_ctx=s.n_ctx, threads=s.threads, chunk_size=s.chunk_size, backend=backend)
     load_s = time.perf_counter() - t0
     vocab = llm.runner.vocab_size
     ids = prompt_ids(s.prompt_tokens, vocab, ordinary_token_ids(llm.tokenizer, vocab))
-    stepper = _RunnerStepper(llm.runner)
+    stepper = _RunnerStepper(llm.runner, OpProfile(llm.runner.ops) if profile else None)
     m = measure(stepper, ids, s.gen_tokens, s.repeats, mem.sample)
     result = engine_result(llm.backend_name, m, mem, load_s)
-    result["detail"] = llm.backend_detail  # kernels, threads and which path ran (native graph or per op)
-    result["profile"] = stepper.profiles()  # per-op time of the native graph, None on the per-op path
+    result["detail"] = llm.backend_detail  # which ops ran: kernels, instruction set, threads
+    result["profile"] = stepper.profiles()  # per-op time with --profile, else None
     return result, ids, m.tokens, llm

@@ -1,6 +1,8 @@
-"""Engine: latent KV cache and the model runner (build from a bundle, chunked prefill, decode)."""
+"""Engine: the paged KV cache, the step context, the model runner (build from the plan, run steps)."""
 
-from pocketmoe.engine.kv_cache import ContextLengthError, LatentKVCache
+from pocketmoe.engine.kv_cache import ContextLengthError, KVPoolFullError, PagedKVCache
 from pocketmoe.engine.runner import ModelRunner, RunnerConfig
+from pocketmoe.engine.step import SeqChunk, Step, StepContext
 
-__all__ = ["ContextLengthError", "LatentKVCache", "ModelRunner", "RunnerConfig"]
+__all__ = ["ContextLengthError", "KVPoolFullError", "ModelRunner", "PagedKVCache", "RunnerConfig", "SeqChunk",
+           "Step", "StepContext"]

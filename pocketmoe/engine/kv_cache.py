@@ -1,45 +1,121 @@
-"""Fixed-size, preallocated cache of MLA latents: [n_layer, max_ctx, C+R] per sequence.
+"""A paged KV cache shared by many sequences: one pool of rows per layer, handed out a page at a time.
 
-Legend: L layers, P cache positions, W latent width (kv_lora_rank + rope dims; 576 for V2-Lite).
+Each sequence owns a list of pages; position p of a sequence lives in cache row
+page_table[p // page] * page + p % page. What a row holds is the attention kind's business (MLA: the
+normed latent c_kv and the roped k_pe, `ModelSpec.kv_values_per_token` values).
+
+Legend: L layers, P cache rows (pages * page size), W values per row.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pocketmoe.errors import PocketMoEError
+
+PAGE = 16  # positions per page
 
 
 class ContextLengthError(PocketMoEError):
     """A request needs more positions than the context the engine was built with."""
 
 
-class LatentKVCache:
-    def __init__(self, n_layer: int, max_ctx: int, width: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        if max_ctx <= 0:
-            raise ContextLengthError(f"the context length must be > 0 tokens, got {max_ctx}.")
-        self.max_ctx = max_ctx
-        self.data = torch.zeros(n_layer, max_ctx, width, dtype=dtype, device=device)  # [L, P, W]
+class KVPoolFullError(PocketMoEError):
+    """The KV pool has no free page left for a sequence (the scheduler waits, preempts or refuses)."""
+
+
+class PagedKVCache:
+    """rows [L, P, W]; sequences are keyed by any hashable id and grow a page at a time."""
+
+    def __init__(self, n_layer: int, width: int, n_pages: int, max_seq_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", page: int = PAGE) -> None:
+        if max_seq_len <= 0 or n_pages <= 0:
+            raise ContextLengthError(f"the context length ({max_seq_len}) and the KV pool ({n_pages} pages) "
+                                     "must be > 0.")
+        self.page = page
+        self.max_seq_len = max_seq_len
+        self.n_pages = n_pages
+        self.data = torch.zeros(n_layer, n_pages * page, width, dtype=dtype, device=device)  # [L, P, W]
+        self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out the lowest page first
+        self._pages: dict[object, list[int]] = {}
+        self._length: dict[object, int] = {}
+
+    @classmethod
+    def for_bytes(cls, n_layer: int, width: int, budget_bytes: int, max_seq_len: int,
+                  dtype: torch.dtype = torch.float32, page: int = PAGE) -> PagedKVCache:
+        """As many pages as `budget_bytes` holds (at least one sequence of max_seq_len)."""
+        row = n_layer * width * torch.tensor([], dtype=dtype).element_size()
+        pages = budget_bytes // (row * page)
+        need = -(-max_seq_len // page)
+        if pages < need:
+            raise ContextLengthError(
+                f"a KV budget of {budget_bytes / 2**20:.1f} MiB holds {pages * page} positions but one sequence "
+                f"of {max_seq_len} needs {need * page * row / 2**20:.1f} MiB; raise the KV budget or lower "
+                "the context length.")
+        return cls(n_layer, width, pages, max_seq_len, dtype, page=page)
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.n_pages - len(self._free)
+
+    def pages_for(self, n_positions: int) -> int:
+        return -(-n_positions // self.page)
+
+    def length(self, seq: object) -> int:
+        """Positions reserved for `seq` so far (0 for one it does not know)."""
+        return self._length.get(seq, 0)
+
     def check_fits(self, n_prompt: int, max_tokens: int = 0) -> None:
-        """ContextLengthError unless prompt + max_tokens fits in the context."""
-        if n_prompt + max_tokens > self.max_ctx:
+        """ContextLengthError unless prompt + max_tokens fits one sequence's context."""
+        if n_prompt + max_tokens > self.max_seq_len:
             raise ContextLengthError(
                 f"the prompt has {n_prompt} tokens and {max_tokens} more were requested, "
-                f"{n_prompt + max_tokens} in all, but the context holds {self.max_ctx}; "
+                f"{n_prompt + max_tokens} in all, but the context holds {self.max_seq_len}; "
                 f"shorten the prompt, lower max_tokens or raise n_ctx.")
 
-    def update(self, layer: int, start: int, latent: torch.Tensor) -> torch.Tensor:
-        """latent [T, W] written at positions start..start+T-1; returns positions [0, start+T) as [S, W]."""
-        end = start + latent.shape[0]
-        if end > self.max_ctx:
-            raise ContextLengthError(
-                f"position {end - 1} is past the context of {self.max_ctx} tokens; raise n_ctx.")
-        self.data[layer, start:end] = latent  # converts to the cache dtype
-        out = self.data[layer, :end]
+    def reserve(self, seq: object, n_positions: int) -> None:
+        """Make positions 0..n_positions-1 of `seq` addressable (pages are added, never moved)."""
+        if n_positions > self.max_seq_len:
+            raise ContextLengthError(f"position {n_positions - 1} is past the context of {self.max_seq_len} "
+                                     "tokens; raise n_ctx or shorten the input.")
+        pages = self._pages.setdefault(seq, [])
+        extra = self.pages_for(n_positions) - len(pages)
+        if extra > len(self._free):
+            raise KVPoolFullError(f"the KV pool has {len(self._free)} free pages of {self.page} positions but "
+                                  f"{extra} more are needed; wait for other sequences or raise the KV budget.")
+        for _ in range(extra):
+            pages.append(self._free.pop())
+        self._length[seq] = max(self._length.get(seq, 0), n_positions)
+
+    def free(self, seq: object) -> None:
+        """Give `seq`'s pages back to the pool (a sequence it does not know is ignored)."""
+        self._free.extend(reversed(self._pages.pop(seq, [])))
+        self._length.pop(seq, None)
+
+    def rows(self, seq: object, start: int, n: int) -> np.ndarray:
+        """int32 [n]: cache rows of positions start..start+n-1 of `seq` (reserved beforehand)."""
+        pages = np.asarray(self._pages[seq], dtype=np.int64)
+        pos = np.arange(start, start + n)
+        return (pages[pos // self.page] * self.page + pos % self.page).astype(np.int32)
+
+    def page_table(self, seqs: list[object]) -> np.ndarray:
+        """int32 [S, max pages] of the given sequences (unused entries -1)."""
+        width = max(len(self._pages[s]) for s in seqs)
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
+        for i, s in enumerate(seqs):
+            table[i, :len(self._pages[s])] = self._pages[s]
+        return table
+
+    def keys(self, layer: int, seq_rows: np.ndarray) -> torch.Tensor:
+        """float32 [S, W]: the cached rows `seq_rows` of one layer (for the reference attention)."""
+        out = self.data[layer, torch.from_numpy(seq_rows).long()]
         return out if out.dtype == torch.float32 else out.float()

@@ -6,7 +6,6 @@ request's tokens never depend on what else was asked: the same prompt and seed g
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -58,20 +57,12 @@ class LLM:
     """A loaded model: tokenizer + runner. `model` may be any shard of a bundle or its directory."""
 
     def __init__(self, model: str | Path, *, n_ctx: int = 4096, threads: int | None = None,
-                 chunk_size: int = 256, backend: str = "auto", kv_dtype: str = "f32",
-                 native_graph: bool = True) -> None:
-        from pocketmoe.engine.backends import make_backends
-
+                 chunk_size: int = 256, backend: str = "auto", kv_dtype: str = "f32") -> None:
         self.bundle = open_bundle(model)
         self.tokenizer = Tokenizer.from_metadata(self.bundle.metadata)
-        cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, threads=threads, kv_dtype=kv_dtype,
-                           native_graph=native_graph)
-        backends = make_backends(backend, cfg)
-        self.backend_name, self.backend_detail = backends.name, backends.detail
-        cfg = dataclasses.replace(cfg, cache_kinds=backends.cache_kinds)
-        self.runner = ModelRunner(self.bundle, cfg, backend=backends.linear, make_experts=backends.make_experts)
-        if backends.name == "native":
-            self.backend_detail += f"; {self.runner.graph_note}"
+        cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, threads=threads, kv_dtype=kv_dtype, backend=backend)
+        self.runner = ModelRunner(self.bundle, cfg)
+        self.backend_name, self.backend_detail = self.runner.ops.name, self.runner.ops.detail
         self.n_ctx = n_ctx
 
     # -- prompts -------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""Build a model from a GGUF bundle and run it: chunked prefill, one-token decode, latent KV cache.
+"""Build a model from a GGUF bundle as the placement plan says, and run steps of many sequences.
+
+`ModelRunner.forward(step)` runs one batch mixing prefill chunks and decode tokens of several sequences
+over a paged KV cache; `forward(tokens, start_pos)` and `decode` drive a single sequence (the CLI and
+the Python API's one-request-at-a-time path).
 
 Legend: T tokens, V vocab.
 """
@@ -7,172 +11,181 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from pocketmoe.engine.backends import NativeLinearBackend
-from pocketmoe.engine.kv_cache import ContextLengthError, LatentKVCache
-from pocketmoe.engine.native_graph import GraphUnsupported, NativeGraph, build_graph
+from pocketmoe.engine.kv_cache import PAGE, ContextLengthError, PagedKVCache
+from pocketmoe.engine.step import SeqChunk, Step, StepContext
 from pocketmoe.errors import PocketMoEError
-from pocketmoe.layers.experts import ExpertBank, ExpertWeights, ReferenceExperts
-from pocketmoe.layers.linear import LinearBackend, QuantLinear, ReferenceBackend
+from pocketmoe.gguf import GGUFBundle
+from pocketmoe.layers.experts import ExpertsFactory, host_experts_factory
+from pocketmoe.layers.linear import QuantLinear
 from pocketmoe.models import model_builder
+from pocketmoe.ops import BACKENDS, ReferenceOps, make_ops
+from pocketmoe.placement import Devices, PlacementPlan, PlanOptions, make_plan
 from pocketmoe.specs import spec_from_bundle
+from pocketmoe.specs.base import ModelSpec, Role
 
-if TYPE_CHECKING:
-    from pocketmoe.gguf import GGUFBundle
-    from pocketmoe.models.deepseek2 import ExpertsFactory
-
-WEIGHT_KINDS = ("attn", "dense", "shared", "router", "head")
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+SOLO = "solo"  # the sequence forward(tokens, start_pos) and decode drive
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    n_ctx: int = 4096                 # positions in the KV cache (prompt + generated)
-    chunk_size: int = 256             # prefill tokens per forward
+    n_ctx: int = 4096                 # positions one sequence may hold (prompt + generated)
+    chunk_size: int = 256             # prefill tokens per forward on the single-sequence path
     threads: int | None = None        # threads for the kernels; the backend decides torch's share
-    # weight kinds whose dequantized float32 copy is kept after first use ("attn", "dense", "shared",
-    # "router", "head"); routed experts are never expanded
-    cache_kinds: tuple[str, ...] = ("attn", "dense", "shared", "router")
+    backend: str = "reference"        # op backend: auto | native | reference (LLM and the CLIs: auto)
+    # roles whose dequantized float32 copy is kept after first use (None: the backend's choice);
+    # routed experts are never expanded
+    cache_roles: tuple[Role, ...] | None = None
     # at most this many bytes of dequantized float32 copies in all (the rest is dequantized per call),
     # so anonymous memory stays bounded on full-size models
     cache_budget_bytes: int = 1 << 30
-    tile_rows: int | None = 8         # GEMMs in fixed row tiles: a row's result ignores the other rows
+    tile_rows: int | None = 8         # reference GEMMs in fixed row tiles: a row's result ignores the others
     kv_dtype: str = "f32"
-    # with native kernels, run the whole forward in one native call per chunk where the model allows
-    # (engine/native_graph.py); False keeps the per-op path
-    native_graph: bool = True
+    max_seqs: int = 1                 # sequences the KV pool holds at n_ctx each (unless kv_cache_bytes)
+    kv_cache_bytes: int | None = None  # KV pool size; None: max_seqs x n_ctx positions
 
     def __post_init__(self) -> None:
-        if self.n_ctx <= 0 or self.chunk_size <= 0:
-            raise PocketMoEError(f"n_ctx ({self.n_ctx}) and chunk_size ({self.chunk_size}) must be > 0.")
+        if self.n_ctx <= 0 or self.chunk_size <= 0 or self.max_seqs <= 0:
+            raise PocketMoEError(f"n_ctx ({self.n_ctx}), chunk_size ({self.chunk_size}) and max_seqs "
+                                 f"({self.max_seqs}) must be > 0.")
         if self.threads is not None and self.threads <= 0:
             raise PocketMoEError(f"threads must be > 0, got {self.threads}.")
         if self.cache_budget_bytes < 0:
             raise PocketMoEError(f"cache_budget_bytes must be >= 0, got {self.cache_budget_bytes}.")
         if self.tile_rows is not None and self.tile_rows <= 0:
             raise PocketMoEError(f"tile_rows must be > 0 or None, got {self.tile_rows}.")
-        unknown = set(self.cache_kinds) - set(WEIGHT_KINDS)
-        if unknown:
-            raise PocketMoEError(f"cache_kinds {sorted(unknown)} are not weight kinds ({', '.join(WEIGHT_KINDS)}).")
+        if self.backend not in BACKENDS:
+            raise PocketMoEError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}.")
+        if self.cache_roles is not None:
+            object.__setattr__(self, "cache_roles", tuple(Role(r) for r in self.cache_roles))
         if self.kv_dtype not in KV_DTYPES:
             raise PocketMoEError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}.")
 
 
-def load_config(bundle: GGUFBundle) -> object:
-    """The architecture's hyperparameters, after checking the bundle's tensors against its spec."""
+def load_spec(bundle: GGUFBundle) -> ModelSpec:
+    """The architecture's spec, after checking the bundle's tensors against it."""
     spec = spec_from_bundle(bundle)
     report = spec.validate(bundle)
     if not report.ok:
         errors = report.errors()
         more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
         raise PocketMoEError(f"{bundle.paths[0]}: {errors[0]}{more}")
-    return spec.config
+    return spec
+
+
+def cpu_plan(spec: ModelSpec, bundle: GGUFBundle, cfg: RunnerConfig) -> PlacementPlan:
+    """Everything in host memory, computed on the CPU."""
+    from pocketmoe.hostinfo import host_memory_bytes
+
+    opts = PlanOptions(context_length=cfg.n_ctx, batch=cfg.max_seqs, kv_dtype=cfg.kv_dtype,
+                       prefill_chunk=cfg.chunk_size)
+    host = max(host_memory_bytes() or 0, 1 << 30)
+    return make_plan(spec, bundle.tensors, Devices((), host), opts)
 
 
 class ModelRunner:
-    """One sequence: `forward(tokens, start_pos)` writes the cache at start_pos.. and returns logits."""
-
-    def __init__(self, bundle: GGUFBundle, cfg: RunnerConfig | None = None, *,
-                 backend: LinearBackend | None = None, make_experts: ExpertsFactory | None = None,
-                 model_config: object | None = None) -> None:
+    def __init__(self, bundle: GGUFBundle, cfg: RunnerConfig | None = None, plan: PlacementPlan | None = None, *,
+                 ops: ReferenceOps | None = None) -> None:
         self.cfg = cfg = cfg or RunnerConfig()
         self.bundle = bundle
-        self.backend = backend or ReferenceBackend(cfg.tile_rows)
-        threads = self.backend.torch_threads(cfg.threads)
+        self.spec = load_spec(bundle)
+        self.plan = plan if plan is not None else cpu_plan(self.spec, bundle, cfg)
+        self.ops = ops if ops is not None else make_ops(cfg.backend, cfg.threads, cfg.tile_rows)
+        threads = self.ops.torch_threads(cfg.threads)
         if threads is not None:
             torch.set_num_threads(threads)
+        self._roles = {t.name: t.role for t in self.spec.tensors(bundle.tensors)}
+        self._cache_roles = cfg.cache_roles if cfg.cache_roles is not None else self.ops.dense_cache_roles
         self.cached_bytes = 0  # float32 bytes promised to dequantized-weight caches so far
-        self.model_config = model_config if model_config is not None else load_config(bundle)
         build = model_builder(bundle.architecture)
-        self.model = build(bundle, self.model_config, self._make_linear, make_experts or self._make_experts)
-        self.cache = LatentKVCache(self.model.n_layer, cfg.n_ctx, self.model.cache_width,
-                                   dtype=KV_DTYPES[cfg.kv_dtype])
-        self.graph, self.graph_note = self._make_graph()
+        self.model = build(bundle, self.spec.config, self.ops, self._make_linear, self._experts_factory())
+        width = self.spec.kv_values_per_token()
+        dtype = KV_DTYPES[cfg.kv_dtype]
+        if cfg.kv_cache_bytes is None:
+            pages = cfg.max_seqs * -(-cfg.n_ctx // PAGE)
+            self.cache = PagedKVCache(self.model.n_layer, width, pages, cfg.n_ctx, dtype)
+        else:
+            self.cache = PagedKVCache.for_bytes(self.model.n_layer, width, cfg.kv_cache_bytes, cfg.n_ctx, dtype)
         # Embedding rows are read one per token in no order: without this, each new token id of a large
         # model faults its page in from disk in decode (V2-Lite: ~2 ms a token).
         if "token_embd.weight" in bundle.tensors:
             bundle.prefetch("token_embd.weight")
 
-    def _make_graph(self) -> tuple[NativeGraph | None, str]:
-        """The native whole-model graph when it can run this model, else None and why not."""
-        if not self.cfg.native_graph:
-            return None, "per-op path (native_graph off)"
-        if not isinstance(self.backend, NativeLinearBackend):
-            return None, "per-op path (torch reference backend)"
-        try:
-            graph = build_graph(self.model, self.cache)
-        except GraphUnsupported as exc:
-            return None, f"per-op path ({exc})"
-        return graph, graph.note
+    def _experts_factory(self) -> ExpertsFactory:
+        """The ExpertBank of each MoE layer, as the plan places the routed experts."""
+        if self.plan.mode != "cpu":
+            raise PocketMoEError(f"the placement plan is {self.plan.mode}, which needs the GPU runtime; this "
+                                 "build runs CPU plans only (plan with --num-gpus 0).")
+        types = getattr(self.ops, "types", None)
+        return host_experts_factory(types, self.cfg.tile_rows)
 
-    def _make_linear(self, name: str, kind: str) -> QuantLinear:
+    def _make_linear(self, name: str, role: Role | None = None) -> QuantLinear:
         info = self.bundle.tensors[name]
+        role = role or self._roles.get(name, Role.OTHER)
         cache = False
-        if kind in self.cfg.cache_kinds and info.ggml_type != 0:  # F32 is a zero-copy view already
+        if role in self._cache_roles and info.ggml_type != 0:  # F32 is a zero-copy view already
             nbytes = 4 * info.n_elements
             cache = self.cached_bytes + nbytes <= self.cfg.cache_budget_bytes
             self.cached_bytes += nbytes if cache else 0
-        return QuantLinear.from_bundle(self.bundle, name, cache_dense=cache, backend=self.backend)
-
-    def _make_experts(self, layer: int, gate: ExpertWeights, up: ExpertWeights,
-                      down: ExpertWeights) -> ExpertBank:
-        return ReferenceExperts(gate, up, down, tile_rows=self.cfg.tile_rows)
+        return QuantLinear.from_bundle(self.bundle, name, cache_dense=cache, backend=self.ops)
 
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
-    def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        t = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        if t.numel() == 0:
-            raise PocketMoEError("forward needs at least one token, got none.")
-        bad = (t < 0) | (t >= self.vocab_size)
-        if bool(bad.any()):
-            raise PocketMoEError(f"token id {int(t[bad][0])} is outside the vocabulary of "
-                                 f"{self.vocab_size} tokens.")
-        return t
+    @property
+    def describe(self) -> str:
+        """Which ops run, e.g. the kernels' instruction set and threads."""
+        return f"{self.ops.name}: {self.ops.detail}"
 
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[int] | torch.Tensor, start_pos: int,
+    def forward(self, step: Step | Sequence[int] | torch.Tensor, start_pos: int | None = None,
                 last_only: bool = False) -> torch.Tensor:
-        """tokens [T] at positions start_pos.. -> logits [T, V] float32 ([1, V] with last_only)."""
-        t = self._tokens(tokens)
-        if start_pos < 0 or start_pos + t.numel() > self.cfg.n_ctx:
+        """A Step -> logits [L, V] float32 of the tokens its chunks ask logits for, in order.
+
+        Or tokens [T] of the single sequence at positions start_pos.. (0 starts it afresh) -> logits
+        [T, V] ([1, V] with last_only), run in chunks of cfg.chunk_size.
+        """
+        if isinstance(step, Step):
+            return self.model(StepContext.build(step, self.cache, self.vocab_size))
+        if start_pos is None:
+            raise PocketMoEError("forward(tokens, start_pos): give the position of the first token.")
+        tokens = [int(t) for t in torch.as_tensor(step).reshape(-1).tolist()]
+        if not tokens:
+            raise PocketMoEError("forward needs at least one token, got none.")
+        if start_pos < 0 or start_pos + len(tokens) > self.cfg.n_ctx:
             raise ContextLengthError(
-                f"positions {start_pos}..{start_pos + t.numel() - 1} do not fit in the context of "
+                f"positions {start_pos}..{start_pos + len(tokens) - 1} do not fit in the context of "
                 f"{self.cfg.n_ctx} tokens; raise n_ctx or shorten the input.")
+        if start_pos == 0:
+            self.cache.free(SOLO)
         out = []
-        step = self.cfg.chunk_size
-        for i in range(0, t.numel(), step):
-            chunk = t[i:i + step]
-            is_last = i + step >= t.numel()
-            logits = self._run(chunk, start_pos + i, last_only)
-            if is_last or not last_only:  # earlier chunks of a last_only call only fill the cache
+        n = self.cfg.chunk_size
+        for i in range(0, len(tokens), n):
+            last = i + n >= len(tokens)
+            mode = ("last" if last else "none") if last_only else "all"
+            logits = self.model(StepContext.build(Step((SeqChunk(SOLO, tokens[i:i + n], start_pos + i, mode),)),
+                                                  self.cache, self.vocab_size))
+            if mode != "none":
                 out.append(logits)
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def _run(self, chunk: torch.Tensor, start: int, last_only: bool) -> torch.Tensor:
-        if self.graph is not None:
-            return self.graph.forward(chunk, start, last_only)
-        return self.model(chunk, start, self.cache, last_only=last_only)
-
     def decode(self, token: int, pos: int) -> torch.Tensor:
-        """One token at position pos -> logits [V]."""
-        if self.graph is None:
-            return self.forward([token], pos)[0]
-        # The same checks as forward, without building tensors for one token (decode runs per token).
-        if not 0 <= token < self.vocab_size:
-            raise PocketMoEError(f"token id {token} is outside the vocabulary of {self.vocab_size} tokens.")
+        """One token of the single sequence at position pos -> logits [V]."""
         if not 0 <= pos < self.cfg.n_ctx:
             raise ContextLengthError(f"position {pos} does not fit in the context of {self.cfg.n_ctx} tokens; "
                                      "raise n_ctx or shorten the input.")
-        return self.graph.decode(int(token), pos)
+        return self.forward([token], pos)[0]
+
+    def free(self, seq: object) -> None:
+        """Drop a sequence's KV cache rows (they go back to the pool)."""
+        self.cache.free(seq)
 
     def generate_greedy(self, prompt: Sequence[int], max_tokens: int) -> list[int]:
-        """Argmax continuation of `prompt` (the cache is overwritten from position 0)."""
+        """Argmax continuation of `prompt` (the single sequence restarts at position 0)."""
         self.cache.check_fits(len(prompt), max_tokens)
         logits = self.forward(prompt, 0, last_only=True)[0]
         out: list[int] = []

@@ -1,7 +1,8 @@
-"""Layers bound to raw GGUF tensor views: linear, norm, rope, MLA attention, MoE."""
+"""Architecture-agnostic blocks bound to raw GGUF tensor views, computed by the ops they are built with:
+linear, norm, rope, MLA attention, MoE (router, expert banks)."""
 
 from pocketmoe.layers.attention import MLAConfig, MLAttention
-from pocketmoe.layers.experts import ExpertBank, ExpertWeights, ReferenceExperts
+from pocketmoe.layers.experts import ExpertBank, ExpertsFactory, ExpertWeights, NativeExperts, ReferenceExperts
 from pocketmoe.layers.linear import LinearBackend, QuantEmbedding, QuantLinear, ReferenceBackend
 from pocketmoe.layers.mlp import GatedMLP
 from pocketmoe.layers.moe import MoEBlock, Router, RouterConfig
@@ -9,7 +10,7 @@ from pocketmoe.layers.norm import RMSNorm
 from pocketmoe.layers.rotary import RopeConfig, Rotary, apply_rope
 
 __all__ = [
-    "ExpertBank", "ExpertWeights", "GatedMLP", "LinearBackend", "MLAConfig", "MLAttention", "MoEBlock",
+    "ExpertBank", "ExpertWeights", "ExpertsFactory", "NativeExperts", "GatedMLP", "LinearBackend", "MLAConfig", "MLAttention", "MoEBlock",
     "QuantEmbedding", "QuantLinear", "RMSNorm", "ReferenceBackend", "ReferenceExperts", "RopeConfig",
     "Rotary", "Router", "RouterConfig", "apply_rope",
 ]

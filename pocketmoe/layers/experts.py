@@ -5,6 +5,7 @@ Legend: T tokens, D hidden, K experts per token, E experts, F expert FFN width.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -90,3 +91,52 @@ class ReferenceExperts:
             pairs = (flat == e).nonzero().squeeze(1)
             contrib[pairs] = self.expert_forward(e, x[pairs // k])
         return combine(contrib.view(t, k, -1), weights)
+
+
+class NativeExperts:
+    """Routed experts of one MoE layer in host memory, computed by the native fused MoE op
+    (pocketmoe._native.moe_forward: raw blocks, slot-order fp32 combine, batch-invariant)."""
+
+    def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) -> None:
+        from pocketmoe import native
+
+        self.native = native
+        self.gate, self.up, self.down = gate, up, down
+        self.n_experts, self.ffn = gate.shape[0], gate.shape[1]
+        self.raw = tuple(w.raw.numpy() for w in (gate, up, down))  # uint8 blocks, no copy
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.raw
+        y = self.native.moe_forward(
+            x.float().contiguous().numpy(), ids.to(torch.int32).contiguous().numpy(),
+            weights.float().contiguous().numpy(), gate, self.gate.ggml_type, up, self.up.ggml_type,
+            down, self.down.ggml_type, self.n_experts, self.ffn)
+        return torch.from_numpy(y)
+
+
+def native_reads(raw: torch.Tensor, ggml_type: int, types: frozenset[int], strided_experts: bool = False) -> bool:
+    """The native kernels take this weight as it is: raw host blocks, contiguous, of a type they know.
+
+    With strided_experts, a stacked [E, rows, row_bytes] weight may also have its experts further apart
+    than one expert's bytes, each expert's rows still packed (a half of a fused gate_up tensor).
+    """
+    packed = raw.is_contiguous() or (strided_experts and raw.dim() == 3 and raw.stride(2) == 1
+                                     and raw.stride(1) == raw.shape[2])
+    return ggml_type in types and raw.device.type == "cpu" and not raw.is_floating_point() and packed
+
+
+# make_experts(layer, gate, up, down) -> the bank the placement plan chose for that MoE layer
+ExpertsFactory = Callable[[int, ExpertWeights, ExpertWeights, ExpertWeights], ExpertBank]
+
+
+def host_experts_factory(native_types: frozenset[int] | None, tile_rows: int | None) -> ExpertsFactory:
+    """Banks for experts kept in host memory and computed there: native where the kernels read every
+    weight (`native_types` None: never), else the torch reference."""
+
+    def make(layer: int, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) -> ExpertBank:
+        if native_types is not None and all(native_reads(w.raw, w.ggml_type, native_types, strided_experts=True)
+                                            for w in (gate, up, down)):
+            return NativeExperts(gate, up, down)
+        return ReferenceExperts(gate, up, down, tile_rows=tile_rows)
+
+    return make

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 
 from pocketmoe.layers.linear import QuantLinear
 
 
 class GatedMLP:
-    def __init__(self, gate: QuantLinear, up: QuantLinear, down: QuantLinear) -> None:
+    def __init__(self, gate: QuantLinear, up: QuantLinear, down: QuantLinear, ops: Any = None) -> None:
         self.gate, self.up, self.down = gate, up, down
+        self.ops = ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, D] -> [T, D]
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.ops.ffn(self, x)

@@ -1,4 +1,4 @@
-"""MoE block: route -> ExpertBank -> combine (+ shared experts). Router math is fp32.
+"""MoE block: route -> ExpertBank -> (routed, shared) for the finalize op. Router math is fp32.
 
 Legend: T tokens, D hidden, E experts, G expert groups, K experts per token.
 """
@@ -6,6 +6,7 @@ Legend: T tokens, D hidden, E experts, G expert groups, K experts per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,6 +15,7 @@ from pocketmoe.layers.experts import ExpertBank
 from pocketmoe.layers.linear import QuantLinear
 from pocketmoe.layers.mlp import GatedMLP
 
+# The one definition of these; the native route op is handed them (ops/cpu.py).
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
 WEIGHT_SUM_MIN = 6.103515625e-5  # smallest normal fp16, as llama.cpp clamps the top-k weight sum
@@ -32,9 +34,11 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.gating not in (GATING_SOFTMAX, GATING_SIGMOID):
             raise PocketMoEError(f"expert gating function {self.gating} is not supported "
-                                 f"(1 softmax, 2 sigmoid).")
+                                 f"({GATING_SOFTMAX} softmax, {GATING_SIGMOID} sigmoid).")
         if not 0 < self.top_k <= self.n_experts:
             raise PocketMoEError(f"experts per token is {self.top_k} but must be in 1..{self.n_experts}.")
+        if self.n_groups < 1:
+            raise PocketMoEError(f"expert group count is {self.n_groups} but must be >= 1.")
         if self.n_groups > 1:
             per_group = self.n_experts // self.n_groups
             if per_group * self.n_groups != self.n_experts or not 0 < self.groups_used <= self.n_groups:
@@ -54,33 +58,19 @@ class Router:
     Ids come out in descending selection score: that is the slot order of the combine.
     """
 
-    def __init__(self, gate: QuantLinear, cfg: RouterConfig, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, gate: QuantLinear, cfg: RouterConfig, bias: torch.Tensor | None = None,
+                 ops: Any = None) -> None:
+        if gate.out_features != cfg.n_experts:
+            raise PocketMoEError(f"the router has {gate.out_features} outputs for {cfg.n_experts} experts.")
         self.gate = gate    # weight [E, D]
         self.cfg = cfg
         self.bias = bias    # [E] float32, added for selection only
+        self.ops = ops
+        self.native: object = None  # what a native backend precomputed
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> weights [T, K] float32, ids [T, K] int64."""
-        c = self.cfg
-        logits = self.gate(x.float())  # [T, E]
-        probs = logits.softmax(-1) if c.gating == GATING_SOFTMAX else logits.sigmoid()
-        select = probs if self.bias is None else probs + self.bias
-        if c.n_groups > 1:
-            grouped = select.view(-1, c.n_groups, c.n_experts // c.n_groups)  # [T, G, E/G]
-            top2 = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, G]
-            keep = top2.topk(c.groups_used, dim=-1).indices
-            mask = torch.zeros_like(top2, dtype=torch.bool).scatter_(1, keep, True)
-            select = grouped.masked_fill(~mask[..., None], float("-inf")).view(-1, c.n_experts)
-        if select is probs:  # no bias, no group mask: the top-k values are the weights
-            weights, ids = probs.topk(c.top_k, dim=-1)  # [T, K], [T, K]
-        else:
-            ids = select.topk(c.top_k, dim=-1).indices
-            weights = probs.gather(1, ids)
-        if c.norm:
-            weights = weights / weights.sum(-1, keepdim=True).clamp_min(WEIGHT_SUM_MIN)
-        if c.scale not in (0.0, 1.0):
-            weights = weights * c.scale
-        return weights, ids
+        """x [T, D] -> weights [T, K] float32, ids [T, K]."""
+        return self.ops.route(self, x)
 
 
 class MoEBlock:
@@ -89,7 +79,9 @@ class MoEBlock:
     def __init__(self, router: Router, experts: ExpertBank, shared: GatedMLP | None = None) -> None:
         self.router, self.experts, self.shared = router, experts, shared
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, D] -> [T, D]
-        weights, ids = self.router(x)
-        y = self.experts(x, ids, weights)
-        return y if self.shared is None else y + self.shared(x)
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, D] -> (routed [T, D], shared [T, D] or None), summed by the finalize op."""
+        ops = self.router.ops
+        weights, ids = ops.route(self.router, x)
+        routed = ops.moe(self.experts, x, ids, weights)
+        return routed, None if self.shared is None else ops.ffn(self.shared, x)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pocketmoe.errors import PocketMoEError
@@ -28,6 +29,7 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attn_factor: float = 1.0        # cos/sin amplitude
+    neox: bool = False              # pairs (i, i + R/2) instead of (2i, 2i+1)
 
     def __post_init__(self) -> None:
         if self.dim <= 0 or self.dim % 2:
@@ -77,17 +79,30 @@ class Rotary:
         a = self.cfg.attn_factor
         return (angles.cos() * a).float(), (angles.sin() * a).float()
 
-    def span(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions start..start+n-1 -> cos2, sin2 [n, R] for `rope_pairs` (views of a cached table).
-
-        cos2 repeats each pair's cos twice; sin2 holds (-sin, +sin) per pair.
-        """
-        end = start + n
+    def _grow(self, end: int) -> None:
         if end > self._cos2.shape[0]:
             cos, sin = self.cos_sin(torch.arange(max(end, 2 * self._cos2.shape[0], 256)))
-            self._cos2 = cos.repeat_interleave(2, dim=-1)
-            self._sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
-        return self._cos2[start:end], self._sin2[start:end]
+            if self.cfg.neox:
+                self._cos2 = torch.cat((cos, cos), dim=-1)
+                self._sin2 = torch.cat((-sin, sin), dim=-1)
+            else:
+                self._cos2 = cos.repeat_interleave(2, dim=-1)
+                self._sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
+
+    def span(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions start..start+n-1 -> cos2, sin2 [n, R] for the rope op (views of a cached table).
+
+        Normal mode: cos2 repeats each pair's cos twice and sin2 holds (-sin, +sin) per pair; NeoX: the
+        pair's cos in both halves, -sin in the first and +sin in the second.
+        """
+        self._grow(start + n)
+        return self._cos2[start:start + n], self._sin2[start:start + n]
+
+    def at(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos2, sin2 [T, R] of any positions (int [T])."""
+        self._grow(int(positions.max()) + 1)
+        idx = torch.from_numpy(positions).long()
+        return self._cos2[idx], self._sin2[idx]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -96,11 +111,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x0, x1 = pairs[..., 0], pairs[..., 1]
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
-
-def rope_pairs(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` with the tables of `Rotary.span` (cos2, sin2 broadcast to [..., R]), bit for bit.
-
-    Pair (x0, x1) -> (x0*cos + x1*(-sin), x1*cos + x0*sin): the same products and sums in IEEE fp32.
-    """
-    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return x * cos2 + swapped * sin2

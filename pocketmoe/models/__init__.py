@@ -1,4 +1,4 @@
-"""Model math per architecture; `MODELS[arch](bundle, config, make_linear, make_experts)` builds one."""
+"""Model math per architecture; `MODELS[arch](bundle, config, ops, make_linear, make_experts)` builds one."""
 
 from __future__ import annotations
 

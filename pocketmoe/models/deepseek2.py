@@ -1,51 +1,45 @@
 """DeepSeek-V2 / V2-Lite / V3 (`deepseek2`): MLA attention, leading dense blocks, routed + shared experts.
 
-Math only: which layers, bound to which GGUF tensors, and the forward pass. Where experts live and how
-a linear computes are the factories' business (see engine/runner.py).
+Math only: which layers, bound to which GGUF tensors, and the forward pass over the ops. Where experts
+live and how an op computes are the runner's business (engine/runner.py builds from the placement plan).
 
-Legend: T tokens, D hidden, V vocab, L layers.
+Legend: T tokens of the step, D hidden, V vocab, L tokens that need logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pocketmoe.layers.attention import LatentCache, MLAConfig, MLAttention
-from pocketmoe.layers.experts import ExpertBank, ExpertWeights
+from pocketmoe.layers.attention import MLAConfig, MLAttention
+from pocketmoe.layers.experts import ExpertsFactory, ExpertWeights
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear, load_float
 from pocketmoe.layers.mlp import GatedMLP
 from pocketmoe.layers.moe import MoEBlock, Router, RouterConfig
-from pocketmoe.layers.norm import RMSNorm
 from pocketmoe.layers.rotary import RopeConfig, Rotary
+from pocketmoe.specs.base import Role
 
 if TYPE_CHECKING:
+    from pocketmoe.engine.step import StepContext
     from pocketmoe.gguf import GGUFBundle
     from pocketmoe.specs.deepseek2 import DeepSeek2Config
 
-# make_linear(name, kind) with kind in {"attn", "dense", "shared", "router", "head"}
-LinearFactory = Callable[[str, str], QuantLinear]
-# make_experts(layer, gate, up, down) -> the bank the placement plan chose
-ExpertsFactory = Callable[[int, ExpertWeights, ExpertWeights, ExpertWeights], ExpertBank]
+# make_linear(name, role=None) -> the weight bound to that tensor (role: the spec's, unless given)
+LinearFactory = Callable[..., QuantLinear]
 
 
 class DeepSeek2Block:
-    def __init__(self, attn_norm: RMSNorm, attn: MLAttention, ffn_norm: RMSNorm,
+    def __init__(self, attn_norm: torch.Tensor, attn: MLAttention, ffn_norm: torch.Tensor,
                  ffn: GatedMLP | MoEBlock) -> None:
         self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
 
-    def __call__(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,
-                 cache: LatentCache | None, layer: int, start: int) -> torch.Tensor:  # x: [T, D]
-        x = x + self.attn(self.attn_norm(x), cos2, sin2, cache, layer, start)
-        return x + self.ffn(self.ffn_norm(x))
-
 
 class DeepSeek2Model:
-    def __init__(self, cfg: DeepSeek2Config, embed: QuantEmbedding, blocks: list[DeepSeek2Block],
-                 norm: RMSNorm, head: QuantLinear, rotary: Rotary) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: DeepSeek2Config, ops: Any, embed: QuantEmbedding, blocks: list[DeepSeek2Block],
+                 norm: torch.Tensor, head: QuantLinear, rotary: Rotary) -> None:
+        self.cfg, self.ops = cfg, ops
         self.embed, self.blocks, self.norm, self.head, self.rotary = embed, blocks, norm, head, rotary
 
     @property
@@ -53,24 +47,28 @@ class DeepSeek2Model:
         return len(self.blocks)
 
     @property
-    def cache_width(self) -> int:
-        """Latent values cached per token per layer: kv_lora_rank + rope dims."""
-        return self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
-
-    @property
     def vocab_size(self) -> int:
         return self.head.out_features
 
-    def __call__(self, tokens: torch.Tensor, start: int, cache: LatentCache | None,
-                 last_only: bool = False) -> torch.Tensor:
-        """tokens [T] at positions start.. -> logits [T, V] (or [1, V] with last_only)."""
-        cos2, sin2 = self.rotary.span(start, tokens.numel())
-        x = self.embed(tokens)
+    def __call__(self, ctx: StepContext) -> torch.Tensor:
+        """logits [L, V] float32 of the step's tokens that need them; writes every token's cache rows."""
+        ops, eps = self.ops, self.cfg.rms_eps
+        ctx.cos2, ctx.sin2 = self.rotary.span(*ctx.contiguous) if ctx.contiguous else self.rotary.at(ctx.positions)
+        x = ops.embed(self.embed, ctx.tokens)  # [T, D], the residual stream (updated in place)
+        xn = ops.rms_norm(x, self.blocks[0].attn_norm, eps)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos2, sin2, cache, i, start)
-        if last_only:
-            x = x[-1:]
-        return self.head(self.norm(x))
+            xn = ops.add_rms_norm(x, block.attn(xn, ctx, i), block.ffn_norm, eps)
+            if isinstance(block.ffn, MoEBlock):
+                routed, shared = block.ffn(xn)
+            else:
+                routed, shared = block.ffn(xn), None
+            last = i + 1 == len(self.blocks)
+            xn = ops.finalize(x, routed, shared, None if last else self.blocks[i + 1].attn_norm, eps)
+        rows = ctx.logit_rows
+        if len(rows) == 0:
+            return x.new_zeros(0, self.vocab_size)
+        x = x if len(rows) == len(x) else x[torch.from_numpy(rows).long()].contiguous()
+        return self.head(ops.rms_norm(x, self.norm, eps))
 
 
 def rope_config(cfg: DeepSeek2Config) -> RopeConfig:
@@ -81,27 +79,26 @@ def rope_config(cfg: DeepSeek2Config) -> RopeConfig:
                       original_context=rs.orig_ctx, beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
 
 
-def _attention(bundle: GGUFBundle, cfg: DeepSeek2Config, i: int, lin: LinearFactory) -> MLAttention:
+def _attention(bundle: GGUFBundle, cfg: DeepSeek2Config, ops: Any, i: int, lin: LinearFactory) -> MLAttention:
     b = f"blk.{i}."
     mla = MLAConfig(n_head=cfg.n_head, qk_nope=cfg.qk_nope_head_dim, qk_rope=cfg.qk_rope_head_dim,
                     v_head=cfg.v_head_dim, kv_lora=cfg.kv_lora_rank, scale=cfg.attn_scale)
-    q: dict[str, object] = {"wq": lin(b + "attn_q.weight", "attn")} if not cfg.q_lora_rank else {
-        "wq_a": lin(b + "attn_q_a.weight", "attn"),
-        "q_a_norm": RMSNorm(load_float(bundle, b + "attn_q_a_norm.weight"), cfg.rms_eps),
-        "wq_b": lin(b + "attn_q_b.weight", "attn")}
-    kv: dict[str, object] = {"wkv_b": lin(b + "attn_kv_b.weight", "attn")} if cfg.mla_layout == "legacy" else {
-        "k_b": lin(b + "attn_k_b.weight", "attn"), "v_b": lin(b + "attn_v_b.weight", "attn")}
-    return MLAttention(mla, wkv_a=lin(b + "attn_kv_a_mqa.weight", "attn"),
-                       kv_a_norm=RMSNorm(load_float(bundle, b + "attn_kv_a_norm.weight"), cfg.rms_eps),
-                       wo=lin(b + "attn_output.weight", "attn"), **q, **kv)
+    q: dict[str, object] = {"wq": lin(b + "attn_q.weight")} if not cfg.q_lora_rank else {
+        "wq_a": lin(b + "attn_q_a.weight"), "q_a_norm": load_float(bundle, b + "attn_q_a_norm.weight"),
+        "wq_b": lin(b + "attn_q_b.weight")}
+    kv: dict[str, object] = {"wkv_b": lin(b + "attn_kv_b.weight")} if cfg.mla_layout == "legacy" else {
+        "k_b": lin(b + "attn_k_b.weight"), "v_b": lin(b + "attn_v_b.weight")}
+    return MLAttention(mla, ops, wkv_a=lin(b + "attn_kv_a_mqa.weight"),
+                       kv_a_norm=load_float(bundle, b + "attn_kv_a_norm.weight"), eps=cfg.rms_eps,
+                       wo=lin(b + "attn_output.weight"), **q, **kv)
 
 
-def _mlp(b: str, suffix: str, kind: str, lin: LinearFactory) -> GatedMLP:
-    return GatedMLP(lin(f"{b}ffn_gate{suffix}.weight", kind), lin(f"{b}ffn_up{suffix}.weight", kind),
-                    lin(f"{b}ffn_down{suffix}.weight", kind))
+def _mlp(b: str, suffix: str, ops: Any, lin: LinearFactory) -> GatedMLP:
+    return GatedMLP(lin(f"{b}ffn_gate{suffix}.weight"), lin(f"{b}ffn_up{suffix}.weight"),
+                    lin(f"{b}ffn_down{suffix}.weight"), ops)
 
 
-def _moe(bundle: GGUFBundle, cfg: DeepSeek2Config, i: int, lin: LinearFactory,
+def _moe(bundle: GGUFBundle, cfg: DeepSeek2Config, ops: Any, i: int, lin: LinearFactory,
          make_experts: ExpertsFactory) -> MoEBlock:
     b = f"blk.{i}."
     router_cfg = RouterConfig(n_experts=cfg.n_expert, top_k=cfg.n_expert_used, gating=cfg.gating_func,
@@ -109,7 +106,7 @@ def _moe(bundle: GGUFBundle, cfg: DeepSeek2Config, i: int, lin: LinearFactory,
                               norm=cfg.expert_weights_norm, scale=cfg.expert_weights_scale)
     bias_name = b + "exp_probs_b.bias"
     bias = load_float(bundle, bias_name) if bias_name in bundle.tensors else None
-    router = Router(lin(b + "ffn_gate_inp.weight", "router"), router_cfg, bias)
+    router = Router(lin(b + "ffn_gate_inp.weight"), router_cfg, bias, ops)
     if b + "ffn_gate_up_exps.weight" in bundle.tensors:
         gate_up = ExpertWeights.from_bundle(bundle, b + "ffn_gate_up_exps.weight")
         ff = gate_up.shape[1] // 2
@@ -118,21 +115,20 @@ def _moe(bundle: GGUFBundle, cfg: DeepSeek2Config, i: int, lin: LinearFactory,
         gate = ExpertWeights.from_bundle(bundle, b + "ffn_gate_exps.weight")
         up = ExpertWeights.from_bundle(bundle, b + "ffn_up_exps.weight")
     experts = make_experts(i, gate, up, ExpertWeights.from_bundle(bundle, b + "ffn_down_exps.weight"))
-    shared = _mlp(b, "_shexp", "shared", lin) if cfg.n_expert_shared else None
+    shared = _mlp(b, "_shexp", ops, lin) if cfg.n_expert_shared else None
     return MoEBlock(router, experts, shared)
 
 
-def build(bundle: GGUFBundle, cfg: DeepSeek2Config, lin: LinearFactory,
+def build(bundle: GGUFBundle, cfg: DeepSeek2Config, ops: Any, lin: LinearFactory,
           make_experts: ExpertsFactory) -> DeepSeek2Model:
     """Bind every layer to its tensor views in the bundle (no copies of quantized data)."""
     blocks = []
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        ffn = _mlp(b, "", "dense", lin) if i < cfg.n_dense_lead else _moe(bundle, cfg, i, lin, make_experts)
-        blocks.append(DeepSeek2Block(RMSNorm(load_float(bundle, b + "attn_norm.weight"), cfg.rms_eps),
-                                     _attention(bundle, cfg, i, lin),
-                                     RMSNorm(load_float(bundle, b + "ffn_norm.weight"), cfg.rms_eps), ffn))
-    head_name = "output.weight" if "output.weight" in bundle.tensors else "token_embd.weight"
-    return DeepSeek2Model(cfg, QuantEmbedding.from_bundle(bundle, "token_embd.weight"), blocks,
-                          RMSNorm(load_float(bundle, "output_norm.weight"), cfg.rms_eps),
-                          lin(head_name, "head"), Rotary(rope_config(cfg)))
+        ffn = _mlp(b, "", ops, lin) if i < cfg.n_dense_lead else _moe(bundle, cfg, ops, i, lin, make_experts)
+        blocks.append(DeepSeek2Block(load_float(bundle, b + "attn_norm.weight"), _attention(bundle, cfg, ops, i, lin),
+                                     load_float(bundle, b + "ffn_norm.weight"), ffn))
+    # llama.cpp ties the head to token_embd when output.weight is absent
+    head = lin("output.weight") if "output.weight" in bundle.tensors else lin("token_embd.weight", Role.HEAD)
+    return DeepSeek2Model(cfg, ops, QuantEmbedding.from_bundle(bundle, "token_embd.weight"), blocks,
+                          load_float(bundle, "output_norm.weight"), head, Rotary(rope_config(cfg)))

@@ -5,29 +5,29 @@
 #include <stdexcept>
 #include <string>
 
-#include "pocketmoe/engine.h"
+#include "pocketmoe/runtime.h"
 #include "pocketmoe/isa.h"
 #include "workspace.h"
 
 namespace pocketmoe {
 namespace {
 
-Engine& engine_state() {
-  static Engine engine;
-  return engine;
+Runtime& runtime_state() {
+  static Runtime runtime;
+  return runtime;
 }
 
 // fork() keeps only the calling thread: the child drops the parent's pool (its workers are gone)
 // and its lock, and makes a new pool of the same size on first use.
 void reset_after_fork() {
-  Engine& e = engine_state();
+  Runtime& e = runtime_state();
   (void)e.pool.release();
   new (&e.mutex) std::mutex();
 }
 
 const int kForkHandler = pthread_atfork(nullptr, nullptr, reset_after_fork);
 
-void ensure_pool(Engine& e, int n_threads) {
+void ensure_pool(Runtime& e, int n_threads) {
   e.n_threads = n_threads;
   if (!e.pool || e.pool->size() != n_threads) {
     e.pool.reset();
@@ -54,10 +54,10 @@ uint8_t* Buffer::get(size_t n) {
   return data_;
 }
 
-Engine& acquire_engine(std::unique_lock<std::mutex>& lock) {
+Runtime& acquire_runtime(std::unique_lock<std::mutex>& lock) {
   if (!cpu_supported())
     throw std::runtime_error("pocketmoe native kernels need a CPU with AVX2, FMA, F16C and BMI2; this one lacks them");
-  Engine& e = engine_state();
+  Runtime& e = runtime_state();
   lock = std::unique_lock<std::mutex>(e.mutex);
   if (!e.pool) ensure_pool(e, e.n_threads > 0 ? e.n_threads : physical_core_count());
   return e;
@@ -65,13 +65,13 @@ Engine& acquire_engine(std::unique_lock<std::mutex>& lock) {
 
 void set_num_threads(int n) {
   if (n < 1) throw std::invalid_argument("set_num_threads: need at least 1 thread, got " + std::to_string(n));
-  Engine& e = engine_state();
+  Runtime& e = runtime_state();
   std::lock_guard<std::mutex> lock(e.mutex);
   ensure_pool(e, n);
 }
 
 int get_num_threads() {
-  Engine& e = engine_state();
+  Runtime& e = runtime_state();
   std::lock_guard<std::mutex> lock(e.mutex);
   return e.pool ? e.pool->size() : (e.n_threads > 0 ? e.n_threads : physical_core_count());
 }

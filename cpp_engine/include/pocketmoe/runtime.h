@@ -1,4 +1,4 @@
-// Entry points of the native CPU engine: one thread pool and one reusable workspace per process.
+// Entry points of the native CPU kernels: one thread pool and one reusable workspace per process (the runtime).
 #pragma once
 
 #include <cstdint>

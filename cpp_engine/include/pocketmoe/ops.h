@@ -1,0 +1,95 @@
+// The model ops on the native kernels: coarse enough that a decode layer is a handful of calls, with no
+// architecture in them. Every op is batch-aware: the rows of one call may belong to several sequences,
+// each with its own positions and KV cache rows, and every row's result is bitwise what it would be
+// alone (norms, rope and routing are per row; the GEMMs and the MoE op are batch-invariant; attention
+// computes each (query, head) over its own sequence's keys in one fixed order).
+//
+// Legend: T rows (tokens) of the call, D hidden, H heads, N qk_nope, R rope dims, V v_head, C kv_lora,
+// W = C + R cached values per token, E experts, K experts per token, S sequences of the call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "pocketmoe/runtime.h"
+
+namespace pocketmoe {
+
+// One weight as the kernels read it: [heads,] rows x cols values in rows of row_bytes bytes of GGUF blocks.
+struct Weight {
+  const uint8_t* data = nullptr;
+  int ggml_type = -1;
+  int heads = 1;
+  int rows = 0;
+  int cols = 0;
+  size_t row_bytes = 0;
+};
+
+// Throws std::invalid_argument naming `what` unless w is [heads, rows, cols] with rows of the type's size.
+void check_weight(const char* what, const Weight& w, int heads, int rows, int cols);
+
+// y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w over T rows of d values (x and y may be the same rows).
+void rms_norm(const float* x, const float* w, int n_rows, int d, float eps, float* y);
+
+// x[t] += add[t] (the residual stream), then y[t] = rms_norm(x[t]).
+void add_rms_norm(float* x, const float* add, const float* w, int n_rows, int d, float eps, float* y);
+
+// The residual update closing a sublayer: x[t] += (a[t] + b[t]) (b may be null), then, with a norm
+// weight, y[t] = rms_norm(x[t]). a and b are summed first: routed + shared, then the residual.
+void finalize(float* x, const float* a, const float* b, const float* norm_w, int n_rows, int d, float eps, float* y);
+
+// Rotary embedding in place on `heads` heads of head_dim values per row, rotating the first `rot` dims of
+// each head with tables cos2 / sin2 [T, rot] (cos per pair twice; -sin, +sin per pair): pairs are
+// (2i, 2i+1) (ggml NORM mode) or (i, i + rot/2) (NeoX). Row t of x starts at x + t * row_stride.
+void rope(float* x, int n_rows, size_t row_stride, int heads, int head_dim, int rot, bool neox, const float* cos2,
+          const float* sin2);
+
+// Where each row's keys are: row t belongs to sequence seq[t] and sees that sequence's positions
+// 0..keys[t]-1; position p of sequence s sits in cache row table[s * table_width + p / page] * page + p % page.
+struct KVLayout {
+  const int32_t* seq;          // [T]
+  const int32_t* keys;         // [T]
+  const int32_t* write_rows;   // [T]: the cache row each row's own entry goes to
+  const int32_t* table;        // [S, table_width]
+  int n_seqs = 0;
+  int table_width = 0;
+  int page = 0;
+  int cache_rows = 0;          // rows the cache holds (bounds check)
+};
+
+// DeepSeek MLA attention over a latent cache [cache_rows, W], weights absorbed (k_b [H, C, N], v_b [H, V, C]):
+// writes each row's cache entry (normed c_kv, roped k_pe from kv [T, W]), ropes q_pe, maps q_nope through
+// k_b, attends in latent space and maps the result through v_b. q: [T, H*(N+R)]; out: [T, H*V].
+struct MLAShape {
+  int n_head, qk_nope, qk_rope, v_head, kv_lora;
+  float scale, eps;
+};
+void mla_attention(const MLAShape& s, const float* q, const float* kv, const float* kv_norm, const Weight& k_b,
+                   const Weight& v_b, const float* cos2, const float* sin2, float* cache, const KVLayout& kv_layout,
+                   int n_rows, float* out);
+
+// Router: logits = x @ gate^T, probabilities by softmax (gating 1) or sigmoid (gating 2), selection
+// scores = probabilities + bias, the best `groups_used` of `n_groups` expert groups (group score: its two
+// best selection scores), top-k by selection in descending order (ties: the lower id), weights = the
+// probabilities of the chosen, divided by max(their sum, weight_sum_min) with `norm`, times `scale`
+// unless it is 0 or 1. ids, weights: [T, K]. The caller has checked the parameters (layers/moe.py).
+struct RouteParams {
+  int n_experts, top_k, gating, n_groups, groups_used;
+  bool norm;
+  float scale, weight_sum_min;
+  int gating_softmax, gating_sigmoid;  // the ids of the two gating functions, as the caller names them
+};
+void route(const RouteParams& p, const float* x, int n_rows, const Weight& gate, const float* bias, int32_t* ids,
+           float* weights);
+
+// ys[i] = x @ weights[i]^T for up to 4 2-D weights sharing the input x [T, cols], in one pool dispatch with x
+// quantized once per activation format; each bitwise what gemm gives for that weight alone.
+void linear_multi(const Weight* const* weights, int n_weights, const float* x, int n_rows, float* const* ys);
+
+// y = down(silu(gate x) * up x): the dense FFN and shared experts. x: [T, D], y: [T, D].
+void gated_ffn(const Weight& gate, const Weight& up, const Weight& down, const float* x, int n_rows, float* y);
+
+// Dequantized rows of an embedding table: y[t] = table[tokens[t]] (D values).
+void embed(const Weight& table, const int32_t* tokens, int n_rows, float* y);
+
+}  // namespace pocketmoe

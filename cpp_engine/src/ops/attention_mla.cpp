@@ -1,0 +1,216 @@
+// DeepSeek MLA attention over a paged latent cache, for the rows of several sequences (pocketmoe/ops.h).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "pocketmoe/ops.h"
+#include "pocketmoe/silu.h"
+#include "../simd.h"
+#include "../workspace.h"
+
+namespace pocketmoe {
+namespace {
+
+using simd::hsum;
+
+// Attention of fewer multiply-adds than this runs on the caller alone (waking the pool costs more).
+constexpr size_t kInlineAttention = size_t{1} << 16;
+constexpr int kGroup = 4;  // heads per work item
+
+float* grow(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// Attention of one query for G heads (G <= 4) over `keys` cache rows of w values (c_kv: the first c):
+// scores, softmax, and the probability-weighted sum of c_kv. Each head's arithmetic is the same for any
+// G, any batch and any chunk the query came in, so it never depends on how the work was grouped.
+// rows[s]: key s's cache row; q[j]: w values (q_lat, then roped q_pe); sc[j]: room for `keys` scores;
+// o[j]: c outputs.
+template <int G>
+void attend(const float* const* rows, int keys, int w, int c, float scale, const float* const* q, float* const* sc,
+            float* const* o) {
+  // Two accumulators per head (even / odd groups of 8): the FMA chains are half as long.
+  for (int s = 0; s < keys; ++s) {
+    const float* row = rows[s];
+    __m256 a[G][2];
+    for (int j = 0; j < G; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= w; i += 16) {
+      const __m256 r0 = _mm256_loadu_ps(row + i), r1 = _mm256_loadu_ps(row + i + 8);
+      for (int j = 0; j < G; ++j) {
+        a[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + i), r0, a[j][0]);
+        a[j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + i + 8), r1, a[j][1]);
+      }
+    }
+    if (i < w) {
+      const __m256 r0 = _mm256_loadu_ps(row + i);
+      for (int j = 0; j < G; ++j) a[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + i), r0, a[j][0]);
+    }
+    for (int j = 0; j < G; ++j) sc[j][s] = hsum(_mm256_add_ps(a[j][0], a[j][1])) * scale;
+  }
+  float inv[G];
+  for (int j = 0; j < G; ++j) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int s = 0; s < keys; ++s) mx = std::max(mx, sc[j][s]);
+    inv[j] = 1.0f / exp_shifted(sc[j], keys, mx);
+  }
+  // o[j] = sum_s p[j][s] * c_kv[s] / sum_j, 16 outputs of every head at a time (kept in registers).
+  for (int i0 = 0; i0 < c; i0 += 16) {
+    const int nv = c - i0 >= 16 ? 2 : 1;
+    __m256 acc[G][2];
+    for (int j = 0; j < G; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int s = 0; s < keys; ++s) {
+      const float* row = rows[s] + i0;
+      const __m256 r0 = _mm256_loadu_ps(row);
+      const __m256 r1 = nv == 2 ? _mm256_loadu_ps(row + 8) : _mm256_setzero_ps();
+      for (int j = 0; j < G; ++j) {
+        const __m256 p = _mm256_broadcast_ss(sc[j] + s);
+        acc[j][0] = _mm256_fmadd_ps(p, r0, acc[j][0]);
+        acc[j][1] = _mm256_fmadd_ps(p, r1, acc[j][1]);
+      }
+    }
+    for (int j = 0; j < G; ++j) {
+      const __m256 iv = _mm256_set1_ps(inv[j]);
+      _mm256_storeu_ps(o[j] + i0, _mm256_mul_ps(acc[j][0], iv));
+      if (nv == 2) _mm256_storeu_ps(o[j] + i0 + 8, _mm256_mul_ps(acc[j][1], iv));
+    }
+  }
+}
+
+// Checks the layout against the call and returns, per sequence, the row pointers of its keys.
+std::vector<std::vector<const float*>> key_rows(const KVLayout& L, int n_rows, const float* cache, int w) {
+  if (L.page <= 0 || L.n_seqs <= 0 || L.table_width <= 0)
+    throw std::invalid_argument("attention: empty KV layout (" + std::to_string(L.n_seqs) + " sequences, pages of " +
+                                std::to_string(L.page) + ")");
+  std::vector<int> need(L.n_seqs, 0);
+  for (int t = 0; t < n_rows; ++t) {
+    const int s = L.seq[t];
+    if (s < 0 || s >= L.n_seqs || L.keys[t] <= 0 || L.keys[t] > L.table_width * L.page)
+      throw std::invalid_argument("attention: row " + std::to_string(t) + " has sequence " + std::to_string(s) + " and " +
+                                  std::to_string(L.keys[t]) + " keys; the call has " + std::to_string(L.n_seqs) +
+                                  " sequences of at most " + std::to_string(L.table_width * L.page) + " keys");
+    if (L.write_rows[t] < 0 || L.write_rows[t] >= L.cache_rows)
+      throw std::invalid_argument("attention: cache row " + std::to_string(L.write_rows[t]) + " is outside the " +
+                                  std::to_string(L.cache_rows) + " rows of the cache");
+    need[s] = std::max(need[s], L.keys[t]);
+  }
+  std::vector<std::vector<const float*>> rows(L.n_seqs);
+  for (int s = 0; s < L.n_seqs; ++s) {
+    rows[s].resize(need[s]);
+    const int32_t* table = L.table + static_cast<size_t>(s) * L.table_width;
+    for (int p = 0; p < need[s]; ++p) {
+      const long long r = static_cast<long long>(table[p / L.page]) * L.page + p % L.page;
+      if (table[p / L.page] < 0 || r >= L.cache_rows)
+        throw std::invalid_argument("attention: sequence " + std::to_string(s) + " position " + std::to_string(p) +
+                                    " maps to cache row " + std::to_string(r) + " of " + std::to_string(L.cache_rows));
+      rows[s][p] = cache + static_cast<size_t>(r) * w;
+    }
+  }
+  return rows;
+}
+
+}  // namespace
+
+void mla_attention(const MLAShape& sh, const float* q, const float* kv, const float* kv_norm, const Weight& k_b,
+                   const Weight& v_b, const float* cos2, const float* sin2, float* cache, const KVLayout& layout,
+                   int n, float* out) {
+  const int h = sh.n_head, nope = sh.qk_nope, r = sh.qk_rope, c = sh.kv_lora, v = sh.v_head, w = c + r;
+  const int qw = nope + r;
+  if (h <= 0 || nope <= 0 || r <= 0 || r % 8 || v <= 0 || c <= 0 || c % 8)
+    throw std::invalid_argument("mla attention: heads " + std::to_string(h) + ", dims nope " + std::to_string(nope) +
+                                " rope " + std::to_string(r) + " v " + std::to_string(v) + " latent " +
+                                std::to_string(c) + " (rope and latent dims must be multiples of 8)");
+  check_weight("attn_k_b", k_b, h, c, nope);
+  check_weight("attn_v_b", v_b, h, v, c);
+  if (n <= 0) return;
+  const auto rows = key_rows(layout, n, cache, w);
+
+  std::unique_lock<std::mutex> lock;
+  Runtime& rt = acquire_runtime(lock);
+  static thread_local std::vector<float> qn_, qc_, qlat_, olat_, ov_;
+  static thread_local std::vector<std::vector<float>> scores_;
+
+  // Cache rows of these tokens: normed c_kv, then roped k_pe.
+  for (int t = 0; t < n; ++t) {
+    const float* src = kv + static_cast<size_t>(t) * w;
+    float* dst = cache + static_cast<size_t>(layout.write_rows[t]) * w;
+    rms_norm(src, kv_norm, 1, c, sh.eps, dst);
+    std::copy(src + c, src + w, dst + c);
+  }
+  for (int t = 0; t < n; ++t)
+    rope(cache + static_cast<size_t>(layout.write_rows[t]) * w + c, 1, 0, 1, r, r, false,
+         cos2 + static_cast<size_t>(t) * r, sin2 + static_cast<size_t>(t) * r);
+
+  // Per head and token: q_nope [H, n, N] for k_b; the attention query [H, n, W] = (q_nope k_b, roped q_pe).
+  float* qn = grow(qn_, static_cast<size_t>(h) * n * nope);
+  float* qc = grow(qc_, static_cast<size_t>(h) * n * w);
+  for (int hh = 0; hh < h; ++hh)
+    for (int t = 0; t < n; ++t) {
+      const float* src = q + (static_cast<size_t>(t) * h + hh) * qw;
+      const size_t ht = static_cast<size_t>(hh) * n + t;
+      std::copy(src, src + nope, qn + ht * nope);
+      std::copy(src + nope, src + qw, qc + ht * w + c);
+    }
+  for (int hh = 0; hh < h; ++hh)
+    rope(qc + static_cast<size_t>(hh) * n * w + c, n, w, 1, r, r, false, cos2, sin2);
+  float* qlat = grow(qlat_, static_cast<size_t>(h) * n * c);
+  gemm_batched(rt, k_b.data, h, c, k_b.row_bytes, k_b.ggml_type, qn, n, nope, qlat);
+  for (size_t ht = 0; ht < static_cast<size_t>(h) * n; ++ht) std::copy(qlat + ht * c, qlat + (ht + 1) * c, qc + ht * w);
+
+  // Every (query, group of up to 4 heads) is one work item.
+  const int groups = (h + kGroup - 1) / kGroup;
+  float* olat = grow(olat_, static_cast<size_t>(h) * n * c);
+  ThreadPool& pool = *rt.pool;
+  int max_keys = 0;
+  size_t work = 0;
+  for (int t = 0; t < n; ++t) {
+    max_keys = std::max(max_keys, layout.keys[t]);
+    work += static_cast<size_t>(h) * layout.keys[t] * w;
+  }
+  if (scores_.size() < static_cast<size_t>(pool.size())) scores_.resize(pool.size());
+  std::vector<std::vector<float>>& scores = scores_;
+  for (auto& s : scores) grow(s, static_cast<size_t>(kGroup) * max_keys);
+  const float scale = sh.scale;
+  const auto one = [&](int item, int thread) {
+    const int t = item / groups, h0 = (item % groups) * kGroup, g = std::min(kGroup, h - h0);
+    const int keys = layout.keys[t];
+    const float* const* key_rows = rows[layout.seq[t]].data();
+    const float* qp[kGroup];
+    float* sc[kGroup];
+    float* o[kGroup];
+    for (int j = 0; j < g; ++j) {
+      const size_t ht = static_cast<size_t>(h0 + j) * n + t;
+      qp[j] = qc + ht * w;
+      sc[j] = scores[thread].data() + static_cast<size_t>(j) * keys;
+      o[j] = olat + ht * c;
+    }
+    switch (g) {
+      case 4: attend<4>(key_rows, keys, w, c, scale, qp, sc, o); break;
+      case 3: attend<3>(key_rows, keys, w, c, scale, qp, sc, o); break;
+      case 2: attend<2>(key_rows, keys, w, c, scale, qp, sc, o); break;
+      default: attend<1>(key_rows, keys, w, c, scale, qp, sc, o); break;
+    }
+  };
+  const int items = n * groups;
+  if (work < kInlineAttention) {
+    for (int item = 0; item < items; ++item) one(item, 0);
+  } else {
+    pool.parallel_for(items, [&](int item, int thread) { one(item, thread); });
+  }
+
+  // o_lat [H, n, C] -> per head v [H, n, V] -> out [n, H*V].
+  float* ov = grow(ov_, static_cast<size_t>(h) * n * v);
+  gemm_batched(rt, v_b.data, h, v, v_b.row_bytes, v_b.ggml_type, olat, n, c, ov);
+  for (int t = 0; t < n; ++t)
+    for (int hh = 0; hh < h; ++hh) {
+      const float* src = ov + (static_cast<size_t>(hh) * n + t) * v;
+      std::copy(src, src + v, out + (static_cast<size_t>(t) * h + hh) * v);
+    }
+}
+
+}  // namespace pocketmoe

@@ -1,0 +1,157 @@
+"""The op set on the native CPU kernels (pocketmoe._native): raw GGUF blocks, activations quantized once
+per row, bitwise batch-invariant. Whatever an op cannot take natively (a type without a kernel, a weight
+on another device, an f16 KV cache) runs that one op on the reference.
+
+Each native weight is wrapped once (a `_native.Weight` handle kept on the layer), so a call passes
+handles and arrays, nothing to convert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pocketmoe.layers.experts import native_reads
+from pocketmoe.layers.linear import QuantEmbedding, QuantLinear
+from pocketmoe.layers.moe import GATING_SIGMOID, GATING_SOFTMAX, WEIGHT_SUM_MIN
+from pocketmoe.ops.reference import ReferenceOps
+from pocketmoe.specs.base import Role
+
+if TYPE_CHECKING:
+    from pocketmoe.engine.step import StepContext
+    from pocketmoe.layers.attention import MLAttention
+    from pocketmoe.layers.mlp import GatedMLP
+    from pocketmoe.layers.moe import Router
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    return (x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()).numpy()
+
+
+class NativeOps(ReferenceOps):
+    name = "native"
+    absorbs_legacy_mla = True  # attn_kv_b is split into float32 k_b / v_b at load (attention in latent space)
+    dense_cache_roles = (Role.ATTENTION,)  # only fallbacks (types without a kernel) dequantize
+
+    def __init__(self, tile_rows: int | None = 8) -> None:
+        super().__init__(tile_rows)
+        from pocketmoe import native
+
+        self.native = native
+        self.lib = native._lib()
+        self.types = native.supported_types()
+
+    def torch_threads(self, requested: int | None) -> int:
+        """1, whatever was asked (`requested` sizes the native pool instead).
+
+        The heavy work runs in the native pool; torch's OpenMP workers spin after each small op left to
+        torch and steal the pool's cores (452M bench model, 2 cores: decode 47 vs 28 tok/s per-op with
+        torch at 1 vs 2 threads). torch.set_num_threads is process-wide.
+        """
+        return 1
+
+    # -- weights ---------------------------------------------------------------------------------
+    def handle(self, w: QuantLinear) -> object:
+        """The layer's `_native.Weight`, made on first use; False when the kernels cannot read it."""
+        h = w.backend_data
+        if h is None:
+            ok = len(w.shape) in (2, 3) and native_reads(w.raw, w.ggml_type, self.types)
+            h = self.lib.Weight(w.raw.reshape(*w.shape[:-1], -1).numpy(), w.ggml_type, w.in_features) if ok else False
+            w.backend_data = h
+        return h
+
+    def _embed_handle(self, table: QuantEmbedding) -> object:
+        h = getattr(table, "native", None)
+        if h is None:
+            ok = native_reads(table.raw, table.ggml_type, self.types)
+            h = self.lib.Weight(table.raw.reshape(table.shape[0], -1).numpy(), table.ggml_type,
+                                table.shape[1]) if ok else False
+            table.native = h
+        return h
+
+    # -- linear ----------------------------------------------------------------------------------
+    def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [T, I] -> [T, O]
+        h = self.handle(layer)
+        if h is False or not x.is_cpu:
+            return super().linear(layer, x)
+        return torch.from_numpy(self.lib.linear_multi(_np(x), [h])[0])
+
+    def batched(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [H, T, I] -> [H, T, O]
+        h = self.handle(layer)
+        if h is False or not x.is_cpu:
+            return super().batched(layer, x)
+        return torch.from_numpy(self.native.gemm_batched(layer.raw.reshape(*layer.shape[:-1], -1).numpy(),
+                                                         layer.ggml_type, _np(x)))
+
+    def linear_multi(self, weights: Sequence[QuantLinear], x: torch.Tensor) -> list[torch.Tensor]:
+        handles = [self.handle(w) for w in weights]
+        if not x.is_cpu or any(h is False for h in handles) or len(handles) > 4:
+            return super().linear_multi(weights, x)
+        return [torch.from_numpy(y) for y in self.lib.linear_multi(_np(x), handles)]
+
+    def embed(self, table: QuantEmbedding, tokens: np.ndarray) -> torch.Tensor:
+        h = self._embed_handle(table)
+        if h is False:
+            return super().embed(table, tokens)
+        return torch.from_numpy(self.lib.embed(h, tokens))
+
+    # -- norms and the residual stream -----------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.from_numpy(self.lib.rms_norm(_np(x), weight.numpy(), eps))
+
+    def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.from_numpy(self.lib.add_rms_norm(x.numpy(), _np(add), weight.numpy(), eps))
+
+    def finalize(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None,
+                 weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor | None:
+        y = self.lib.finalize(x.numpy(), _np(a), None if b is None else _np(b),
+                              None if weight is None else weight.numpy(), eps)
+        return None if y is None else torch.from_numpy(y)
+
+    def rope(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, neox: bool = False) -> torch.Tensor:
+        t, h, d = x.shape
+        y = x.float().contiguous().clone().view(t, h * d)
+        self.lib.rope(y.numpy(), h, d, cos2.shape[-1], neox, _np(cos2), _np(sin2))
+        return y.view(t, h, d)
+
+    # -- attention ---------------------------------------------------------------------------------
+    def mla_attention(self, attn: MLAttention, q: torch.Tensor, kv: torch.Tensor, ctx: StepContext,
+                      layer: int) -> torch.Tensor:
+        k_b, v_b = (self.handle(attn.k_b), self.handle(attn.v_b)) if attn.absorbed else (False, False)
+        cache = ctx.cache.data
+        if k_b is False or v_b is False or cache.dtype != torch.float32 or not cache.is_cpu:
+            return super().mla_attention(attn, q, kv, ctx, layer)
+        shape = attn.native
+        if shape is None:
+            c = attn.cfg
+            shape = attn.native = self.lib.MLAShape(c.n_head, c.qk_nope, c.qk_rope, c.v_head, c.kv_lora, c.scale,
+                                                    attn.eps)
+        out = self.lib.mla_attention(shape, _np(q), _np(kv), attn.kv_a_norm.numpy(), k_b, v_b, ctx.cos2.numpy(),
+                                     ctx.sin2.numpy(), cache[layer].numpy(), ctx.seq, ctx.keys, ctx.write_rows,
+                                     ctx.page_table, ctx.cache.page)
+        return torch.from_numpy(out)
+
+    # -- experts -----------------------------------------------------------------------------------
+    def route(self, router: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.handle(router.gate)
+        if h is False or not x.is_cpu:
+            return super().route(router, x)
+        params = router.native
+        if params is None:
+            c = router.cfg
+            params = router.native = self.lib.RouteParams(
+                c.n_experts, c.top_k, c.gating, c.n_groups, c.groups_used, c.norm, c.scale, WEIGHT_SUM_MIN,
+                GATING_SOFTMAX, GATING_SIGMOID)
+        bias = None if router.bias is None else router.bias.numpy()
+        ids, weights = self.lib.route(params, _np(x), h, bias)
+        return torch.from_numpy(weights), torch.from_numpy(ids)
+
+    def ffn(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+        hs = [self.handle(w) for w in (mlp.gate, mlp.up, mlp.down)]
+        if any(h is False for h in hs) or not x.is_cpu:
+            return super().ffn(mlp, x)
+        return torch.from_numpy(self.lib.gated_ffn(_np(x), *hs))
+

@@ -1,0 +1,47 @@
+"""Where a forward's time goes, by op: wall time of each outermost op call on one backend object.
+
+`OpProfile(ops)` wraps the object's op methods in place (the layers hold that object), so every later
+call is timed; nested calls (a reference op built from others) count once, in the outer op.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+OPS = ("embed", "rms_norm", "add_rms_norm", "finalize", "linear", "linear_multi", "batched", "rope",
+       "mla_attention", "route", "moe", "ffn")
+
+
+class OpProfile:
+    def __init__(self, ops: Any) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._depth = 0
+        for name in OPS:
+            setattr(ops, name, self._timed(name, getattr(ops, name)))
+
+    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kw: Any) -> Any:
+            if self._depth:
+                return fn(*args, **kw)
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+                self._depth -= 1
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """{"seconds": {op: s}, "calls": {op: n}} since the last reset."""
+        return {"seconds": dict(self.seconds), "calls": dict(self.calls)}

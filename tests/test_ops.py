@@ -1,0 +1,156 @@
+"""Each native op (ops/cpu.py over cpp_engine/src/ops) against its plain-torch reference (ops/reference.py),
+on float weights (the native kernels then take float activations: only summation order differs) and,
+for the linear ops, on quantized blocks against the reference fed the activations the kernels multiply.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pocketmoe import native
+from pocketmoe.engine import PagedKVCache, SeqChunk, Step, StepContext
+from pocketmoe.layers import ExpertWeights, GatedMLP, MLAConfig, MLAttention, QuantEmbedding, QuantLinear
+from pocketmoe.layers.experts import NativeExperts, ReferenceExperts
+from pocketmoe.layers.moe import GATING_SIGMOID, GATING_SOFTMAX, Router, RouterConfig
+from pocketmoe.layers.rotary import RopeConfig, Rotary
+from pocketmoe.ops.reference import ReferenceOps
+from pocketmoe.quant.quantize import random_blocks
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from pocketmoe.ops.cpu import NativeOps
+
+    return NativeOps(), ReferenceOps(tile_rows=None)
+
+
+def g(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def f32_linear(out: int, inp: int, seed: int, ops: object, heads: int | None = None) -> QuantLinear:
+    shape = (out, inp) if heads is None else (heads, out, inp)
+    w = torch.randn(*shape, generator=g(seed)) / inp ** 0.5
+    return QuantLinear(w.contiguous().view(torch.uint8).view(*shape[:-1], -1), 0, shape, backend=ops)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-5) -> None:
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def test_norms_and_finalize(ops) -> None:
+    nat, ref = ops
+    x = torch.randn(7, 96, generator=g(1))
+    w = torch.rand(96, generator=g(2)) + 0.5
+    a, b = torch.randn(7, 96, generator=g(3)), torch.randn(7, 96, generator=g(4))
+    close(nat.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), 1e-6)
+    xn, xr = x.clone(), x.clone()
+    close(nat.add_rms_norm(xn, a, w, 1e-6), ref.add_rms_norm(xr, a, w, 1e-6), 1e-6)
+    assert torch.equal(xn, xr) and torch.equal(xn, x + a)
+    close(nat.finalize(xn, a, b, w, 1e-6), ref.finalize(xr, a, b, w, 1e-6), 1e-6)
+    assert torch.equal(xn, xr)
+    assert nat.finalize(xn, a) is None and ref.finalize(xr, a) is None
+    assert torch.equal(xn, xr)
+
+
+@pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
+@pytest.mark.parametrize("rot", [16, 8], ids=["full", "partial"])
+def test_rope(ops, neox: bool, rot: int) -> None:
+    nat, ref = ops
+    rotary = Rotary(RopeConfig(dim=rot, base=10000.0, scaling="yarn", factor=4.0, original_context=32, neox=neox))
+    pos = np.array([0, 5, 6, 7, 40, 3], dtype=np.int32)
+    cos2, sin2 = rotary.at(pos)
+    x = torch.randn(6, 3, 16, generator=g(5))
+    got = nat.rope(x, cos2, sin2, neox)
+    close(got, ref.rope(x, cos2, sin2, neox), 1e-6)
+    # Independent check: rotate pair (i, partner) by the angle of pair i.
+    cos, sin = rotary.cos_sin(torch.from_numpy(pos).long())  # [T, rot/2]
+    xr = x[..., :rot]
+    a, b = (xr[..., :rot // 2], xr[..., rot // 2:]) if neox else (xr[..., 0::2], xr[..., 1::2])
+    c, s = cos[:, None], sin[:, None]
+    ra, rb = a * c - b * s, a * s + b * c
+    want = torch.cat([ra, rb], -1) if neox else torch.stack([ra, rb], -1).flatten(-2)
+    close(got[..., :rot], want, 1e-5)
+    assert torch.equal(got[..., rot:], x[..., rot:])
+
+
+def mla_layer(ops: object) -> MLAttention:
+    cfg = MLAConfig(n_head=5, qk_nope=16, qk_rope=8, v_head=12, kv_lora=32, scale=0.17)
+    return MLAttention(cfg, ops, wkv_a=f32_linear(40, 64, 1, ops), kv_a_norm=torch.rand(32, generator=g(9)) + 0.5,
+                       eps=1e-6, wo=f32_linear(64, 60, 2, ops), wq=f32_linear(5 * 24, 64, 3, ops),
+                       k_b=f32_linear(32, 16, 4, ops, heads=5), v_b=f32_linear(12, 32, 5, ops, heads=5))
+
+
+def test_mla_attention_over_several_sequences(ops) -> None:
+    """Three sequences in one call (a prefill chunk after cached positions, a decode token, a fresh
+    prompt) over a paged cache: native vs reference, outputs and cache rows."""
+    rotary = Rotary(RopeConfig(dim=8, base=10000.0))
+    outs, caches = [], []
+    for o in ops:
+        attn = mla_layer(o)
+        cache = PagedKVCache(n_layer=1, width=40, n_pages=12, max_seq_len=64, page=4)
+        ctx_steps = [Step([SeqChunk("a", list(range(9)), 0), SeqChunk("b", list(range(5)), 0)]),
+                     Step([SeqChunk("a", list(range(6)), 9), SeqChunk("b", [1], 5), SeqChunk("c", list(range(7)), 0)])]
+        res = []
+        for i, step in enumerate(ctx_steps):
+            ctx = StepContext.build(step, cache, 100)
+            ctx.cos2, ctx.sin2 = rotary.at(ctx.positions)
+            t = ctx.n_tokens
+            q = torch.randn(t, 5 * 24, generator=g(10 + i))
+            kv = torch.randn(t, 40, generator=g(20 + i))
+            res.append(o.mla_attention(attn, q, kv, ctx, 0))
+        outs.append(torch.cat(res))
+        caches.append(cache.data.clone())
+    close(outs[0], outs[1])
+    close(caches[0], caches[1], 1e-6)
+
+
+@pytest.mark.parametrize("case", ["softmax", "sigmoid-bias-groups-norm-scale"])
+def test_route(ops, case: str) -> None:
+    nat, ref = ops
+    if case == "softmax":
+        cfg, bias = RouterConfig(16, 4, GATING_SOFTMAX), None
+    else:
+        cfg = RouterConfig(16, 4, GATING_SIGMOID, n_groups=4, groups_used=2, norm=True, scale=2.5)
+        bias = 0.3 * torch.randn(16, generator=g(7))
+    x = torch.randn(33, 64, generator=g(8))
+    w_n, ids_n = nat.route(Router(f32_linear(16, 64, 6, nat), cfg, bias, nat), x)
+    w_r, ids_r = ref.route(Router(f32_linear(16, 64, 6, ref), cfg, bias, ref), x)
+    assert torch.equal(ids_n.long(), ids_r)
+    close(w_n, w_r, 1e-5)
+
+
+def test_ffn_and_moe(ops) -> None:
+    nat, ref = ops
+    x = torch.randn(9, 64, generator=g(11))
+    y = [o.ffn(GatedMLP(f32_linear(48, 64, 1, o), f32_linear(48, 64, 2, o), f32_linear(64, 48, 3, o), o), x)
+         for o in ops]
+    close(y[0], y[1])
+    # F32 experts (float activations); the quantized kernels of the MoE op are tested in test_native_kernels.
+    ew = [ExpertWeights((torch.randn(8, o, i, generator=g(30 + k)) / i ** 0.5).view(torch.uint8).view(8, o, -1), 0,
+                        (8, o, i)) for k, (o, i) in enumerate(((32, 64), (32, 64), (64, 32)))]
+    ids = torch.stack([torch.randperm(8, generator=g(s))[:3] for s in range(9)])
+    w = torch.rand(9, 3, generator=g(12))
+    close(nat.moe(NativeExperts(*ew), x, ids, w), ref.moe(ReferenceExperts(*ew), x, ids, w))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.IQ4_XS])
+def test_linear_multi_and_embed(ops, qtype: Q) -> None:
+    nat, ref = ops
+    rng = np.random.default_rng(int(qtype))
+    ws = [(QuantLinear(torch.from_numpy(random_blocks(int(qtype), (r, 256), rng)), int(qtype), (r, 256),
+                       backend=nat)) for r in (24, 40)]
+    x = torch.randn(5, 256, generator=g(13))
+    multi = nat.linear_multi(ws, x)
+    for w, y in zip(ws, multi, strict=True):
+        assert torch.equal(y, nat.linear(w, x))  # one quantized activation, bitwise each weight alone
+        xq = torch.from_numpy(native.activation_roundtrip(x.numpy(), int(qtype)))
+        close(y, ref.linear(w, xq), 1e-4)
+    table = QuantEmbedding(torch.from_numpy(random_blocks(int(qtype), (30, 256), rng)), int(qtype), (30, 256))
+    tokens = np.array([3, 0, 29, 3], dtype=np.int32)
+    close(nat.embed(table, tokens), ref.embed(table, tokens), 1e-6)

@@ -1,0 +1,105 @@
+"""Several sequences in one step: each sequence's logits are bitwise its solo logits (ModelRunner.forward(Step)).
+
+The schedule mixes prefill chunks and decode tokens of three sequences, as a server's continuous
+batching does; the solo runs feed each sequence the same chunks alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pocketmoe import native
+from pocketmoe.engine import ContextLengthError, KVPoolFullError, ModelRunner, RunnerConfig, SeqChunk, Step
+from pocketmoe.errors import PocketMoEError
+from pocketmoe.gguf import open_bundle
+from pocketmoe.testing.synth import write_fixture
+
+PROMPTS = {"a": list(range(3, 23)), "b": [7, 8, 9, 10, 11, 12, 13], "c": list(range(100, 113))}
+# Per step: sequence -> prompt slice [i, j) or "decode"
+SCHEDULE = [
+    {"a": (0, 8), "b": (0, 7)},
+    {"a": (8, 16), "b": "decode", "c": (0, 13)},
+    {"a": (16, 20), "b": "decode", "c": "decode"},
+    {"a": "decode", "b": "decode", "c": "decode"},
+    {"c": "decode", "a": "decode"},
+]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_fixture("deepseek2", "tiny", "Q4_K_M", tmp_path_factory.mktemp("batch") / "m.gguf", seed=5)[0]
+
+
+def backends() -> list[str]:
+    return ["reference"] + (["native"] if native.available() else [])
+
+
+def run(runner: ModelRunner, steps: list[dict[str, object]], tokens: dict[str, list[int]]) -> dict[str, list]:
+    """Runs the steps (all sequences of a step in one forward); returns each sequence's logits per step.
+    Decode tokens come from `tokens` (what the solo runs fed)."""
+    pos = {s: 0 for s in PROMPTS}
+    made = {s: 0 for s in PROMPTS}
+    out: dict[str, list] = {s: [] for s in PROMPTS}
+    for step in steps:
+        chunks = []
+        for s, what in step.items():
+            if what == "decode":
+                toks = [tokens[s][made[s]]]
+                made[s] += 1
+            else:
+                toks = PROMPTS[s][what[0]:what[1]]
+            chunks.append(SeqChunk(s, toks, pos[s], "all"))
+            pos[s] += len(toks)
+        logits = runner.forward(Step(chunks))
+        i = 0
+        for c in chunks:
+            out[c.seq].append(logits[i:i + len(c.tokens)])
+            i += len(c.tokens)
+    return out
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_batched_step_gives_each_sequence_its_solo_logits(model: Path, backend: str) -> None:
+    cfg = RunnerConfig(n_ctx=64, backend=backend, max_seqs=3)
+    solo_runner = ModelRunner(open_bundle(model), cfg)
+    # Solo: each sequence's chunks alone; a decode step feeds the previous step's argmax.
+    solo: dict[str, list] = {}
+    feed: dict[str, list[int]] = {}
+    for s in PROMPTS:
+        pos, prev, solo[s], feed[s] = 0, -1, [], []
+        for st in (st for st in SCHEDULE if s in st):
+            what = st[s]
+            if what == "decode":
+                feed[s].append(prev)
+            t = [prev] if what == "decode" else PROMPTS[s][what[0]:what[1]]
+            lg = solo_runner.forward(Step([SeqChunk(s, t, pos, "all")]))
+            pos += len(t)
+            solo[s].append(lg)
+            prev = int(lg[-1].argmax())
+        solo_runner.free(s)
+    batched = run(ModelRunner(open_bundle(model), cfg), SCHEDULE, feed)
+    for s in PROMPTS:
+        assert len(batched[s]) == len(solo[s])
+        for got, want in zip(batched[s], solo[s], strict=True):
+            assert torch.equal(got, want), (backend, s)
+
+
+def test_step_errors(model: Path) -> None:
+    r = ModelRunner(open_bundle(model), RunnerConfig(n_ctx=16, max_seqs=1))
+    with pytest.raises(PocketMoEError, match="a sequence appears twice"):
+        Step([SeqChunk("x", [1], 0), SeqChunk("x", [2], 1)])
+    with pytest.raises(PocketMoEError, match="token id 512 is outside the vocabulary of 512"):
+        r.forward(Step([SeqChunk("x", [512], 0)]))
+    with pytest.raises(ContextLengthError, match="continues at position 3 but only 0 positions are cached"):
+        r.forward(Step([SeqChunk("y", [1], 3)]))
+    with pytest.raises(ContextLengthError, match="positions 0..16 do not fit in the context of 16"):
+        r.forward(Step([SeqChunk("y", list(range(8)), 0), SeqChunk("z", list(range(17)), 0)]))
+    r.free("y")
+    r.forward(Step([SeqChunk("p", list(range(16)), 0)]))
+    with pytest.raises(KVPoolFullError, match="the KV pool has 0 free pages"):
+        r.forward(Step([SeqChunk("q", [1], 0)]))
+    r.free("p")
+    assert r.forward(Step([SeqChunk("q", [1, 2], 0, "last")])).shape == (1, r.vocab_size)
