@@ -77,6 +77,17 @@ def test_generate_cli_uses_the_demo_model(capsys) -> None:
     assert len(out["token_ids"]) == 12
 
 
+def test_llm_without_a_model_is_the_demo_model(llm, path) -> None:
+    default = LLM(n_ctx=64, threads=2)
+    try:
+        assert default.bundle.paths == [path] or list(default.bundle.paths) == [path]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        assert default.generate(["The json module"], params)[0].token_ids == \
+            llm.generate(["The json module"], params)[0].token_ids
+    finally:
+        default.close()
+
+
 def _readable(text: str) -> bool:
     words = re.findall(r"[A-Za-z]{2,}", text)
     letters = sum(ch.isascii() and (ch.isalnum() or ch in " .,;:'\"()[]-_\n") for ch in text)

@@ -54,10 +54,15 @@ class CompletionOutput:
 
 
 class LLM:
-    """A loaded model: tokenizer + runner. `model` may be any shard of a bundle or its directory."""
+    """A loaded model: tokenizer + runner. `model` may be any shard of a bundle or its directory; without
+    one, the built-in demo model (pocketmoe/data/demo-model.gguf)."""
 
-    def __init__(self, model: str | Path, *, n_ctx: int = 4096, threads: int | None = None,
+    def __init__(self, model: str | Path | None = None, *, n_ctx: int = 4096, threads: int | None = None,
                  chunk_size: int = 256, backend: str = "auto", kv_dtype: str = "f32") -> None:
+        if model is None:
+            from pocketmoe.demo_model import demo_model_path
+
+            model = demo_model_path()
         self.bundle = open_bundle(model)
         self.tokenizer = Tokenizer.from_metadata(self.bundle.metadata)
         cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, threads=threads, kv_dtype=kv_dtype, backend=backend)
