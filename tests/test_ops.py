@@ -14,7 +14,8 @@ from pocketmoe import native
 from pocketmoe.engine import PagedKVCache, SeqChunk, Step, StepContext
 from pocketmoe.layers import ExpertWeights, GatedMLP, MLAConfig, MLAttention, QuantEmbedding, QuantLinear
 from pocketmoe.layers.experts import NativeExperts, ReferenceExperts
-from pocketmoe.layers.moe import GATING_SIGMOID, GATING_SOFTMAX, Router, RouterConfig
+from pocketmoe.layers.moe import GATING_SIGMOID, GATING_SOFTMAX, MoEBlock, Router, RouterConfig
+from pocketmoe.layers.norm import Residual
 from pocketmoe.layers.rotary import RopeConfig, Rotary
 from pocketmoe.ops.reference import ReferenceOps
 from pocketmoe.quant.quantize import random_blocks
@@ -154,3 +155,69 @@ def test_linear_multi_and_embed(ops, qtype: Q) -> None:
     table = QuantEmbedding(torch.from_numpy(random_blocks(int(qtype), (30, 256), rng)), int(qtype), (30, 256))
     tokens = np.array([3, 0, 29, 3], dtype=np.int32)
     close(nat.embed(table, tokens), ref.embed(table, tokens), 1e-6)
+
+
+def _op_by_op(nat):
+    """The native backend with its one-call sublayers disabled: the same native ops, one call each."""
+    from pocketmoe.ops.cpu import NativeOps
+
+    class OpByOp(NativeOps):
+        mla_sublayer = ReferenceOps.mla_sublayer
+        ffn_sublayer = ReferenceOps.ffn_sublayer
+        moe_sublayer = ReferenceOps.moe_sublayer
+
+    return OpByOp()
+
+
+@pytest.mark.parametrize("qlora", [False, True], ids=["q", "q-lora"])
+def test_mla_sublayer(ops, qlora: bool) -> None:
+    """One native call (projections, attention, output, residual + next norm) is bitwise the native ops one
+    at a time, and matches the torch reference; over two steps of two sequences."""
+    nat, ref = ops
+    rotary = Rotary(RopeConfig(dim=8, base=10000.0))
+    norm = torch.rand(64, generator=g(40)) + 0.5
+    results = []
+    for o in (nat, _op_by_op(nat), ref):
+        attn = mla_layer(o)
+        if qlora:
+            attn.wq, attn.wq_a, attn.wq_b = None, f32_linear(48, 64, 41, o), f32_linear(5 * 24, 48, 42, o)
+            attn.q_a_norm = torch.rand(48, generator=g(43)) + 0.5
+        cache = PagedKVCache(n_layer=1, width=40, n_pages=8, max_seq_len=32, page=4)
+        x = torch.randn(11, 64, generator=g(44))
+        outs = []
+        for step in (Step([SeqChunk("a", list(range(7)), 0), SeqChunk("b", list(range(4)), 0)]),
+                     Step([SeqChunk("a", [1], 7), SeqChunk("b", [2, 3], 4)])):
+            ctx = StepContext.build(step, cache, 100)
+            ctx.cos2, ctx.sin2 = rotary.at(ctx.positions)
+            xs = x[:ctx.n_tokens].clone()
+            xn = torch.randn(ctx.n_tokens, 64, generator=g(45 + len(outs)))
+            nxt = attn(xn, ctx, 0, Residual(xs, norm, 1e-6))
+            outs += [xs, nxt]
+            assert attn(xn, ctx, 0, Residual(xs.clone(), None, 1e-6)) is None
+        results.append(outs)
+    fused, one_by_one, torch_ref = results
+    for a, b, c in zip(fused, one_by_one, torch_ref, strict=True):
+        assert torch.equal(a, b)
+        close(a, c, 1e-4)
+
+
+def test_ffn_and_moe_sublayers(ops) -> None:
+    nat, ref = ops
+    norm = torch.rand(64, generator=g(50)) + 0.5
+    xn = torch.randn(9, 64, generator=g(51))
+    ew = [ExpertWeights((torch.randn(8, o, i, generator=g(52 + k)) / i ** 0.5).view(torch.uint8).view(8, o, -1), 0,
+                        (8, o, i)) for k, (o, i) in enumerate(((32, 64), (32, 64), (64, 32)))]
+    cfg = RouterConfig(8, 3, GATING_SIGMOID, norm=True, scale=1.5)
+    bias = 0.2 * torch.randn(8, generator=g(55))
+    results = []
+    for o in (nat, _op_by_op(nat), ref):
+        mlp = GatedMLP(f32_linear(48, 64, 56, o), f32_linear(48, 64, 57, o), f32_linear(64, 48, 58, o), o)
+        bank = NativeExperts(*ew) if o is not ref else ReferenceExperts(*ew)
+        block = MoEBlock(Router(f32_linear(8, 64, 59, o), cfg, bias, o), bank, mlp)
+        x1, x2 = torch.randn(9, 64, generator=g(60)), torch.randn(9, 64, generator=g(61))
+        n1 = mlp(xn, Residual(x1, norm, 1e-6))
+        n2 = block(xn, Residual(x2, norm, 1e-6))
+        results.append((x1, n1, x2, n2))
+    for a, b, c in zip(*results, strict=True):
+        assert torch.equal(a, b)
+        close(a, c, 1e-4)

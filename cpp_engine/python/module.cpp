@@ -316,6 +316,17 @@ void rope_py(const py::array& x, int heads, int head_dim, int rot, bool neox, co
        s.data());
 }
 
+// The rows' cache layout (pocketmoe/ops.h KVLayout) from the step's arrays; cachep: the cache's rows [rows, w].
+KVLayout kv_layout_of(const py::array& cache, int w, const py::array& seq, const py::array& keys,
+                      const py::array& write_rows, const py::array& table, int page, py::ssize_t n, float*& cachep) {
+  auto ca = rows_of(cache, "cache", w);
+  if (!ca.writeable()) throw py::value_error("cache must be writeable");
+  auto ta = checked<int32_t>(table, "page_table", 2);
+  cachep = ca.mutable_data();
+  return KVLayout{ints_of(seq, "seq", n), ints_of(keys, "keys", n), ints_of(write_rows, "write_rows", n), ta.data(),
+                  static_cast<int>(ta.shape(0)), static_cast<int>(ta.shape(1)), page, static_cast<int>(ca.shape(0))};
+}
+
 py::array_t<float> mla_attention_py(const MLAShape& sh, const py::array& q, const py::array& kv,
                                     const py::array& kv_norm, const WeightHandle& k_b, const WeightHandle& v_b,
                                     const py::array& cos2, const py::array& sin2, const py::array& cache,
@@ -328,16 +339,11 @@ py::array_t<float> mla_attention_py(const MLAShape& sh, const py::array& q, cons
   auto c = rows_of(cos2, "cos2", sh.qk_rope), s = rows_of(sin2, "sin2", sh.qk_rope);
   if (kva.shape(0) != n || c.shape(0) != n || s.shape(0) != n)
     throw py::value_error("q, kv, cos2 and sin2 need the same number of rows");
-  auto ca = rows_of(cache, "cache", w);
-  if (!ca.writeable()) throw py::value_error("cache must be writeable");
-  auto ta = checked<int32_t>(table, "page_table", 2);
-  KVLayout layout{ints_of(seq, "seq", n), ints_of(keys, "keys", n), ints_of(write_rows, "write_rows", n), ta.data(),
-                  static_cast<int>(ta.shape(0)), static_cast<int>(ta.shape(1)), page,
-                  static_cast<int>(ca.shape(0))};
+  float* cachep = nullptr;
+  const KVLayout layout = kv_layout_of(cache, w, seq, keys, write_rows, table, page, n, cachep);
   const float* norm = vector_of(kv_norm, "kv_norm", sh.kv_lora);
   py::array_t<float> out({n, static_cast<py::ssize_t>(sh.n_head) * sh.v_head});
   const float *qp = qa.data(), *kvp = kva.data(), *cp = c.data(), *sp = s.data();
-  float* cachep = ca.mutable_data();
   float* op = out.mutable_data();
   run(size_t{1} << 20, [&] {
     mla_attention(sh, qp, kvp, norm, k_b.w, v_b.w, cp, sp, cachep, layout, static_cast<int>(n), op);
@@ -398,6 +404,158 @@ py::array_t<float> embed_py(const WeightHandle& table, const py::array& tokens) 
   return y;
 }
 
+// ---- Sublayers: made once per layer with its weights (kept alive here), called with the per-step arrays.
+
+// The residual stream x [n, d] (updated in place) and, with a norm weight, the next sublayer's input.
+struct ResidualArrays {
+  Residual r;
+  py::object next = py::none();
+};
+
+ResidualArrays residual_of(const py::array& x, py::ssize_t n, py::ssize_t d, const py::object& norm, float eps) {
+  auto xa = rows_of(x, "x", d);
+  if (xa.shape(0) != n) throw py::value_error("x must have as many rows as xn");
+  if (!xa.writeable()) throw py::value_error("x must be writeable");
+  ResidualArrays out;
+  out.r.x = xa.mutable_data();
+  out.r.eps = eps;
+  out.r.norm_w = vector_of(norm, "norm", d);
+  if (out.r.norm_w != nullptr) {
+    py::array_t<float> next({n, d});
+    out.r.next = next.mutable_data();
+    out.next = std::move(next);
+  }
+  return out;
+}
+
+const Weight* optional_weight(const py::object& h, std::vector<py::object>& keep) {
+  if (h.is_none()) return nullptr;
+  keep.push_back(h);
+  return &h.cast<const WeightHandle&>().w;
+}
+
+const float* kept_vector(const py::object& v, const char* name, py::ssize_t n, std::vector<py::object>& keep) {
+  const float* p = vector_of(v, name, n);
+  if (p != nullptr) keep.push_back(v);
+  return p;
+}
+
+struct MLASublayerHandle {
+  MLAShape shape;
+  MLAWeights w;
+  std::vector<py::object> keep;
+};
+
+MLASublayerHandle make_mla_sublayer(const MLAShape& shape, const py::object& wq, const py::object& wq_a,
+                                    const py::object& q_a_norm, const py::object& wq_b, const py::object& wkv_a,
+                                    const py::object& kv_a_norm, const py::object& k_b, const py::object& v_b,
+                                    const py::object& wo) {
+  MLASublayerHandle h{shape, {}, {}};
+  h.w.wq = optional_weight(wq, h.keep);
+  h.w.wq_a = optional_weight(wq_a, h.keep);
+  h.w.wq_b = optional_weight(wq_b, h.keep);
+  h.w.wkv_a = optional_weight(wkv_a, h.keep);
+  h.w.k_b = optional_weight(k_b, h.keep);
+  h.w.v_b = optional_weight(v_b, h.keep);
+  h.w.wo = optional_weight(wo, h.keep);
+  if ((h.w.wq == nullptr) == (h.w.wq_a == nullptr || h.w.wq_b == nullptr) || !h.w.wkv_a || !h.w.k_b || !h.w.v_b ||
+      !h.w.wo)
+    throw py::value_error("an MLA sublayer needs wq or the pair wq_a / wq_b, and wkv_a, k_b, v_b and wo");
+  const int d = h.w.wkv_a->cols, qw = shape.n_head * (shape.qk_nope + shape.qk_rope);
+  const Weight& first = h.w.wq ? *h.w.wq : *h.w.wq_a;
+  check_weight("attn_q / attn_q_a", first, 1, first.rows, d);
+  check_weight("attn_kv_a_mqa", *h.w.wkv_a, 1, shape.kv_lora + shape.qk_rope, d);
+  if (h.w.wq_b) {
+    check_weight("attn_q_b", *h.w.wq_b, 1, qw, first.rows);
+    h.w.q_a_norm = kept_vector(q_a_norm, "q_a_norm", first.rows, h.keep);
+    if (h.w.q_a_norm == nullptr) throw py::value_error("the q LoRA pair needs attn_q_a_norm");
+  } else {
+    check_weight("attn_q", first, 1, qw, d);
+  }
+  check_weight("attn_output", *h.w.wo, 1, d, shape.n_head * shape.v_head);
+  h.w.kv_a_norm = kept_vector(kv_a_norm, "kv_a_norm", shape.kv_lora, h.keep);
+  if (h.w.kv_a_norm == nullptr) throw py::value_error("an MLA sublayer needs attn_kv_a_norm");
+  return h;
+}
+
+py::object mla_sublayer_py(const MLASublayerHandle& h, const py::array& xn, const py::array& x, const py::object& norm,
+                           float eps, const py::array& cos2, const py::array& sin2, const py::array& cache,
+                           const py::array& seq, const py::array& keys, const py::array& write_rows,
+                           const py::array& table, int page) {
+  const MLAShape& sh = h.shape;
+  const int w = sh.kv_lora + sh.qk_rope, d = h.w.wkv_a->cols;
+  auto xa = rows_of(xn, "xn", d);
+  const py::ssize_t n = xa.shape(0);
+  auto c = rows_of(cos2, "cos2", sh.qk_rope), s = rows_of(sin2, "sin2", sh.qk_rope);
+  if (c.shape(0) != n || s.shape(0) != n) throw py::value_error("xn, cos2 and sin2 need the same number of rows");
+  float* cachep = nullptr;
+  const KVLayout layout = kv_layout_of(cache, w, seq, keys, write_rows, table, page, n, cachep);
+  ResidualArrays res = residual_of(x, n, d, norm, eps);
+  const float *xp = xa.data(), *cp = c.data(), *sp = s.data();
+  run(size_t{1} << 20, [&] { mla_sublayer(sh, h.w, xp, cp, sp, cachep, layout, static_cast<int>(n), res.r); });
+  return res.next;
+}
+
+struct FFNSublayerHandle {
+  py::object gate, up, down;
+};
+
+py::object ffn_sublayer_py(const FFNSublayerHandle& h, const py::array& xn, const py::array& x, const py::object& norm,
+                           float eps) {
+  const Weight &g = h.gate.cast<const WeightHandle&>().w, &u = h.up.cast<const WeightHandle&>().w,
+               &dn = h.down.cast<const WeightHandle&>().w;
+  auto xa = rows_of(xn, "xn", g.cols);
+  const py::ssize_t n = xa.shape(0);
+  ResidualArrays res = residual_of(x, n, dn.rows, norm, eps);
+  const float* xp = xa.data();
+  run(weight_bytes(g) * 3, [&] { ffn_sublayer(g, u, dn, xp, static_cast<int>(n), res.r); });
+  return res.next;
+}
+
+struct MoESublayerHandle {
+  MoEParts m;
+  int hidden = 0;
+  std::vector<py::object> keep;
+};
+
+MoESublayerHandle make_moe_sublayer(const RouteParams& params, const py::object& gate_inp, const py::object& bias,
+                                    const py::array& gate, int gate_type, const py::array& up, int up_type,
+                                    const py::array& down, int down_type, int ffn, const py::object& shared_gate,
+                                    const py::object& shared_up, const py::object& shared_down) {
+  MoESublayerHandle h;
+  h.m.route = params;
+  h.m.gate_inp = optional_weight(gate_inp, h.keep);
+  if (h.m.gate_inp == nullptr) throw py::value_error("an MoE sublayer needs its router weight ffn_gate_inp");
+  h.hidden = h.m.gate_inp->cols;
+  check_weight("ffn_gate_inp", *h.m.gate_inp, 1, params.n_experts, h.hidden);
+  h.m.bias = kept_vector(bias, "bias", params.n_experts, h.keep);
+  h.m.gate = expert_weights(gate, "gate", gate_type);
+  h.m.up = expert_weights(up, "up", up_type);
+  h.m.down = expert_weights(down, "down", down_type);
+  h.keep.push_back(gate), h.keep.push_back(up), h.keep.push_back(down);
+  h.m.ffn = ffn;
+  h.m.shared_gate = optional_weight(shared_gate, h.keep);
+  h.m.shared_up = optional_weight(shared_up, h.keep);
+  h.m.shared_down = optional_weight(shared_down, h.keep);
+  if ((h.m.shared_gate == nullptr) != (h.m.shared_up == nullptr) ||
+      (h.m.shared_gate == nullptr) != (h.m.shared_down == nullptr))
+    throw py::value_error("shared experts need all of gate, up and down");
+  return h;
+}
+
+py::object moe_sublayer_py(const MoESublayerHandle& h, const py::array& xn, const py::array& x, const py::object& norm,
+                           float eps) {
+  auto xa = rows_of(xn, "xn", h.hidden);
+  const py::ssize_t n = xa.shape(0);
+  ResidualArrays res = residual_of(x, n, h.hidden, norm, eps);
+  const float* xp = xa.data();
+  {
+    py::gil_scoped_release release;
+    moe_sublayer(h.m, xp, static_cast<int>(n), h.hidden, res.r);
+  }
+  return res.next;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -452,6 +610,27 @@ PYBIND11_MODULE(_native, m) {
   m.def("linear_multi", &linear_multi_py, py::arg("x"), py::arg("weights"),
         "[x @ W^T for W in weights] in one dispatch, x quantized once per activation format.");
   m.def("embed", &embed_py, py::arg("table"), py::arg("tokens"), "Dequantized embedding rows of int32 tokens.");
+  py::class_<MLASublayerHandle>(m, "MLASublayer", "An MLA attention sublayer's weights (projections, k_b, v_b, output).")
+      .def(py::init(&make_mla_sublayer), py::arg("shape"), py::arg("wq"), py::arg("wq_a"), py::arg("q_a_norm"),
+           py::arg("wq_b"), py::arg("wkv_a"), py::arg("kv_a_norm"), py::arg("k_b"), py::arg("v_b"), py::arg("wo"))
+      .def("__call__", &mla_sublayer_py, py::arg("xn"), py::arg("x"), py::arg("norm"), py::arg("eps"), py::arg("cos2"),
+           py::arg("sin2"), py::arg("cache"), py::arg("seq"), py::arg("keys"), py::arg("write_rows"),
+           py::arg("page_table"), py::arg("page"),
+           "x += attention(xn) in place; returns rms_norm(x) * norm (None without a norm).");
+  py::class_<FFNSublayerHandle>(m, "FFNSublayer", "A gated FFN sublayer's weights.")
+      .def(py::init([](const py::object& g, const py::object& u, const py::object& d) {
+             (void)g.cast<const WeightHandle&>(), (void)u.cast<const WeightHandle&>(), (void)d.cast<const WeightHandle&>();
+             return FFNSublayerHandle{g, u, d};
+           }),
+           py::arg("gate"), py::arg("up"), py::arg("down"))
+      .def("__call__", &ffn_sublayer_py, py::arg("xn"), py::arg("x"), py::arg("norm"), py::arg("eps"),
+           "x += ffn(xn) in place; returns rms_norm(x) * norm (None without a norm).");
+  py::class_<MoESublayerHandle>(m, "MoESublayer", "An MoE sublayer's router, routed and shared experts.")
+      .def(py::init(&make_moe_sublayer), py::arg("params"), py::arg("gate_inp"), py::arg("bias"), py::arg("gate"),
+           py::arg("gate_type"), py::arg("up"), py::arg("up_type"), py::arg("down"), py::arg("down_type"),
+           py::arg("ffn"), py::arg("shared_gate"), py::arg("shared_up"), py::arg("shared_down"))
+      .def("__call__", &moe_sublayer_py, py::arg("xn"), py::arg("x"), py::arg("norm"), py::arg("eps"),
+           "x += routed(xn) + shared(xn) in place; returns rms_norm(x) * norm (None without a norm).");
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("describe", &describe);

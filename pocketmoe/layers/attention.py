@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pocketmoe.layers.linear import F32, QuantLinear, float_weight
+from pocketmoe.layers.norm import Residual
 
 if TYPE_CHECKING:
     from pocketmoe.engine.step import StepContext
@@ -47,7 +48,8 @@ class MLAttention:
         self.wq, self.wq_a, self.q_a_norm, self.wq_b = wq, wq_a, q_a_norm, wq_b
         self.wkv_a, self.kv_a_norm, self.wo = wkv_a, kv_a_norm, wo
         self.k_b, self.v_b, self.wkv_b = k_b, v_b, wkv_b  # k_b [H, C, N], v_b [H, V, C], wkv_b [H*(N+V), C]
-        self.native: object = None  # what a native backend precomputed for this layer
+        self.native: object = None  # what a native backend precomputed for this layer (its shape)
+        self.native_sublayer: object = None  # and the whole sublayer, or False when it cannot run it
         if wkv_b is not None and ops.absorbs_legacy_mla:
             self.k_b, self.v_b = absorbed_from_kv_b(wkv_b, cfg)
             self.wkv_b = None
@@ -56,14 +58,18 @@ class MLAttention:
     def absorbed(self) -> bool:
         return self.k_b is not None
 
-    def __call__(self, x: torch.Tensor, ctx: StepContext, layer: int) -> torch.Tensor:  # x: [T, D] -> [T, D]
+    def __call__(self, x: torch.Tensor, ctx: StepContext, layer: int, residual: Residual) -> torch.Tensor | None:
+        """x [T, D] (normed) -> residual.x += attention(x); the next sublayer's input (ops.mla_sublayer)."""
+        return self.ops.mla_sublayer(self, x, ctx, layer, residual)
+
+    def project_q_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q [T, H*(N+R)] (directly or through the q LoRA pair), kv [T, C+R] (kv_a)."""
         ops = self.ops
         if self.wq is not None:
             q, kv = ops.linear_multi((self.wq, self.wkv_a), x)
-        else:
-            qa, kv = ops.linear_multi((self.wq_a, self.wkv_a), x)
-            q = ops.linear(self.wq_b, ops.rms_norm(qa, self.q_a_norm, self.eps))
-        return ops.linear(self.wo, ops.mla_attention(self, q, kv, ctx, layer))
+            return q, kv
+        qa, kv = ops.linear_multi((self.wq_a, self.wkv_a), x)
+        return ops.linear(self.wq_b, ops.rms_norm(qa, self.q_a_norm, self.eps)), kv
 
 
 def absorbed_from_kv_b(wkv_b: QuantLinear, c: MLAConfig) -> tuple[QuantLinear, QuantLinear]:

@@ -1,4 +1,4 @@
-"""MoE block: route -> ExpertBank -> (routed, shared) for the finalize op. Router math is fp32.
+"""MoE block: route -> ExpertBank (+ shared experts) -> finalize. Router math is fp32.
 
 Legend: T tokens, D hidden, E experts, G expert groups, K experts per token.
 """
@@ -14,6 +14,7 @@ from pocketmoe.errors import PocketMoEError
 from pocketmoe.layers.experts import ExpertBank
 from pocketmoe.layers.linear import QuantLinear
 from pocketmoe.layers.mlp import GatedMLP
+from pocketmoe.layers.norm import Residual
 
 # The one definition of these; the native route op is handed them (ops/cpu.py).
 GATING_SOFTMAX = 1
@@ -78,10 +79,9 @@ class MoEBlock:
 
     def __init__(self, router: Router, experts: ExpertBank, shared: GatedMLP | None = None) -> None:
         self.router, self.experts, self.shared = router, experts, shared
+        self.native: object = None  # what a native backend precomputed (False: it cannot run this block)
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [T, D] -> (routed [T, D], shared [T, D] or None), summed by the finalize op."""
-        ops = self.router.ops
-        weights, ids = ops.route(self.router, x)
-        routed = ops.moe(self.experts, x, ids, weights)
-        return routed, None if self.shared is None else ops.ffn(self.shared, x)
+    def __call__(self, x: torch.Tensor, residual: Residual) -> torch.Tensor | None:
+        """x [T, D] (normed) -> residual.x += routed(x) + shared(x); the next sublayer's input
+        (ops.moe_sublayer: route, the ExpertBank, the shared experts, finalize)."""
+        return self.router.ops.moe_sublayer(self, x, residual)

@@ -18,6 +18,7 @@ from pocketmoe.layers.experts import ExpertsFactory, ExpertWeights
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear, load_float
 from pocketmoe.layers.mlp import GatedMLP
 from pocketmoe.layers.moe import MoEBlock, Router, RouterConfig
+from pocketmoe.layers.norm import Residual
 from pocketmoe.layers.rotary import RopeConfig, Rotary
 from pocketmoe.specs.base import Role
 
@@ -57,13 +58,9 @@ class DeepSeek2Model:
         x = ops.embed(self.embed, ctx.tokens)  # [T, D], the residual stream (updated in place)
         xn = ops.rms_norm(x, self.blocks[0].attn_norm, eps)
         for i, block in enumerate(self.blocks):
-            xn = ops.add_rms_norm(x, block.attn(xn, ctx, i), block.ffn_norm, eps)
-            if isinstance(block.ffn, MoEBlock):
-                routed, shared = block.ffn(xn)
-            else:
-                routed, shared = block.ffn(xn), None
+            xn = block.attn(xn, ctx, i, Residual(x, block.ffn_norm, eps))
             last = i + 1 == len(self.blocks)
-            xn = ops.finalize(x, routed, shared, None if last else self.blocks[i + 1].attn_norm, eps)
+            xn = block.ffn(xn, Residual(x, None if last else self.blocks[i + 1].attn_norm, eps))
         rows = ctx.logit_rows
         if len(rows) == 0:
             return x.new_zeros(0, self.vocab_size)

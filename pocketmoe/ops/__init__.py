@@ -6,7 +6,10 @@ Ops (each a method of a backend object; a model calls them through the layers it
   residual, then the next sublayer's norm), rope (normal / NeoX, partial; YaRN lives in the tables),
   mla_attention (absorbed and legacy layouts; GQA and the DeepSeek-V4 kinds plug in beside it),
   route (softmax, sigmoid with selection bias, group-limited top-k, weight norm and scale),
-  moe (over an ExpertBank), ffn (gated MLP: dense FFN and shared experts).
+  moe (over an ExpertBank), ffn (gated MLP: dense FFN and shared experts); and the sublayers composed
+  of them, each closing with the residual update (layers.norm.Residual): mla_sublayer, moe_sublayer,
+  ffn_sublayer. The reference defines a sublayer as its fine ops in order; the native backend runs it
+  as one call (a decode layer is two), bitwise the same.
 
 Backends: `reference` (plain torch, ops/reference.py) and `native` (the C++ CPU ops, ops/cpu.py, which
 fall back to the reference per op for what they cannot take). A CUDA backend is one more subclass

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pocketmoe.layers.experts import native_reads
+from pocketmoe.layers.experts import NativeExperts, native_reads
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear
 from pocketmoe.layers.moe import GATING_SIGMOID, GATING_SOFTMAX, WEIGHT_SUM_MIN
 from pocketmoe.ops.reference import ReferenceOps
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from pocketmoe.engine.step import StepContext
     from pocketmoe.layers.attention import MLAttention
     from pocketmoe.layers.mlp import GatedMLP
-    from pocketmoe.layers.moe import Router
+    from pocketmoe.layers.moe import MoEBlock, Router
+    from pocketmoe.layers.norm import Residual
 
 
 def _np(x: torch.Tensor) -> np.ndarray:
@@ -124,30 +125,51 @@ class NativeOps(ReferenceOps):
         cache = ctx.cache.data
         if k_b is False or v_b is False or cache.dtype != torch.float32 or not cache.is_cpu:
             return super().mla_attention(attn, q, kv, ctx, layer)
-        shape = attn.native
-        if shape is None:
-            c = attn.cfg
-            shape = attn.native = self.lib.MLAShape(c.n_head, c.qk_nope, c.qk_rope, c.v_head, c.kv_lora, c.scale,
-                                                    attn.eps)
-        out = self.lib.mla_attention(shape, _np(q), _np(kv), attn.kv_a_norm.numpy(), k_b, v_b, ctx.cos2.numpy(),
+        out = self.lib.mla_attention(self._mla_shape(attn), _np(q), _np(kv), attn.kv_a_norm.numpy(), k_b, v_b, ctx.cos2.numpy(),
                                      ctx.sin2.numpy(), cache[layer].numpy(), ctx.seq, ctx.keys, ctx.write_rows,
                                      ctx.page_table, ctx.cache.page)
         return torch.from_numpy(out)
+
+    def _mla_shape(self, attn: MLAttention) -> object:
+        if attn.native is None:
+            c = attn.cfg
+            attn.native = self.lib.MLAShape(c.n_head, c.qk_nope, c.qk_rope, c.v_head, c.kv_lora, c.scale, attn.eps)
+        return attn.native
+
+    def mla_sublayer(self, attn: MLAttention, x: torch.Tensor, ctx: StepContext, layer: int,
+                     residual: Residual) -> torch.Tensor | None:
+        """One native call: projections, attention, output projection and the residual update."""
+        op = attn.native_sublayer
+        if op is None:
+            ws = [None if w is None else self.handle(w) for w in (attn.wq, attn.wq_a, attn.wq_b, attn.wkv_a, attn.k_b,
+                                                                  attn.v_b, attn.wo)]
+            ok = attn.absorbed and all(h is not False for h in ws)
+            wq, wq_a, wq_b, wkv_a, k_b, v_b, wo = ws
+            op = attn.native_sublayer = self.lib.MLASublayer(
+                self._mla_shape(attn), wq, wq_a, None if attn.q_a_norm is None else attn.q_a_norm.numpy(), wq_b, wkv_a,
+                attn.kv_a_norm.numpy(), k_b, v_b, wo) if ok else False
+        cache = ctx.cache.data
+        if op is False or cache.dtype != torch.float32 or not cache.is_cpu or not x.is_cpu:
+            return super().mla_sublayer(attn, x, ctx, layer, residual)
+        return _tensor(op(_np(x), residual.x.numpy(), _norm(residual), residual.eps, ctx.cos2.numpy(),
+                          ctx.sin2.numpy(), cache[layer].numpy(), ctx.seq, ctx.keys, ctx.write_rows, ctx.page_table,
+                          ctx.cache.page))
 
     # -- experts -----------------------------------------------------------------------------------
     def route(self, router: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.handle(router.gate)
         if h is False or not x.is_cpu:
             return super().route(router, x)
-        params = router.native
-        if params is None:
-            c = router.cfg
-            params = router.native = self.lib.RouteParams(
-                c.n_experts, c.top_k, c.gating, c.n_groups, c.groups_used, c.norm, c.scale, WEIGHT_SUM_MIN,
-                GATING_SOFTMAX, GATING_SIGMOID)
         bias = None if router.bias is None else router.bias.numpy()
-        ids, weights = self.lib.route(params, _np(x), h, bias)
+        ids, weights = self.lib.route(self._route_params(router), _np(x), h, bias)
         return torch.from_numpy(weights), torch.from_numpy(ids)
+
+    def _route_params(self, router: Router) -> object:
+        if router.native is None:
+            c = router.cfg
+            router.native = self.lib.RouteParams(c.n_experts, c.top_k, c.gating, c.n_groups, c.groups_used, c.norm,
+                                                 c.scale, WEIGHT_SUM_MIN, GATING_SOFTMAX, GATING_SIGMOID)
+        return router.native
 
     def ffn(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
         hs = [self.handle(w) for w in (mlp.gate, mlp.up, mlp.down)]
@@ -155,3 +177,43 @@ class NativeOps(ReferenceOps):
             return super().ffn(mlp, x)
         return torch.from_numpy(self.lib.gated_ffn(_np(x), *hs))
 
+
+    def ffn_sublayer(self, mlp: GatedMLP, x: torch.Tensor, residual: Residual) -> torch.Tensor | None:
+        """One native call: the gated FFN and the residual update."""
+        op = mlp.native
+        if op is None:
+            hs = [self.handle(w) for w in (mlp.gate, mlp.up, mlp.down)]
+            op = mlp.native = False if any(h is False for h in hs) else self.lib.FFNSublayer(*hs)
+        if op is False or not x.is_cpu:
+            return super().ffn_sublayer(mlp, x, residual)
+        return _tensor(op(_np(x), residual.x.numpy(), _norm(residual), residual.eps))
+
+    def moe_sublayer(self, block: MoEBlock, x: torch.Tensor, residual: Residual) -> torch.Tensor | None:
+        """One native call when the bank is the native host bank (route, experts, shared, residual update);
+        any other ExpertBank runs the sublayer op by op."""
+        op = block.native
+        if op is None:
+            op = block.native = self._moe_sublayer(block)
+        if op is False or not x.is_cpu:
+            return super().moe_sublayer(block, x, residual)
+        return _tensor(op(_np(x), residual.x.numpy(), _norm(residual), residual.eps))
+
+    def _moe_sublayer(self, block: MoEBlock) -> object:
+        bank, router = block.experts, block.router
+        gate_inp = self.handle(router.gate)
+        shared = [None] * 3 if block.shared is None else [self.handle(w) for w in (block.shared.gate, block.shared.up,
+                                                                                   block.shared.down)]
+        if not isinstance(bank, NativeExperts) or gate_inp is False or any(h is False for h in shared):
+            return False
+        (g, u, d), types = bank.raw, (bank.gate.ggml_type, bank.up.ggml_type, bank.down.ggml_type)
+        return self.lib.MoESublayer(self._route_params(router), gate_inp,
+                                    None if router.bias is None else router.bias.numpy(), g, types[0], u, types[1], d,
+                                    types[2], bank.ffn, *shared)
+
+
+def _norm(residual: Residual) -> np.ndarray | None:
+    return None if residual.norm is None else residual.norm.numpy()
+
+
+def _tensor(y: np.ndarray | None) -> torch.Tensor | None:
+    return None if y is None else torch.from_numpy(y)

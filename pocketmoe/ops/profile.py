@@ -11,7 +11,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-OPS = ("embed", "rms_norm", "add_rms_norm", "finalize", "linear", "linear_multi", "batched", "rope",
+OPS = ("embed", "rms_norm", "add_rms_norm", "finalize", "linear", "linear_multi", "batched", "rope", "mla_sublayer",
+       "ffn_sublayer", "moe_sublayer",
        "mla_attention", "route", "moe", "ffn")
 
 

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from pocketmoe.layers.attention import MLAttention
     from pocketmoe.layers.experts import ExpertBank
     from pocketmoe.layers.mlp import GatedMLP
-    from pocketmoe.layers.moe import Router
+    from pocketmoe.layers.moe import MoEBlock, Router
+    from pocketmoe.layers.norm import Residual
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,6 +144,16 @@ class ReferenceOps(ReferenceBackend):
         scores = q_nope @ k_nope.transpose(1, 2) + q_pe @ kpe_all.t()  # [H, T, S]
         return _softmax(scores, c.scale, mask) @ v  # [H, T, V]
 
+    def mla_sublayer(self, attn: MLAttention, x: torch.Tensor, ctx: StepContext, layer: int,
+                     residual: Residual) -> torch.Tensor | None:
+        """The attention sublayer: projections, mla_attention, the output projection, then finalize."""
+        q, kv = attn.project_q_kv(x)
+        return self.close(residual, self.linear(attn.wo, self.mla_attention(attn, q, kv, ctx, layer)))
+
+    def close(self, residual: Residual, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
+        """finalize into the residual stream: x += a (+ b); the next sublayer's input."""
+        return self.finalize(residual.x, a, b, residual.norm, residual.eps)
+
     # -- experts -------------------------------------------------------------------------------
     def route(self, router: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> weights [T, K] float32, ids [T, K] (see layers.moe.Router for the rules)."""
@@ -175,6 +186,16 @@ class ReferenceOps(ReferenceBackend):
         """down(silu(gate x) * up x): dense FFN and shared experts."""
         g, u = self.linear_multi((mlp.gate, mlp.up), x)
         return self.linear(mlp.down, F.silu(g) * u)
+
+    def ffn_sublayer(self, mlp: GatedMLP, x: torch.Tensor, residual: Residual) -> torch.Tensor | None:
+        """A dense FFN sublayer: ffn, then finalize."""
+        return self.close(residual, self.ffn(mlp, x))
+
+    def moe_sublayer(self, block: MoEBlock, x: torch.Tensor, residual: Residual) -> torch.Tensor | None:
+        """An MoE sublayer: route, the ExpertBank, the shared experts, then finalize (routed + shared + residual)."""
+        weights, ids = self.route(block.router, x)
+        routed = self.moe(block.experts, x, ids, weights)
+        return self.close(residual, routed, None if block.shared is None else self.ffn(block.shared, x))
 
 
 def _softmax(scores: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:

@@ -92,4 +92,49 @@ void gated_ffn(const Weight& gate, const Weight& up, const Weight& down, const f
 // Dequantized rows of an embedding table: y[t] = table[tokens[t]] (D values).
 void embed(const Weight& table, const int32_t* tokens, int n_rows, float* y);
 
+// ---- Sublayers: the ops above composed in the order a residual block runs them, so a decode layer is two
+// calls. Each ends in the residual update that closes a sublayer: x[t] += out[t] (the sublayer's output),
+// then next[t] = rms_norm(x[t]) with the next sublayer's norm weight (none: no next). Bitwise what the
+// separate ops give.
+struct Residual {
+  float* x = nullptr;             // [T, D], the residual stream, updated in place
+  const float* norm_w = nullptr;  // the next sublayer's norm weight, or null
+  float eps = 0.0f;
+  float* next = nullptr;          // [T, D]: rms_norm(x) * norm_w (unused without norm_w)
+};
+
+// MLA attention sublayer on normed rows xn [T, D]: q = xn wq^T (or through the q LoRA pair wq_a, q_a_norm,
+// wq_b) and kv = xn wkv_a^T in one dispatch, mla_attention, o wo^T, then the residual update.
+struct MLAWeights {
+  const Weight* wq = nullptr;  // null: the q LoRA pair
+  const Weight* wq_a = nullptr;
+  const float* q_a_norm = nullptr;
+  const Weight* wq_b = nullptr;
+  const Weight* wkv_a = nullptr;
+  const float* kv_a_norm = nullptr;
+  const Weight* k_b = nullptr;
+  const Weight* v_b = nullptr;
+  const Weight* wo = nullptr;
+};
+void mla_sublayer(const MLAShape& s, const MLAWeights& w, const float* xn, const float* cos2, const float* sin2,
+                  float* cache, const KVLayout& kv_layout, int n_rows, const Residual& res);
+
+// Gated FFN sublayer (a dense FFN): gated_ffn(xn), then the residual update.
+void ffn_sublayer(const Weight& gate, const Weight& up, const Weight& down, const float* xn, int n_rows,
+                  const Residual& res);
+
+// MoE sublayer: route(xn), the routed experts (moe_forward), the shared experts (gated_ffn, when given) and
+// the residual update x += routed + shared.
+struct MoEParts {
+  RouteParams route;
+  const Weight* gate_inp = nullptr;
+  const float* bias = nullptr;  // selection bias [E] or null
+  MoEWeights gate, up, down;
+  int ffn = 0;                  // routed expert width
+  const Weight* shared_gate = nullptr;  // null: no shared experts
+  const Weight* shared_up = nullptr;
+  const Weight* shared_down = nullptr;
+};
+void moe_sublayer(const MoEParts& m, const float* xn, int n_rows, int hidden, const Residual& res);
+
 }  // namespace pocketmoe
