@@ -3,6 +3,7 @@ llama.cpp, meets its held-out perplexity, and routes unevenly as real MoE models
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -169,3 +170,14 @@ def test_llama_cpp_greedy_tokens_match(llm, llama, prompts) -> None:
             last = llm.prompt_logits(prompt + ours_ids[:i])[-1]
             gap = (last[ours_ids[i]] - last[theirs[i]]).item()
             assert gap < 0.05, f"token {i} differs ({ours_ids[i]} vs llama.cpp {theirs[i]}) with a logit gap {gap}"
+
+
+def test_demo_runs_a_completion_and_a_chat_turn(capsys) -> None:
+    from pocketmoe import demo
+
+    assert demo.main(["--max-tokens", "8", "--threads", "2"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert out.count("== python -m pocketmoe.generate") == 2 and "prefill_tok_s=" in captured.err
+    # the serve command is printed only once the server exists in this build
+    assert ("pocketmoe.serve --port" in out) == (importlib.util.find_spec("pocketmoe.serve") is not None)
