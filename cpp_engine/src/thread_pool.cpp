@@ -16,6 +16,9 @@ namespace {
 // phases of one layer, short enough not to steal a core from torch between layers.
 constexpr auto kSpin = std::chrono::microseconds(100);
 
+// Item index of a closed run: past any n_items, so drain() claims nothing.
+constexpr uint64_t kClosed = 0x7fffffff;
+
 int read_int(const std::string& path) {
   std::ifstream f(path);
   int v = -1;
@@ -76,6 +79,11 @@ void ThreadPool::run(int n_items, ItemFn fn, void* ctx) {
     for (int i = 0; i < n_items; ++i) fn(ctx, i, 0);
     return;
   }
+  // Close the last run before touching its fields: a worker still inside drain() of that run may hold a
+  // stale `cur` whose CAS would otherwise succeed against a larger n_items_, run an item of this run
+  // under the old generation and count it in done_ twice over (the caller then waited forever).
+  // The closed generation has nothing to claim (item index kClosed).
+  work_.store((uint64_t{++generation_} << 32) | kClosed);
   fn_ = fn;
   ctx_ = ctx;
   n_items_.store(n_items);

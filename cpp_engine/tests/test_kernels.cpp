@@ -4,12 +4,14 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "pocketmoe/act_quant.h"
@@ -239,6 +241,32 @@ void test_thread_pool() {
   }
 }
 
+// Runs back to back, each larger than the last and then small again, with items that take no time: a
+// worker still leaving drain() of one run must never claim an item of the next (it did, and counted it
+// twice, and the caller waited forever). A watchdog turns a hang into a failure.
+void test_thread_pool_back_to_back_runs() {
+  ThreadPool pool(2);
+  std::atomic<bool> finished{false};
+  std::atomic<int> bad{0};
+  std::thread watchdog([&] {
+    for (int i = 0; i < 600 && !finished.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (!finished.load()) {
+      std::fprintf(stderr, "FAIL thread pool: back-to-back runs hung (an item counted twice)\n");
+      std::_Exit(1);
+    }
+  });
+  std::vector<std::atomic<int>> hits(64);
+  for (int rep = 0; rep < 1000000; ++rep) {
+    const int n_items = rep % 3 == 0 ? 1 : (rep % 3 == 1 ? 2 : 64);
+    for (int i = 0; i < n_items; ++i) hits[i].store(0);
+    pool.parallel_for(n_items, [&](int item, int) { hits[item].fetch_add(1); });
+    for (int i = 0; i < n_items; ++i) bad += hits[i].load() != 1;
+  }
+  finished.store(true);
+  watchdog.join();
+  CHECK(bad.load() == 0, "%d items ran other than once in back-to-back runs", bad.load());
+}
+
 void test_errors() {
   auto throws = [](const std::function<void()>& f) {
     try {
@@ -350,6 +378,7 @@ int main() {
   std::printf("%s\n", describe().c_str());
   const std::pair<const char*, void (*)()> tests[] = {
       {"thread_pool", test_thread_pool},
+      {"thread_pool_back_to_back_runs", test_thread_pool_back_to_back_runs},
       {"activation_quantization", test_activation_quantization},
       {"silu", test_silu},
       {"gemm_matches_reference", test_gemm_matches_reference},
