@@ -153,7 +153,7 @@ class ModelRunner:
             return self.model(StepContext.build(step, self.cache, self.vocab_size))
         if start_pos is None:
             raise PocketMoEError("forward(tokens, start_pos): give the position of the first token.")
-        tokens = [int(t) for t in torch.as_tensor(step).reshape(-1).tolist()]
+        tokens = [int(t) for t in (step if isinstance(step, (list, tuple)) else torch.as_tensor(step).reshape(-1).tolist())]
         if not tokens:
             raise PocketMoEError("forward needs at least one token, got none.")
         if start_pos < 0 or start_pos + len(tokens) > self.cfg.n_ctx:

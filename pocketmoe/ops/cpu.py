@@ -44,6 +44,12 @@ class NativeOps(ReferenceOps):
         self.native = native
         self.lib = native._lib()
         self.types = native.supported_types()
+        # Per-call conversions made once: numpy views of weights' float vectors and of the residual stream,
+        # and the attention's per-step arrays (a decode token makes 20 calls; each view costs ~1 us).
+        self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+        self._stream: tuple[torch.Tensor | None, np.ndarray | None] = (None, None)
+        self._step: tuple[object, tuple[object, ...]] = (None, ())
+        self._cache_layers: tuple[torch.Tensor | None, list[np.ndarray]] = (None, [])
 
     def torch_threads(self, requested: int | None) -> int:
         """1, whatever was asked (`requested` sizes the native pool instead).
@@ -148,12 +154,37 @@ class NativeOps(ReferenceOps):
             op = attn.native_sublayer = self.lib.MLASublayer(
                 self._mla_shape(attn), wq, wq_a, None if attn.q_a_norm is None else attn.q_a_norm.numpy(), wq_b, wkv_a,
                 attn.kv_a_norm.numpy(), k_b, v_b, wo) if ok else False
-        cache = ctx.cache.data
-        if op is False or cache.dtype != torch.float32 or not cache.is_cpu or not x.is_cpu:
+        step = self._step_args(ctx)
+        if op is False or step is None or not x.is_cpu:
             return super().mla_sublayer(attn, x, ctx, layer, residual)
-        return _tensor(op(_np(x), residual.x.numpy(), _norm(residual), residual.eps, ctx.cos2.numpy(),
-                          ctx.sin2.numpy(), cache[layer].numpy(), ctx.seq, ctx.keys, ctx.write_rows, ctx.page_table,
-                          ctx.cache.page))
+        cos2, sin2, layers, *kv = step
+        return _tensor(op(_np(x), *self._residual(residual), cos2, sin2, layers[layer], *kv))
+
+    def _step_args(self, ctx: StepContext) -> tuple[object, ...] | None:
+        """The attention's arrays of this step, made at its first call (None: the cache is not native)."""
+        if self._step[0] is not ctx:
+            data = ctx.cache.data
+            if data.dtype != torch.float32 or not data.is_cpu:
+                args = None
+            else:
+                if self._cache_layers[0] is not data:
+                    self._cache_layers = (data, [data[i].numpy() for i in range(data.shape[0])])
+                args = (ctx.cos2.numpy(), ctx.sin2.numpy(), self._cache_layers[1], ctx.seq, ctx.keys, ctx.write_rows,
+                        ctx.page_table, ctx.cache.page)
+            self._step = (ctx, args)
+        return self._step[1]
+
+    def _residual(self, residual: Residual) -> tuple[np.ndarray, np.ndarray | None, float]:
+        """(x, norm, eps) of a sublayer's residual update as the native sublayers take them."""
+        if self._stream[0] is not residual.x:
+            self._stream = (residual.x, residual.x.numpy())
+        norm = residual.norm
+        if norm is None:
+            return self._stream[1], None, residual.eps
+        view = self._views.get(id(norm))
+        if view is None or view[0] is not norm:
+            view = self._views[id(norm)] = (norm, norm.numpy())
+        return self._stream[1], view[1], residual.eps
 
     # -- experts -----------------------------------------------------------------------------------
     def route(self, router: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +217,7 @@ class NativeOps(ReferenceOps):
             op = mlp.native = False if any(h is False for h in hs) else self.lib.FFNSublayer(*hs)
         if op is False or not x.is_cpu:
             return super().ffn_sublayer(mlp, x, residual)
-        return _tensor(op(_np(x), residual.x.numpy(), _norm(residual), residual.eps))
+        return _tensor(op(_np(x), *self._residual(residual)))
 
     def moe_sublayer(self, block: MoEBlock, x: torch.Tensor, residual: Residual) -> torch.Tensor | None:
         """One native call when the bank is the native host bank (route, experts, shared, residual update);
@@ -196,7 +227,7 @@ class NativeOps(ReferenceOps):
             op = block.native = self._moe_sublayer(block)
         if op is False or not x.is_cpu:
             return super().moe_sublayer(block, x, residual)
-        return _tensor(op(_np(x), residual.x.numpy(), _norm(residual), residual.eps))
+        return _tensor(op(_np(x), *self._residual(residual)))
 
     def _moe_sublayer(self, block: MoEBlock) -> object:
         bank, router = block.experts, block.router
@@ -209,10 +240,6 @@ class NativeOps(ReferenceOps):
         return self.lib.MoESublayer(self._route_params(router), gate_inp,
                                     None if router.bias is None else router.bias.numpy(), g, types[0], u, types[1], d,
                                     types[2], bank.ffn, *shared)
-
-
-def _norm(residual: Residual) -> np.ndarray | None:
-    return None if residual.norm is None else residual.norm.numpy()
 
 
 def _tensor(y: np.ndarray | None) -> torch.Tensor | None:
