@@ -103,3 +103,44 @@ def test_step_errors(model: Path) -> None:
         r.forward(Step([SeqChunk("q", [1], 0)]))
     r.free("p")
     assert r.forward(Step([SeqChunk("q", [1, 2], 0, "last")])).shape == (1, r.vocab_size)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels")
+@pytest.mark.parametrize("preset,quant", [("tiny", "Q4_K_M"), ("tiny-legacy", "Q8_0"), ("tiny-qlora", "F32")])
+def test_recorded_steps_replay_bitwise(tmp_path, preset: str, quant: str) -> None:
+    """Steps whose every token wants logits run as one recorded native call after the first; the logits are
+    bitwise those of the same steps run op by op, over the mixed schedule (the decode steps are replayed)."""
+    (path,) = write_fixture("deepseek2", preset, quant, tmp_path / "m.gguf", seed=7)
+    runs = {}
+    for replay in (True, False):
+        r = ModelRunner(open_bundle(path), RunnerConfig(n_ctx=64, backend="native", max_seqs=3))
+        r.ops.replay = replay
+        feed = {s: [int(t) % r.vocab_size for t in range(40, 50)] for s in PROMPTS}
+        runs[replay] = (run(r, SCHEDULE, feed), r)
+    (replayed, r_rep), (op_by_op, _) = runs[True], runs[False]
+    assert any(program for _, program in r_rep.ops._programs.values()), "no step was recorded"
+    for s in PROMPTS:
+        for got, want in zip(replayed[s], op_by_op[s], strict=True):
+            assert torch.equal(got, want), s
+    assert torch.equal(r_rep.cache.data, runs[False][1].cache.data)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels")
+def test_a_step_with_other_ops_is_not_recorded(model: Path) -> None:
+    """A model that calls an op a StepProgram does not hold runs op by op every time."""
+    r = ModelRunner(open_bundle(model), RunnerConfig(n_ctx=64, backend="native"))
+    ops, model_fn = r.ops, r.model
+    extra = ops.finalize  # recorded as "other"
+    original = type(model_fn).__call__
+
+    def call(self, ctx):
+        out = original(self, ctx)
+        extra(out.new_zeros(1, 1), out.new_zeros(1, 1))
+        return out
+
+    type(model_fn).__call__ = call
+    try:
+        r.forward(Step([SeqChunk("a", [1, 2, 3], 0, "all")]))
+        assert [p for _, p in ops._programs.values()] == [False]
+    finally:
+        type(model_fn).__call__ = original

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -556,6 +557,138 @@ py::object moe_sublayer_py(const MoESublayerHandle& h, const py::array& xn, cons
   return res.next;
 }
 
+// ---- A recorded step, replayed in one call: embed -> norm -> sublayers (each closing with its residual
+// update and, but for the last, the next sublayer's norm) -> final norm -> head. The order and the handles
+// are what the model called through the ops when it was recorded (pocketmoe/ops/cpu.py); nothing in here
+// knows an architecture. Bitwise what the same calls made one at a time give.
+struct ProgramSublayer {
+  enum Kind { kMLA = 0, kFFN = 1, kMoE = 2 } kind;
+  py::object op;                 // the MLASublayer / FFNSublayer / MoESublayer handle
+  const float* norm = nullptr;   // the next sublayer's norm weight (null: the last sublayer)
+  float eps = 0.0f;
+  int layer = 0;                 // MLA: the cache layer it reads and writes
+};
+
+struct StepProgramHandle {
+  py::object embed, head;        // WeightHandles
+  const float* first_norm = nullptr;
+  const float* out_norm = nullptr;
+  float first_eps = 0.0f, out_eps = 0.0f;
+  std::vector<ProgramSublayer> subs;
+  std::vector<py::object> keep;  // the norm arrays
+};
+
+StepProgramHandle make_step_program(const py::object& embed, const py::array& first_norm, float first_eps,
+                                    const py::list& sublayers, const py::array& out_norm, float out_eps,
+                                    const py::object& head) {
+  StepProgramHandle h;
+  const Weight& table = embed.cast<const WeightHandle&>().w;
+  const Weight& hw = head.cast<const WeightHandle&>().w;
+  const int d = table.cols;
+  if (hw.cols != d || hw.heads != 1) throw py::value_error("the head must read rows of the embedding width");
+  h.embed = embed, h.head = head;
+  h.first_norm = kept_vector(first_norm, "first_norm", d, h.keep), h.first_eps = first_eps;
+  h.out_norm = kept_vector(out_norm, "out_norm", d, h.keep), h.out_eps = out_eps;
+  if (!h.first_norm || !h.out_norm) throw py::value_error("a step program needs its first and final norm weights");
+  for (const py::handle item : sublayers) {
+    auto t = item.cast<py::tuple>();
+    if (t.size() != 5) throw py::value_error("a sublayer is (kind, op, norm, eps, layer)");
+    ProgramSublayer sub;
+    const int kind = t[0].cast<int>();
+    if (kind < 0 || kind > 2) throw py::value_error("sublayer kind " + std::to_string(kind) + " is not 0, 1 or 2");
+    sub.kind = static_cast<ProgramSublayer::Kind>(kind);
+    sub.op = t[1].cast<py::object>();
+    if ((kind == 0 && !py::isinstance<MLASublayerHandle>(sub.op)) || (kind == 1 && !py::isinstance<FFNSublayerHandle>(sub.op)) ||
+        (kind == 2 && !py::isinstance<MoESublayerHandle>(sub.op)))
+      throw py::value_error("sublayer handle does not match its kind");
+    sub.norm = kept_vector(t[2].cast<py::object>(), "norm", d, h.keep);
+    sub.eps = t[3].cast<float>();
+    sub.layer = t[4].cast<int>();
+    h.subs.push_back(std::move(sub));
+  }
+  return h;
+}
+
+// The program's arithmetic (no Python objects touched: it runs without the GIL).
+void run_program(const StepProgramHandle& h, const std::vector<const MLASublayerHandle*>& mla,
+                 const std::vector<const MoESublayerHandle*>& moe, const std::vector<std::array<const Weight*, 3>>& ffn,
+                 const Weight& emb, const Weight& head, const int32_t* tp, int nt, const float* cp, const float* sp,
+                 float* cache0, py::ssize_t rows, py::ssize_t w, const KVLayout& layout, float* lp) {
+  const int d = emb.cols;
+  const py::ssize_t n = nt;
+  static thread_local std::vector<float> x_, a_, b_;
+  const size_t nd = static_cast<size_t>(n) * d;
+  if (x_.size() < nd) x_.resize(nd), a_.resize(nd), b_.resize(nd);
+  float *x = x_.data(), *xn = a_.data(), *next = b_.data();
+  embed(emb, tp, nt, x);
+  rms_norm(x, h.first_norm, nt, d, h.first_eps, xn);
+  for (size_t i = 0; i < h.subs.size(); ++i) {
+    const ProgramSublayer& sub = h.subs[i];
+    const Residual res{x, sub.norm, sub.eps, next};
+    if (sub.kind == ProgramSublayer::kMLA) {
+      float* layer_cache = cache0 + static_cast<size_t>(sub.layer) * rows * w;
+      mla_sublayer(mla[i]->shape, mla[i]->w, xn, cp, sp, layer_cache, layout, nt, res);
+    } else if (sub.kind == ProgramSublayer::kFFN) {
+      ffn_sublayer(*ffn[i][0], *ffn[i][1], *ffn[i][2], xn, nt, res);
+    } else {
+      moe_sublayer(moe[i]->m, xn, nt, moe[i]->hidden, res);
+    }
+    if (sub.norm != nullptr) std::swap(xn, next);
+  }
+  rms_norm(x, h.out_norm, nt, d, h.out_eps, xn);
+  const Weight* hw[1] = {&head};
+  float* ys[1] = {lp};
+  linear_multi(hw, 1, xn, nt, ys);
+}
+
+// tokens int32 [T]; cache float32 [L, rows, W]; the step's arrays as mla_sublayer takes them -> logits [T, V].
+py::array_t<float> step_program_py(const StepProgramHandle& h, const py::array& tokens, const py::array& cos2,
+                                   const py::array& sin2, const py::array& cache, const py::array& seq,
+                                   const py::array& keys, const py::array& write_rows, const py::array& table,
+                                   int page) {
+  const Weight& emb = h.embed.cast<const WeightHandle&>().w;
+  const Weight& head = h.head.cast<const WeightHandle&>().w;
+  auto ta = checked<int32_t>(tokens, "tokens", 1);
+  const py::ssize_t n = ta.shape(0);
+  auto ca = checked<float>(cache, "cache", 3);
+  if (!ca.writeable()) throw py::value_error("cache must be writeable");
+  const py::ssize_t n_layers = ca.shape(0), rows = ca.shape(1), w = ca.shape(2);
+  const float *cp = nullptr, *sp = nullptr;
+  // Every handle resolved while the GIL is held.
+  std::vector<const MLASublayerHandle*> mla(h.subs.size(), nullptr);
+  std::vector<const MoESublayerHandle*> moe(h.subs.size(), nullptr);
+  std::vector<std::array<const Weight*, 3>> ffn(h.subs.size(), {nullptr, nullptr, nullptr});
+  for (size_t i = 0; i < h.subs.size(); ++i) {
+    if (h.subs[i].kind == ProgramSublayer::kFFN) {
+      const auto& f = h.subs[i].op.cast<const FFNSublayerHandle&>();
+      ffn[i] = {&f.gate.cast<const WeightHandle&>().w, &f.up.cast<const WeightHandle&>().w,
+                &f.down.cast<const WeightHandle&>().w};
+    }
+    if (h.subs[i].kind == ProgramSublayer::kMoE) moe[i] = &h.subs[i].op.cast<const MoESublayerHandle&>();
+    if (h.subs[i].kind != ProgramSublayer::kMLA) continue;
+    mla[i] = &h.subs[i].op.cast<const MLASublayerHandle&>();
+    const MLAShape& sh = mla[i]->shape;
+    if (sh.kv_lora + sh.qk_rope != w || h.subs[i].layer < 0 || h.subs[i].layer >= n_layers)
+      throw py::value_error("the cache does not match the recorded attention layers");
+    cp = rows_of(cos2, "cos2", sh.qk_rope).data(), sp = rows_of(sin2, "sin2", sh.qk_rope).data();
+  }
+  if (cp && (cos2.shape(0) != n || sin2.shape(0) != n)) throw py::value_error("cos2 and sin2 need one row per token");
+  auto tb = checked<int32_t>(table, "page_table", 2);
+  const KVLayout layout{ints_of(seq, "seq", n), ints_of(keys, "keys", n), ints_of(write_rows, "write_rows", n),
+                        tb.data(), static_cast<int>(tb.shape(0)), static_cast<int>(tb.shape(1)), page,
+                        static_cast<int>(rows)};
+  py::array_t<float> logits({n, static_cast<py::ssize_t>(head.rows)});
+  const int32_t* tp = ta.data();
+  float* cache0 = ca.mutable_data();
+  float* lp = logits.mutable_data();
+  const int nt = static_cast<int>(n);
+  {
+    py::gil_scoped_release release;
+    run_program(h, mla, moe, ffn, emb, head, tp, nt, cp, sp, cache0, rows, w, layout, lp);
+  }
+  return logits;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -631,6 +764,12 @@ PYBIND11_MODULE(_native, m) {
            py::arg("ffn"), py::arg("shared_gate"), py::arg("shared_up"), py::arg("shared_down"))
       .def("__call__", &moe_sublayer_py, py::arg("xn"), py::arg("x"), py::arg("norm"), py::arg("eps"),
            "x += routed(xn) + shared(xn) in place; returns rms_norm(x) * norm (None without a norm).");
+  py::class_<StepProgramHandle>(m, "StepProgram", "A recorded step (embed, norm, sublayers, norm, head) run in one call.")
+      .def(py::init(&make_step_program), py::arg("embed"), py::arg("first_norm"), py::arg("first_eps"),
+           py::arg("sublayers"), py::arg("out_norm"), py::arg("out_eps"), py::arg("head"))
+      .def("__call__", &step_program_py, py::arg("tokens"), py::arg("cos2"), py::arg("sin2"), py::arg("cache"),
+           py::arg("seq"), py::arg("keys"), py::arg("write_rows"), py::arg("page_table"), py::arg("page"),
+           "logits [T, V] of every token of the step; writes the tokens' cache rows.");
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("describe", &describe);

@@ -150,7 +150,7 @@ class ModelRunner:
         [T, V] ([1, V] with last_only), run in chunks of cfg.chunk_size.
         """
         if isinstance(step, Step):
-            return self.model(StepContext.build(step, self.cache, self.vocab_size))
+            return self.ops.run(self.model, StepContext.build(step, self.cache, self.vocab_size))
         if start_pos is None:
             raise PocketMoEError("forward(tokens, start_pos): give the position of the first token.")
         tokens = [int(t) for t in (step if isinstance(step, (list, tuple)) else torch.as_tensor(step).reshape(-1).tolist())]
@@ -167,8 +167,8 @@ class ModelRunner:
         for i in range(0, len(tokens), n):
             last = i + n >= len(tokens)
             mode = ("last" if last else "none") if last_only else "all"
-            logits = self.model(StepContext.build(Step((SeqChunk(SOLO, tokens[i:i + n], start_pos + i, mode),)),
-                                                  self.cache, self.vocab_size))
+            logits = self.ops.run(self.model, StepContext.build(
+                Step((SeqChunk(SOLO, tokens[i:i + n], start_pos + i, mode),)), self.cache, self.vocab_size))
             if mode != "none":
                 out.append(logits)
         return out[0] if len(out) == 1 else torch.cat(out)

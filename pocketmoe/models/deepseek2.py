@@ -51,10 +51,14 @@ class DeepSeek2Model:
     def vocab_size(self) -> int:
         return self.head.out_features
 
+    def prepare(self, ctx: StepContext) -> None:
+        """What the step's ops read besides the weights: the rope tables of its positions."""
+        ctx.cos2, ctx.sin2 = self.rotary.span(*ctx.contiguous) if ctx.contiguous else self.rotary.at(ctx.positions)
+
     def __call__(self, ctx: StepContext) -> torch.Tensor:
         """logits [L, V] float32 of the step's tokens that need them; writes every token's cache rows."""
         ops, eps = self.ops, self.cfg.rms_eps
-        ctx.cos2, ctx.sin2 = self.rotary.span(*ctx.contiguous) if ctx.contiguous else self.rotary.at(ctx.positions)
+        self.prepare(ctx)
         x = ops.embed(self.embed, ctx.tokens)  # [T, D], the residual stream (updated in place)
         xn = ops.rms_norm(x, self.blocks[0].attn_norm, eps)
         for i, block in enumerate(self.blocks):

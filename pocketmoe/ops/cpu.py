@@ -8,8 +8,9 @@ handles and arrays, nothing to convert.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,10 +33,23 @@ def _np(x: torch.Tensor) -> np.ndarray:
     return (x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()).numpy()
 
 
+def _not_replayed(op: Callable[..., Any]) -> Callable[..., Any]:
+    """An op a StepProgram does not hold: called while a step is recorded, it makes the step not replayable."""
+
+    @functools.wraps(op)
+    def wrapped(self: NativeOps, *args: Any, **kw: Any) -> Any:
+        if self._recording is not None:
+            self._recording.append(("other",))
+        return op(self, *args, **kw)
+
+    return wrapped
+
+
 class NativeOps(ReferenceOps):
     name = "native"
     absorbs_legacy_mla = True  # attn_kv_b is split into float32 k_b / v_b at load (attention in latent space)
     dense_cache_roles = (Role.ATTENTION,)  # only fallbacks (types without a kernel) dequantize
+    replay = True  # run recorded steps in one call (see run); False: always op by op
 
     def __init__(self, tile_rows: int | None = 8) -> None:
         super().__init__(tile_rows)
@@ -49,7 +63,10 @@ class NativeOps(ReferenceOps):
         self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         self._stream: tuple[torch.Tensor | None, np.ndarray | None] = (None, None)
         self._step: tuple[object, tuple[object, ...]] = (None, ())
-        self._cache_layers: tuple[torch.Tensor | None, list[np.ndarray]] = (None, [])
+        self._cache_layers: tuple[torch.Tensor | None, list[np.ndarray], np.ndarray | None] = (None, [], None)
+        # Recorded steps (see run): per model, a StepProgram, or False where its step cannot be replayed.
+        self._programs: dict[int, tuple[object, object]] = {}
+        self._recording: list[tuple[Any, ...]] | None = None
 
     def torch_threads(self, requested: int | None) -> int:
         """1, whatever was asked (`requested` sizes the native pool instead).
@@ -59,6 +76,64 @@ class NativeOps(ReferenceOps):
         torch at 1 vs 2 threads). torch.set_num_threads is process-wide.
         """
         return 1
+
+    # -- recorded steps --------------------------------------------------------------------------
+    def run(self, model: Any, ctx: StepContext) -> torch.Tensor:
+        """A step whose every token wants logits (a decode step of any batch) runs as one native call.
+
+        The first such step runs the model op by op and records the calls; if they are the pipeline a
+        StepProgram replays (embed, norm, native sublayers, norm, head, each feeding the next), later
+        steps replay them in one call with the step's own arrays, bitwise the same. Anything else the
+        model called (a fallback, another op) makes the model run op by op every time. The model must
+        change tensors only through ops, as it does for every backend.
+        """
+        whole = self.replay and len(ctx.logit_rows) == ctx.n_tokens and hasattr(model, "prepare")
+        entry = self._programs.get(id(model))
+        program = entry[1] if entry is not None and entry[0] is model else None
+        if whole and program:
+            model.prepare(ctx)
+            step = self._step_args(ctx)
+            if step is not None:
+                cos2, sin2, _, seq, keys, write_rows, table, page = step
+                return torch.from_numpy(program(ctx.tokens, cos2, sin2, self._cache_layers[2], seq, keys,
+                                                write_rows, table, page))
+        if not whole or program is not None:
+            return model(ctx)
+        self._recording = []
+        try:
+            out = model(ctx)
+            program = self._program_from(self._recording, out)
+        finally:
+            self._recording = None
+        self._programs[id(model)] = (model, program)
+        return out
+
+    def _record(self, *entry: Any) -> None:
+        if self._recording is not None:
+            self._recording.append(entry)
+
+    def _program_from(self, rec: list[tuple[Any, ...]], out: torch.Tensor) -> object:
+        """A StepProgram of the recorded calls, or False when they are not embed, norm, sublayers, norm, head
+        with each one's output the next one's input."""
+        if len(rec) < 5 or rec[0][0] != "embed" or rec[1][0] != "norm" or rec[-2][0] != "norm" or rec[-1][0] != "linear":
+            return False
+        (_, table, x), (_, x_in, first_norm, first_eps, xn) = rec[0], rec[1]
+        if x_in is not x:
+            return False
+        middle = rec[2:-2]
+        if any(len(e) != 8 or e[0] not in _SUBLAYER_KINDS for e in middle):
+            return False
+        subs = []
+        for i, (kind, op, sub_in, stream, norm, eps, layer, sub_out) in enumerate(middle):
+            if sub_in is not xn or stream is not x or (norm is None) != (i == len(middle) - 1):
+                return False
+            subs.append((_SUBLAYER_KINDS[kind], op, None if norm is None else norm.numpy(), float(eps), layer))
+            xn = sub_out
+        (_, y_in, out_norm, out_eps, y), (_, head, head_in, logits) = rec[-2], rec[-1]
+        if y_in is not x or head_in is not y or logits is not out:
+            return False
+        return self.lib.StepProgram(table, first_norm.numpy(), float(first_eps), subs, out_norm.numpy(),
+                                    float(out_eps), head)
 
     # -- weights ---------------------------------------------------------------------------------
     def handle(self, w: QuantLinear) -> object:
@@ -83,9 +158,13 @@ class NativeOps(ReferenceOps):
     def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [T, I] -> [T, O]
         h = self.handle(layer)
         if h is False or not x.is_cpu:
+            self._record("other")
             return super().linear(layer, x)
-        return torch.from_numpy(self.lib.linear_multi(_np(x), [h])[0])
+        y = torch.from_numpy(self.lib.linear_multi(_np(x), [h])[0])
+        self._record("linear", h, x, y)
+        return y
 
+    @_not_replayed
     def batched(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [H, T, I] -> [H, T, O]
         h = self.handle(layer)
         if h is False or not x.is_cpu:
@@ -93,6 +172,7 @@ class NativeOps(ReferenceOps):
         return torch.from_numpy(self.native.gemm_batched(layer.raw.reshape(*layer.shape[:-1], -1).numpy(),
                                                          layer.ggml_type, _np(x)))
 
+    @_not_replayed
     def linear_multi(self, weights: Sequence[QuantLinear], x: torch.Tensor) -> list[torch.Tensor]:
         handles = [self.handle(w) for w in weights]
         if not x.is_cpu or any(h is False for h in handles) or len(handles) > 4:
@@ -102,22 +182,30 @@ class NativeOps(ReferenceOps):
     def embed(self, table: QuantEmbedding, tokens: np.ndarray) -> torch.Tensor:
         h = self._embed_handle(table)
         if h is False:
+            self._record("other")
             return super().embed(table, tokens)
-        return torch.from_numpy(self.lib.embed(h, tokens))
+        y = torch.from_numpy(self.lib.embed(h, tokens))
+        self._record("embed", h, y)
+        return y
 
     # -- norms and the residual stream -----------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return torch.from_numpy(self.lib.rms_norm(_np(x), weight.numpy(), eps))
+        y = torch.from_numpy(self.lib.rms_norm(_np(x), weight.numpy(), eps))
+        self._record("norm", x, weight, eps, y)
+        return y
 
+    @_not_replayed
     def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.from_numpy(self.lib.add_rms_norm(x.numpy(), _np(add), weight.numpy(), eps))
 
+    @_not_replayed
     def finalize(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None,
                  weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor | None:
         y = self.lib.finalize(x.numpy(), _np(a), None if b is None else _np(b),
                               None if weight is None else weight.numpy(), eps)
         return None if y is None else torch.from_numpy(y)
 
+    @_not_replayed
     def rope(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, neox: bool = False) -> torch.Tensor:
         t, h, d = x.shape
         y = x.float().contiguous().clone().view(t, h * d)
@@ -125,6 +213,7 @@ class NativeOps(ReferenceOps):
         return y.view(t, h, d)
 
     # -- attention ---------------------------------------------------------------------------------
+    @_not_replayed
     def mla_attention(self, attn: MLAttention, q: torch.Tensor, kv: torch.Tensor, ctx: StepContext,
                       layer: int) -> torch.Tensor:
         k_b, v_b = (self.handle(attn.k_b), self.handle(attn.v_b)) if attn.absorbed else (False, False)
@@ -156,9 +245,12 @@ class NativeOps(ReferenceOps):
                 attn.kv_a_norm.numpy(), k_b, v_b, wo) if ok else False
         step = self._step_args(ctx)
         if op is False or step is None or not x.is_cpu:
+            self._record("other")
             return super().mla_sublayer(attn, x, ctx, layer, residual)
         cos2, sin2, layers, *kv = step
-        return _tensor(op(_np(x), *self._residual(residual), cos2, sin2, layers[layer], *kv))
+        y = _tensor(op(_np(x), *self._residual(residual), cos2, sin2, layers[layer], *kv))
+        self._record("mla", op, x, residual.x, residual.norm, residual.eps, layer, y)
+        return y
 
     def _step_args(self, ctx: StepContext) -> tuple[object, ...] | None:
         """The attention's arrays of this step, made at its first call (None: the cache is not native)."""
@@ -168,7 +260,8 @@ class NativeOps(ReferenceOps):
                 args = None
             else:
                 if self._cache_layers[0] is not data:
-                    self._cache_layers = (data, [data[i].numpy() for i in range(data.shape[0])])
+                    whole = data.numpy()
+                    self._cache_layers = (data, [whole[i] for i in range(data.shape[0])], whole)
                 args = (ctx.cos2.numpy(), ctx.sin2.numpy(), self._cache_layers[1], ctx.seq, ctx.keys, ctx.write_rows,
                         ctx.page_table, ctx.cache.page)
             self._step = (ctx, args)
@@ -187,6 +280,7 @@ class NativeOps(ReferenceOps):
         return self._stream[1], view[1], residual.eps
 
     # -- experts -----------------------------------------------------------------------------------
+    @_not_replayed
     def route(self, router: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.handle(router.gate)
         if h is False or not x.is_cpu:
@@ -195,6 +289,8 @@ class NativeOps(ReferenceOps):
         ids, weights = self.lib.route(self._route_params(router), _np(x), h, bias)
         return torch.from_numpy(weights), torch.from_numpy(ids)
 
+    moe = _not_replayed(ReferenceOps.moe)
+
     def _route_params(self, router: Router) -> object:
         if router.native is None:
             c = router.cfg
@@ -202,6 +298,7 @@ class NativeOps(ReferenceOps):
                                                  c.scale, WEIGHT_SUM_MIN, GATING_SOFTMAX, GATING_SIGMOID)
         return router.native
 
+    @_not_replayed
     def ffn(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
         hs = [self.handle(w) for w in (mlp.gate, mlp.up, mlp.down)]
         if any(h is False for h in hs) or not x.is_cpu:
@@ -216,8 +313,11 @@ class NativeOps(ReferenceOps):
             hs = [self.handle(w) for w in (mlp.gate, mlp.up, mlp.down)]
             op = mlp.native = False if any(h is False for h in hs) else self.lib.FFNSublayer(*hs)
         if op is False or not x.is_cpu:
+            self._record("other")
             return super().ffn_sublayer(mlp, x, residual)
-        return _tensor(op(_np(x), *self._residual(residual)))
+        y = _tensor(op(_np(x), *self._residual(residual)))
+        self._record("ffn", op, x, residual.x, residual.norm, residual.eps, -1, y)
+        return y
 
     def moe_sublayer(self, block: MoEBlock, x: torch.Tensor, residual: Residual) -> torch.Tensor | None:
         """One native call when the bank is the native host bank (route, experts, shared, residual update);
@@ -226,8 +326,11 @@ class NativeOps(ReferenceOps):
         if op is None:
             op = block.native = self._moe_sublayer(block)
         if op is False or not x.is_cpu:
+            self._record("other")
             return super().moe_sublayer(block, x, residual)
-        return _tensor(op(_np(x), *self._residual(residual)))
+        y = _tensor(op(_np(x), *self._residual(residual)))
+        self._record("moe", op, x, residual.x, residual.norm, residual.eps, -1, y)
+        return y
 
     def _moe_sublayer(self, block: MoEBlock) -> object:
         bank, router = block.experts, block.router
@@ -240,6 +343,10 @@ class NativeOps(ReferenceOps):
         return self.lib.MoESublayer(self._route_params(router), gate_inp,
                                     None if router.bias is None else router.bias.numpy(), g, types[0], u, types[1], d,
                                     types[2], bank.ffn, *shared)
+
+
+# Sublayer kinds as StepProgram numbers them.
+_SUBLAYER_KINDS = {"mla": 0, "ffn": 1, "moe": 2}
 
 
 def _tensor(y: np.ndarray | None) -> torch.Tensor | None:

@@ -1,7 +1,7 @@
 """Where a forward's time goes, by op: wall time of each outermost op call on one backend object.
 
 `OpProfile(ops)` wraps the object's op methods in place (the layers hold that object), so every later
-call is timed; nested calls (a reference op built from others) count once, in the outer op.
+call is timed (and steps run op by op, not as a recorded program); nested calls (a reference op built from others) count once, in the outer op.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ class OpProfile:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._depth = 0
+        if hasattr(ops, "replay"):
+            ops.replay = False  # a recorded step would run as one call: time it op by op instead
         for name in OPS:
             setattr(ops, name, self._timed(name, getattr(ops, name)))
 

@@ -10,7 +10,7 @@ per token, E experts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -73,6 +73,10 @@ class ReferenceOps(ReferenceBackend):
 
     def __init__(self, tile_rows: int | None = 8) -> None:
         super().__init__(tile_rows)
+
+    def run(self, model: Any, ctx: StepContext) -> torch.Tensor:
+        """The model's forward over this step (a backend may run a recorded step instead, bitwise the same)."""
+        return model(ctx)
 
     # -- linear -------------------------------------------------------------------------------
     def linear_multi(self, weights: Sequence[QuantLinear], x: torch.Tensor) -> list[torch.Tensor]:
