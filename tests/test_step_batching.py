@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -144,3 +145,26 @@ def test_a_step_with_other_ops_is_not_recorded(model: Path) -> None:
         assert [p for _, p in ops._programs.values()] == [False]
     finally:
         type(model_fn).__call__ = original
+
+
+def test_decode_one_is_the_step_build_makes(model: Path) -> None:
+    """StepContext.decode_one (the runner's decode path) gives the arrays build gives for the same token."""
+    from pocketmoe.engine import PagedKVCache, StepContext
+
+    fields = ("tokens", "positions", "seq", "write_rows", "keys", "page_table", "logit_rows")
+    for pos in (0, 5, 15, 16, 40):
+        a, b = (PagedKVCache(1, 8, 8, 64, page=16) for _ in range(2))
+        for cache in (a, b):
+            if pos:
+                cache.reserve("s", pos)
+        built = StepContext.build(Step([SeqChunk("s", [7], pos)]), a, 100)
+        fast = StepContext.decode_one("s", 7, pos, b, 100)
+        for f in fields:
+            x, y = getattr(built, f), getattr(fast, f)
+            assert x.dtype == y.dtype and np.array_equal(x, y), (pos, f)
+        assert (built.seq_spans, built.contiguous) == (fast.seq_spans, fast.contiguous)
+        assert a.length("s") == b.length("s") == pos + 1
+    with pytest.raises(PocketMoEError, match="token id 100 is outside the vocabulary of 100"):
+        StepContext.decode_one("s", 100, 0, PagedKVCache(1, 8, 8, 64), 100)
+    with pytest.raises(ContextLengthError, match="continues at position 3 but only 0"):
+        StepContext.decode_one("t", 1, 3, PagedKVCache(1, 8, 8, 64), 100)

@@ -173,12 +173,16 @@ class ModelRunner:
                 out.append(logits)
         return out[0] if len(out) == 1 else torch.cat(out)
 
+    @torch.inference_mode()
     def decode(self, token: int, pos: int) -> torch.Tensor:
-        """One token of the single sequence at position pos -> logits [V]."""
+        """One token of the single sequence at position pos -> logits [V] (StepContext.decode_one: the
+        step forward(token, pos) builds, without its general path)."""
         if not 0 <= pos < self.cfg.n_ctx:
             raise ContextLengthError(f"position {pos} does not fit in the context of {self.cfg.n_ctx} tokens; "
                                      "raise n_ctx or shorten the input.")
-        return self.forward([token], pos)[0]
+        if pos == 0:
+            self.cache.free(SOLO)
+        return self.ops.run(self.model, StepContext.decode_one(SOLO, int(token), pos, self.cache, self.vocab_size))[0]
 
     def free(self, seq: object) -> None:
         """Drop a sequence's KV cache rows (they go back to the pool)."""

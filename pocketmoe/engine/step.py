@@ -77,6 +77,25 @@ class StepContext:
         return len(self.tokens)
 
     @staticmethod
+    def decode_one(seq: object, token: int, pos: int, cache: PagedKVCache, vocab_size: int) -> StepContext:
+        """The step of one decode token of one sequence (its logits wanted): what build gives for
+        Step([SeqChunk(seq, [token], pos)]), made without the general path's lists (decode runs it every token)."""
+        if not 0 <= token < vocab_size:
+            raise PocketMoEError(f"token id {token} is outside the vocabulary of {vocab_size} tokens.")
+        if pos > cache.length(seq):
+            raise ContextLengthError(f"sequence {seq!r} continues at position {pos} but only {cache.length(seq)} "
+                                     "positions are cached.")
+        if pos + 1 > cache.max_seq_len:
+            raise ContextLengthError(f"positions {pos}..{pos} do not fit in the context of {cache.max_seq_len} "
+                                     "tokens; raise n_ctx or shorten the input.")
+        cache.reserve(seq, pos + 1)
+        positions = np.array([pos], dtype=np.int32)
+        return StepContext(tokens=np.array([token], dtype=np.int32), positions=positions,
+                           seq=np.zeros(1, dtype=np.int32), write_rows=cache.rows(seq, pos, 1), keys=positions + 1,
+                           page_table=cache.page_table([seq]), logit_rows=np.zeros(1, dtype=np.int64), cache=cache,
+                           seq_spans=[(0, 1)], contiguous=(pos, 1))
+
+    @staticmethod
     def build(step: Step, cache: PagedKVCache, vocab_size: int) -> StepContext:
         """Reserve cache rows for every chunk and flatten the step (PocketMoEError on bad input)."""
         toks, pos, seq, rows, logit_rows, spans = [], [], [], [], [], []
