@@ -315,9 +315,7 @@ class NativeOps(ReferenceOps):
         if op is False or not x.is_cpu:
             self._record("other")
             return super().ffn_sublayer(mlp, x, residual)
-        y = _tensor(op(_np(x), *self._residual(residual)))
-        self._record("ffn", op, x, residual.x, residual.norm, residual.eps, -1, y)
-        return y
+        return self._host_sublayer("ffn", op, x, residual)
 
     def moe_sublayer(self, block: MoEBlock, x: torch.Tensor, residual: Residual) -> torch.Tensor | None:
         """One native call when the bank is the native host bank (route, experts, shared, residual update);
@@ -328,8 +326,12 @@ class NativeOps(ReferenceOps):
         if op is False or not x.is_cpu:
             self._record("other")
             return super().moe_sublayer(block, x, residual)
+        return self._host_sublayer("moe", op, x, residual)
+
+    def _host_sublayer(self, kind: str, op: object, x: torch.Tensor, residual: Residual) -> torch.Tensor | None:
+        """Run an FFN or MoE sublayer handle on x and record the call."""
         y = _tensor(op(_np(x), *self._residual(residual)))
-        self._record("moe", op, x, residual.x, residual.norm, residual.eps, -1, y)
+        self._record(kind, op, x, residual.x, residual.norm, residual.eps, -1, y)
         return y
 
     def _moe_sublayer(self, block: MoEBlock) -> object:
