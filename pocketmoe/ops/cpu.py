@@ -217,12 +217,12 @@ class NativeOps(ReferenceOps):
     def mla_attention(self, attn: MLAttention, q: torch.Tensor, kv: torch.Tensor, ctx: StepContext,
                       layer: int) -> torch.Tensor:
         k_b, v_b = (self.handle(attn.k_b), self.handle(attn.v_b)) if attn.absorbed else (False, False)
-        cache = ctx.cache.data
-        if k_b is False or v_b is False or cache.dtype != torch.float32 or not cache.is_cpu:
+        step = self._step_args(ctx)
+        if k_b is False or v_b is False or step is None:
             return super().mla_attention(attn, q, kv, ctx, layer)
-        out = self.lib.mla_attention(self._mla_shape(attn), _np(q), _np(kv), attn.kv_a_norm.numpy(), k_b, v_b, ctx.cos2.numpy(),
-                                     ctx.sin2.numpy(), cache[layer].numpy(), ctx.seq, ctx.keys, ctx.write_rows,
-                                     ctx.page_table, ctx.cache.page)
+        cos2, sin2, layers, *kv_layout = step
+        out = self.lib.mla_attention(self._mla_shape(attn), _np(q), _np(kv), attn.kv_a_norm.numpy(), k_b, v_b, cos2,
+                                     sin2, layers[layer], *kv_layout)
         return torch.from_numpy(out)
 
     def _mla_shape(self, attn: MLAttention) -> object:
