@@ -82,10 +82,7 @@ class LLM:
         return ids
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        bos = self.tokenizer.bos_id
-        starts_with_bos = bos is not None and text.startswith(self.tokenizer.tokens[bos])
-        return self.tokenizer.encode(text, add_bos=None if not starts_with_bos else False)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt)
 
     # -- generation ----------------------------------------------------------------------------
     def prompt_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:

@@ -9,7 +9,7 @@ Legend: T tokens, V vocab.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,8 +88,10 @@ def cpu_plan(spec: ModelSpec, bundle: GGUFBundle, cfg: RunnerConfig) -> Placemen
 
 class ModelRunner:
     def __init__(self, bundle: GGUFBundle, cfg: RunnerConfig | None = None, plan: PlacementPlan | None = None, *,
-                 ops: ReferenceOps | None = None) -> None:
+                 ops: ReferenceOps | None = None, on_tensor: Callable[[str], None] | None = None) -> None:
+        """on_tensor(name) is called as each weight is bound (a load progress bar)."""
         self.cfg = cfg = cfg or RunnerConfig()
+        self._on_tensor = on_tensor
         self.bundle = bundle
         self.spec = load_spec(bundle)
         self.plan = plan if plan is not None else cpu_plan(self.spec, bundle, cfg)
@@ -124,6 +126,8 @@ class ModelRunner:
 
     def _make_linear(self, name: str, role: Role | None = None) -> QuantLinear:
         info = self.bundle.tensors[name]
+        if self._on_tensor is not None:
+            self._on_tensor(name)
         role = role or self._roles.get(name, Role.OTHER)
         cache = False
         if role in self._cache_roles and info.ggml_type != 0:  # F32 is a zero-copy view already

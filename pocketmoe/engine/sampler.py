@@ -33,6 +33,7 @@ class SamplingParams:
     `penalty_last_n` tokens of prompt + output (0 = all of them).
     stop: strings that end the output (not included in it); stop_token_ids: ids that end it;
     ignore_eos: keep going past the model's end-of-generation tokens.
+    logit_bias: (token id, bias) pairs added to the logits after the penalties (OpenAI's logit_bias).
     """
 
     temperature: float = 1.0
@@ -48,9 +49,11 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         checks = [
             (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", ">= 0"),
@@ -146,6 +149,9 @@ class Sampler:
         """The filtered, temperature-scaled logits [V] the draw is made from (-inf = excluded)."""
         p = self.params
         x = apply_penalties(logits.detach().to("cpu", torch.float32).reshape(-1), history, p)
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias, strict=True)
+            x[torch.tensor(ids)] += torch.tensor(bias, dtype=torch.float32)
         if p.greedy:
             return x
         x = x / p.temperature

@@ -204,3 +204,11 @@ class Tokenizer:
         for name, tid in names.items():
             variables.setdefault(name, self.tokens[tid] if tid is not None else "")
         return render_chat(self.chat_template, messages, add_generation_prompt, **variables)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **variables: Any) -> list[int]:
+        """Token ids of the rendered chat; no second BOS when the template writes one itself."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+        bos = self.bos_id
+        starts_with_bos = bos is not None and text.startswith(self.tokens[bos])
+        return self.encode(text, add_bos=None if not starts_with_bos else False)

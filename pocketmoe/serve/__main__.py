@@ -1,0 +1,217 @@
+"""Serve a GGUF model over an OpenAI-compatible HTTP API, batching all running requests into each step.
+
+    python -m pocketmoe.serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
+        [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
+        [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N]
+
+Without --model it serves the built-in demo model. The port opens at once (GET /health answers 503
+while the model loads); one line `ready on http://HOST:PORT (...)` follows when requests are taken.
+SIGINT or SIGTERM stops taking requests, ends in-flight streams with a final chunk and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import uvicorn
+
+from pocketmoe.cli_util import EXIT_USER_ERROR, error_line, run_cli
+from pocketmoe.errors import PocketMoEError
+
+log = logging.getLogger("pocketmoe.serve")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pocketmoe.serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="GGUF file, any shard of a bundle, or its directory "
+                   "(default: the built-in demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free one; the ready line says which)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the file name)")
+    p.add_argument("--api-key", default=os.environ.get("POCKETMOE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $POCKETMOE_API_KEY; unset: open)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoding at once (default 16)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + generated tokens of one sequence (default: the file's context length, capped "
+                   "by the KV budget)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV pool shared by all sequences, GiB (default: the placement plan's KV reserve for "
+                   "max-num-seqs sequences of max-model-len, capped at half the host memory the weights leave)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: all cores)")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the file's")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting before new ones get 503")
+    p.add_argument("--max-body-mib", type=float, default=16.0, help="largest request body, MiB (larger: 413)")
+    p.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per step, over all sequences")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+    for name in ("max_num_seqs", "max_queue", "chunk_size", "threads", "max_model_len"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in 0..65535, got {args.port}")
+    for name in ("kv_cache_gib", "max_body_mib"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    return args
+
+
+def kv_budget(bundle, spec, args: argparse.Namespace) -> tuple[int, int]:  # noqa: ANN001
+    """(KV pool bytes, max model len): what the flags say, else the placement rule's defaults."""
+    from pocketmoe.hostinfo import host_memory_bytes
+    from pocketmoe.placement import KV_DTYPE_BYTES, kv_reserve
+
+    c = spec.config
+    file_ctx = int(c.n_ctx or 4096)
+    per_pos = c.n_layer * spec.kv_values_per_token() * KV_DTYPE_BYTES["f32"]
+    ctx = args.max_model_len or file_ctx
+    if args.kv_cache_gib is not None:
+        budget = int(args.kv_cache_gib * 2**30)
+    else:
+        want = kv_reserve(bundle.architecture, bundle.metadata, ctx, args.max_num_seqs, "f32",
+                          spec.kv_values_per_token()).total
+        weights = sum(p.stat().st_size for p in bundle.paths)
+        headroom = max((host_memory_bytes() - weights - 2**30) // 2, 256 * 2**20)
+        budget = min(want, headroom)
+    positions = budget // per_pos // 16 * 16
+    max_len = args.max_model_len or min(file_ctx, positions)
+    if positions < max_len or max_len < 2:
+        raise PocketMoEError(
+            f"a KV pool of {budget / 2**30:.3f} GiB holds {positions} positions ({per_pos} bytes each) but one "
+            f"sequence of --max-model-len {max_len} needs {max_len * per_pos / 2**30:.3f} GiB; raise --kv-cache-gib "
+            "or lower --max-model-len.")
+    return budget, max_len
+
+
+def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
+    """Build the runner and the engine (a progress bar over the layers), then print the ready line."""
+    from tqdm import tqdm
+
+    from pocketmoe.engine.runner import ModelRunner, RunnerConfig, load_spec
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.serve.engine import Engine, EngineConfig
+    from pocketmoe.tokenizer import Tokenizer
+
+    bundle = open_bundle(args.model)
+    spec = load_spec(bundle)
+    tok = Tokenizer.from_metadata(bundle.metadata)
+    if args.chat_template:
+        tok.chat_template = Path(args.chat_template).read_text()
+    budget, max_len = kv_budget(bundle, spec, args)
+    state.max_model_len = max_len
+    cfg = RunnerConfig(n_ctx=max_len, chunk_size=args.chunk_size, threads=args.threads, backend=args.backend,
+                       kv_cache_bytes=budget, max_seqs=args.max_num_seqs)
+    bar = tqdm(total=spec.config.n_layer, desc="loading", unit="layer", file=sys.stderr, leave=False)
+
+    def on_tensor(name: str) -> None:
+        if name.startswith("blk."):
+            bar.update(int(name.split(".")[1]) + 1 - bar.n)
+
+    runner = ModelRunner(bundle, cfg, on_tensor=on_tensor)
+    bar.update(bar.total - bar.n)
+    bar.close()
+    engine = Engine(runner, tok, EngineConfig(args.max_num_seqs, args.max_queue, args.chunk_size, max_len),
+                    state.metrics)
+    state.metrics.kv_pages.set(runner.cache.n_pages)
+    state.metrics.kv_bytes.set(runner.cache.nbytes)
+    engine.start()
+    state.tokenizer, state.engine = tok, engine
+    while not server.started and not server.should_exit:
+        threading.Event().wait(0.02)
+    host, port = server.bound
+    kv = runner.cache
+    print(f"ready on http://{host}:{port} (model {state.model_name}, {bundle.architecture}, kernels {runner.describe}, "
+          f"max-model-len {max_len}, KV pool {kv.nbytes / 2**30:.2f} GiB = {kv.n_pages * kv.page} positions, "
+          f"max-num-seqs {args.max_num_seqs})", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from pocketmoe.serve.api import ServerState, create_app
+
+    if args.model is None:
+        from pocketmoe.demo_model import demo_model_path
+
+        args.model = str(demo_model_path())
+    if not Path(args.model).exists():
+        raise PocketMoEError(f"{args.model}: no such file or directory; give a GGUF file with --model.")
+    name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
+    state = ServerState(model_name=name, max_model_len=0, api_key=args.api_key or None,
+                        max_body_bytes=int(args.max_body_mib * 2**20))
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        raise PocketMoEError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port or "
+                             "--host.") from None
+    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=5, lifespan="off")
+    server = Server(config, state)
+    server.bound = sock.getsockname()[:2]
+    failed: list[BaseException] = []
+
+    def loader() -> None:
+        try:
+            load(args, state, server)
+        except BaseException as e:  # noqa: BLE001  (reported as the exit status below)
+            failed.append(e)
+            state.load_error = str(e)
+            server.should_exit = True
+
+    threading.Thread(target=loader, name="pocketmoe-load", daemon=True).start()
+    server.run(sockets=[sock])
+    if state.engine is not None:
+        state.engine.stop()
+    if failed:
+        e = failed[0]
+        if isinstance(e, (PocketMoEError, OSError)):
+            print(error_line(e), file=sys.stderr)
+            return EXIT_USER_ERROR
+        raise e
+    return 0
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose exit signal first ends every in-flight request with a final chunk."""
+
+    def __init__(self, config: uvicorn.Config, state) -> None:  # noqa: ANN001
+        super().__init__(config)
+        self.state = state
+        self.bound: tuple[str, int] = ("", 0)
+
+    def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001
+        if self.state.engine is not None:
+            self.state.engine.request_stop()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGINT / SIGTERM stop the server, which then exits 0 (uvicorn's own re-raises the signal at the end)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,489 @@
+"""The OpenAI-compatible HTTP API over the engine: models, completions, chat completions, health, metrics.
+
+Every client error is OpenAI's body `{"error": {"message", "type", "param", "code"}}` with its 4xx; an
+unexpected failure inside a handler is a 500 with a one-line message and never a traceback or a
+stopped engine. The body cap and the API key are checked by one ASGI middleware before routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pocketmoe.engine.sampler import SamplingParams
+from pocketmoe.serve.engine import Delta, Engine, QueueFullError, TokenLogprob
+from pocketmoe.serve.metrics import Metrics
+from pocketmoe.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    SamplingFields,
+    pydantic_error,
+)
+from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
+
+log = logging.getLogger("pocketmoe.serve")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
+
+
+@dataclass
+class ServerState:
+    """What the handlers read; `engine` is None while the model loads (every route but /metrics: 503)."""
+
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    max_body_bytes: int = 16 << 20
+    metrics: Metrics = field(default_factory=Metrics)
+    engine: Engine | None = None
+    tokenizer: Tokenizer | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    load_error: str | None = None
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status)
+
+
+def _endpoint(path: str) -> str:
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
+    return path if path in ENDPOINTS else "other"
+
+
+class GateMiddleware:
+    """Before routing: the body cap (413), the API key on /v1 (401), and the request counter."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[dict[str, Any]]],
+                       send: Callable[..., Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def counted_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self._gate(scope, receive, counted_send)
+        finally:
+            self.state.metrics.requests.labels(_endpoint(scope["path"]), str(status["code"])).inc()
+
+    async def _gate(self, scope: dict[str, Any], receive: Callable[..., Awaitable[dict[str, Any]]],
+                    send: Callable[..., Awaitable[None]]) -> None:
+        st = self.state
+        if st.api_key is not None and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), st.api_key.encode()):
+                what = "no API key was given" if not token else "the API key is wrong"
+                await error_response(401, f"{what}; send 'Authorization: Bearer <key>' with the server's --api-key.",
+                                     code="invalid_api_key")(scope, receive, send)
+                return
+        limit = st.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_big = error_response(413, f"the request body is over the server's limit of {limit} bytes "
+                                      "(--max-body-mib); send a smaller request.", code="body_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await too_big(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:  # read the whole body now, so a chunked upload is capped too
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before the body was complete
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                await too_big(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _parse(model: type[SamplingFields], body: bytes) -> Any:
+    try:
+        req = model.model_validate_json(body or b"null")
+    except ValidationError as e:
+        raise pydantic_error(e.errors()) from None
+    req.check()
+    return req
+
+
+def _sampling(req: SamplingFields, max_tokens: int, vocab: int, n_prompt: int, max_model_len: int) -> list[SamplingParams]:
+    if n_prompt + max_tokens > max_model_len:
+        raise RequestError(f"the prompt has {n_prompt} tokens and max_tokens is {max_tokens}, {n_prompt + max_tokens} "
+                           f"in all, but this server's context holds {max_model_len} (--max-model-len); shorten "
+                           "the prompt or lower max_tokens.", "max_tokens", code="context_length_exceeded")
+    bias = []
+    for k, v in (req.logit_bias or {}).items():
+        if not k.lstrip("-").isdigit() or not 0 <= int(k) < vocab:
+            raise RequestError(f"logit_bias key {k!r} is not a token id of this model (0..{vocab - 1}).", "logit_bias")
+        bias.append((int(k), v))
+    rep = req.repetition_penalty if req.repetition_penalty is not None else req.repeat_penalty
+    base = dict(
+        temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p or 1.0,
+        top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, repetition_penalty=rep or 1.0,
+        frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+        max_tokens=max_tokens, stop=req.stop_list(), ignore_eos=req.ignore_eos, logit_bias=tuple(bias))
+    return [SamplingParams(**base, seed=None if req.seed is None else (req.seed + i) % 2**64) for i in range(req.n)]
+
+
+class _Choice:
+    """One choice's output gathered from its deltas."""
+
+    def __init__(self) -> None:
+        self.text, self.token_ids, self.logprobs = "", [], []
+        self.prompt_logprobs: list[TokenLogprob | None] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs
+        self.prompt_logprobs += d.prompt_logprobs or []
+        self.finish_reason = d.finish_reason or self.finish_reason
+        self.error = d.error or self.error
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="PocketMoE", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.pm = state
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, e: RequestError) -> JSONResponse:
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            return error_response(404, f"there is no route {request.method} {request.url.path}; the API is under /v1 "
+                                       "(models, completions, chat/completions).", code="not_found")
+        if e.status_code == 405:
+            return error_response(405, f"{request.method} is not allowed on {request.url.path}.",
+                                  code="method_not_allowed")
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return error_response(500, f"internal error ({type(e).__name__}); see the server log.", "server_error")
+
+    def engine() -> Engine:
+        if state.engine is None or not state.engine.alive:
+            raise RequestError("the model is still loading; retry in a moment." if state.engine is None and not
+                               state.load_error else "the engine is down; restart the server.", status=503,
+                               type_="server_error", code="unavailable")
+        return state.engine
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.model_name:
+            raise RequestError(f"the model {name!r} does not exist; this server serves {state.model_name!r}.",
+                               "model", status=404, code="model_not_found")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pocketmoe",
+                "max_model_len": state.max_model_len}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine is not None and state.engine.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "loading" if state.engine is None and not state.load_error else "down"}, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card()
+
+    def encode_prompt(tok: Tokenizer, p: str | list[int]) -> list[int]:
+        ids = tok.encode(p) if isinstance(p, str) else p
+        if not ids:
+            raise RequestError("the prompt is empty; give at least one token.", "prompt")
+        bad = [t for t in ids if t >= engine().runner.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary of {engine().runner.vocab_size} "
+                               "tokens.", "prompt")
+        if len(ids) >= state.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens but this server's context holds "
+                               f"{state.max_model_len} (--max-model-len), and at least one must be left to generate; "
+                               "shorten the prompt.", "prompt", code="context_length_exceeded")
+        return ids
+
+    async def run(request: Request, prompts: list[list[int]], params: list[list[SamplingParams]], logprobs: int | None,
+                  echo_logprobs: bool) -> tuple[asyncio.Queue, list]:
+        """Submit one engine request per prompt; their deltas (global choice index) share one queue."""
+        eng = engine()
+        q: asyncio.Queue[Delta | None] = asyncio.Queue()
+        reqs = []
+        try:
+            for i, (ids, ps) in enumerate(zip(prompts, params, strict=True)):
+                reqs.append(eng.submit(ids, ps, logprobs=logprobs, prompt_logprobs=echo_logprobs, out=q,
+                                       index_base=i * len(ps)))
+        except QueueFullError as e:
+            for r in reqs:
+                eng.abort(r)
+            raise RequestError(str(e), status=503, type_="server_error", code="queue_full") from None
+        return q, reqs
+
+    async def deltas(request: Request, q: asyncio.Queue, reqs: list) -> AsyncIterator[Delta]:
+        """The deltas until every request ends; a client that disconnects aborts them (KV freed next step)."""
+        eng = engine()
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        left = len(reqs)
+        try:
+            while left:
+                getter = asyncio.ensure_future(q.get())
+                done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    return  # the client went away
+                d = getter.result()
+                if d is None:
+                    left -= 1
+                    continue
+                yield d
+        finally:
+            watcher.cancel()
+            if left:
+                for r in reqs:
+                    eng.abort(r)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = _parse(CompletionRequest, await request.body())
+        check_model(req.model)
+        eng = engine()
+        tok = eng.tok
+        prompts = [encode_prompt(tok, p) for p in req.prompts()]
+        if len(prompts) * req.n > 4 * 16:
+            raise RequestError(f"{len(prompts)} prompts x n={req.n} is over 64 choices in one request.", "n")
+        max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        params = [_sampling(req, max_tokens, eng.runner.vocab_size, len(p), state.max_model_len) for p in prompts]
+        echo_lp = req.echo and req.logprobs is not None
+        q, reqs = await run(request, prompts, params, req.logprobs, echo_lp)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        n_choices = len(prompts) * req.n
+        prompt_text = [tok.decode(p) for p in prompts]
+        usage = _usage(sum(len(p) for p in prompts))
+        if req.stream:
+            return _sse(_completion_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name,
+                                           prompts, prompt_text, usage))
+        choices = [_Choice() for _ in range(n_choices)]
+        async for d in deltas(request, q, reqs):
+            choices[d.index].add(d)
+        out = []
+        for i, c in enumerate(choices):
+            _raise_error(c)
+            echo = prompt_text[i // req.n] if req.echo else ""
+            lp = None
+            if req.logprobs is not None:
+                lp = _completion_logprobs(tok, (c.prompt_logprobs if req.echo else []) + c.logprobs,
+                                          prompts[i // req.n] if req.echo else [], 0)
+            out.append({"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+            usage["completion_tokens"] += len(c.token_ids)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                             "choices": out, "usage": usage, "system_fingerprint": None})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req: ChatCompletionRequest = _parse(ChatCompletionRequest, await request.body())
+        check_model(req.model)
+        eng = engine()
+        tok = eng.tok
+        try:
+            ids = tok.encode_chat(req.template_messages())
+        except ChatTemplateError as e:
+            raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
+        ids = encode_prompt(tok, ids)
+        max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
+        params = _sampling(req, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        q, reqs = await run(request, [ids], [params], k, False)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        usage = _usage(len(ids))
+        if req.stream:
+            return _sse(_chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage))
+        choices = [_Choice() for _ in range(req.n)]
+        async for d in deltas(request, q, reqs):
+            choices[d.index].add(d)
+        out = []
+        for i, c in enumerate(choices):
+            _raise_error(c)
+            lp = {"content": [_chat_logprob(tok, x) for x in c.logprobs]} if req.logprobs else None
+            out.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                        "finish_reason": c.finish_reason})
+            usage["completion_tokens"] += len(c.token_ids)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+                             "choices": out, "usage": usage, "system_fingerprint": None})
+
+    return GateMiddleware(app, state)  # type: ignore[return-value]
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _raise_error(c: _Choice) -> None:
+    if c.error:
+        raise RuntimeError(c.error)
+
+
+def _usage(n_prompt: int) -> dict[str, int]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+
+
+def _piece(tok: Tokenizer, t: int) -> tuple[str, list[int]]:
+    b = tok.token_to_piece(t)
+    return b.decode("utf-8", "replace"), list(b)
+
+
+def _chat_logprob(tok: Tokenizer, x: TokenLogprob) -> dict[str, Any]:
+    text, b = _piece(tok, x.token_id)
+    top = [{"token": (p := _piece(tok, t))[0], "logprob": lp, "bytes": p[1]} for t, lp in x.top]
+    return {"token": text, "logprob": x.logprob, "bytes": b, "top_logprobs": top}
+
+
+def _completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob | None], prompt: list[int], offset: int
+                         ) -> dict[str, list[Any]]:
+    """OpenAI's legacy logprobs object; with echo the prompt tokens come first (the very first has no logprob)."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    ids = list(prompt) + [x.token_id for x in lps[len(prompt):] if x is not None]
+    for t, x in zip(ids, lps, strict=True):
+        text = _piece(tok, t)[0]
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if x is None else x.logprob)
+        out["top_logprobs"].append(None if x is None else {_piece(tok, i)[0]: lp for i, lp in x.top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        async for e in events:
+            yield b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _error_event(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+
+
+async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: AsyncIterator[Delta], rid: str,
+                             created: int, model: str, prompts: list[list[int]], prompt_text: list[str],
+                             usage: dict[str, int]) -> AsyncIterator[dict[str, Any]]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(index: int, text: str, lp: Any, finish: str | None) -> dict[str, Any]:
+        c = {"id": rid, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    offsets: dict[int, int] = {}  # characters sent per choice (text_offset)
+    prompt_lps: dict[int, list[TokenLogprob | None]] = {}
+    async for d in deltas:
+        if d.error:
+            yield _error_event(d.error)
+            return
+        i, p = d.index, d.index // req.n
+        if d.prompt_logprobs is not None:  # echo with logprobs: the prompt goes out whole, as the first chunk
+            got = prompt_lps.setdefault(i, [])
+            got += d.prompt_logprobs
+            if len(got) == len(prompts[p]):
+                yield chunk(i, prompt_text[p], _completion_logprobs(tok, got, prompts[p], 0), None)
+                offsets[i] = len(prompt_text[p])
+            continue
+        text = d.text
+        if i not in offsets:
+            offsets[i] = 0
+            if req.echo:
+                text = prompt_text[p] + text
+        lp = None
+        if req.logprobs is not None:
+            lp = _completion_logprobs(tok, list(d.logprobs), [], offsets[i] + len(text) - len(d.text))
+        offsets[i] += len(text)
+        usage["completion_tokens"] += len(d.token_ids)
+        if text or d.finish_reason or d.logprobs:
+            yield chunk(i, text, lp, d.finish_reason)
+    if include_usage:
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+               "usage": usage}
+
+
+async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: AsyncIterator[Delta], rid: str,
+                       created: int, model: str, usage: dict[str, int]) -> AsyncIterator[dict[str, Any]]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(index: int, delta: dict[str, Any], lp: Any, finish: str | None) -> dict[str, Any]:
+        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "system_fingerprint": None,
+             "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    for i in range(req.n):
+        yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+    async for d in deltas:
+        if d.error:
+            yield _error_event(d.error)
+            return
+        usage["completion_tokens"] += len(d.token_ids)
+        lp = {"content": [_chat_logprob(tok, x) for x in d.logprobs]} if req.logprobs and d.logprobs else None
+        if d.text or lp:
+            yield chunk(d.index, {"content": d.text}, lp, None)
+        if d.finish_reason:
+            yield chunk(d.index, {}, None, d.finish_reason)
+    if include_usage:
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+               "usage": usage}

@@ -1,0 +1,368 @@
+"""Continuous batching: many sequences share one ModelRunner and its KV pool, one forward per step.
+
+A background thread runs the loop: take new requests and aborts, admit waiting sequences while the
+KV pool and `max_num_seqs` allow (FIFO), build one `Step` of every running sequence's next token plus
+prefill chunks up to `chunk_size` tokens, run it, sample, and hand each request its deltas on its
+asyncio queue. Prefill chunks of a sequence end at multiples of `chunk_size` from position 0, so a
+sequence is cut into the same chunks alone as in any batch; with row-independent ops (native and
+reference alike across sequences) its logits are bitwise its solo logits. When a decode token finds
+no free page, the newest running sequence is preempted: its pages go back to the pool and it is
+recomputed from its prompt and the tokens it already produced when pages free up (its stream just
+pauses). An abort (client gone) frees the sequence's pages before the next step.
+
+Legend: V vocab.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pocketmoe.engine.kv_cache import KVPoolFullError
+from pocketmoe.engine.runner import ModelRunner
+from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker
+from pocketmoe.engine.step import SeqChunk, Step
+from pocketmoe.serve.metrics import Metrics
+from pocketmoe.tokenizer import Tokenizer
+
+log = logging.getLogger("pocketmoe.serve")
+
+
+class QueueFullError(Exception):
+    """The waiting queue holds `max_queue` requests already (the server answers 503)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 16      # sequences decoding at once
+    max_queue: int = 256        # requests waiting for admission before new ones get a 503
+    chunk_size: int = 256       # prefill tokens per step, over all sequences
+    max_model_len: int = 4096   # prompt + generated tokens of one sequence
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()   # the most likely tokens, best first
+
+
+@dataclass
+class Delta:
+    """What one step added to one choice: text (possibly empty while a stop string or UTF-8 character is
+    pending), the tokens, their logprobs, and on the last delta the finish reason."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo: one per prompt token (the first None)
+    error: str | None = None
+
+
+@dataclass
+class Seq:
+    """One choice of a request: its tokens (prompt, then generated) and how far the KV cache holds them."""
+
+    key: tuple[int, int]
+    request: Request
+    index: int
+    prompt_len: int
+    tokens: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    end_ids: frozenset[int]
+    stop: StopChecker
+    decoder: object
+    computed: int = 0
+    generated: int = 0
+    want_prompt_logprobs: bool = False
+    last_token_at: float = 0.0
+    finished: bool = False
+
+
+class Request:
+    """A submitted request: its choices run as sequences; deltas arrive on `queue` (None ends it)."""
+
+    def __init__(self, rid: int, n_prompt: int, loop: asyncio.AbstractEventLoop, logprobs: int | None,
+                 out: asyncio.Queue[Delta | None] | None = None) -> None:
+        self.id = rid
+        self.n_prompt = n_prompt
+        self.loop = loop
+        self.logprobs = logprobs
+        self.queue: asyncio.Queue[Delta | None] = out if out is not None else asyncio.Queue()
+        self.seqs: list[Seq] = []
+        self.arrival = time.perf_counter()
+        self.open = 0  # choices not finished yet
+        self.queued = True  # counts against max_queue until its first choice is admitted or it ends
+
+    def put(self, item: Delta | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (server stopped)
+            pass
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        while (d := await self.queue.get()) is not None:
+            yield d
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, cfg: EngineConfig, metrics: Metrics) -> None:
+        self.runner, self.tok, self.cfg, self.metrics = runner, tokenizer, cfg, metrics
+        self.cache = runner.cache
+        self._inbox: queue.SimpleQueue[tuple[str, Request | None]] = queue.SimpleQueue()
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards the count of queued requests
+        self._queued = 0
+        self._thread = threading.Thread(target=self._loop, name="pocketmoe-engine", daemon=True)
+        self.alive = False
+        self.steps = 0
+
+    # -- the asyncio side ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.alive = True
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        """Ask the loop to finish every request (finish_reason "length" on what is cut short) and end."""
+        self._inbox.put(("stop", None))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """request_stop, then wait for the loop to end."""
+        if self._thread.is_alive():
+            self.request_stop()
+            self._thread.join(timeout)
+        self.alive = False
+
+    def submit(self, prompt: Sequence[int], params: Sequence[SamplingParams], *, logprobs: int | None = None,
+               prompt_logprobs: bool = False, loop: asyncio.AbstractEventLoop | None = None,
+               out: asyncio.Queue[Delta | None] | None = None, index_base: int = 0) -> Request:
+        """Queue one request of len(params) choices over `prompt` (QueueFullError past max_queue). Its deltas
+        (choice indices from index_base) go to `out` (default: its own queue), then one None."""
+        with self._lock:
+            if self._queued >= self.cfg.max_queue:
+                raise QueueFullError(f"the server has {self._queued} requests waiting (--max-queue "
+                                     f"{self.cfg.max_queue}); retry later.")
+            self._queued += 1
+        req = Request(next(self._ids), len(prompt), loop or asyncio.get_running_loop(), logprobs, out)
+        for i, p in enumerate(params):
+            req.seqs.append(Seq(
+                key=(req.id, i), request=req, index=index_base + i, prompt_len=len(prompt), tokens=list(prompt), params=p,
+                sampler=Sampler(p), end_ids=p.end_ids(self.tok.eot_ids), stop=StopChecker(p.stop),
+                decoder=self.tok.stream_decoder(), want_prompt_logprobs=prompt_logprobs))
+        req.open = len(req.seqs)
+        self._inbox.put(("add", req))
+        return req
+
+    def abort(self, req: Request) -> None:
+        """Drop the request's sequences and their KV pages before the next step (a client went away)."""
+        self._inbox.put(("abort", req))
+
+    # -- the engine thread -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                idle = not self.running and not self.waiting
+                if not self._drain(block=idle):
+                    break
+                self._admit()
+                planned = self._schedule()
+                if planned:
+                    self._run(planned)
+                self._gauges()
+        except Exception:  # a bug, not a request: log it and report the engine down
+            log.exception("the engine loop failed")
+            self._finish_all(error="the engine stopped after an internal error; see the server log.")
+        finally:
+            self.alive = False
+
+    def _drain(self, block: bool) -> bool:
+        """Take what the asyncio side sent; False once asked to stop."""
+        while True:
+            try:
+                what, req = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return True
+            block = False
+            if what == "stop":
+                self._finish_all()
+                return False
+            assert req is not None
+            if what == "add":
+                self.waiting.extend(req.seqs)
+                self.metrics.prompt_tokens.inc(req.n_prompt)
+            elif what == "abort":
+                for s in req.seqs:
+                    self._drop(s)
+
+    def _dequeue(self, req: Request) -> None:
+        if req.queued:
+            req.queued = False
+            with self._lock:
+                self._queued -= 1
+
+    def _drop(self, s: Seq) -> None:
+        if s.finished:
+            return
+        s.finished = True
+        self._dequeue(s.request)
+        if s in self.running:
+            self.running.remove(s)
+        elif s in self.waiting:
+            self.waiting.remove(s)
+        self.cache.free(s.key)
+
+    def _finish_all(self, error: str | None = None) -> None:
+        for s in [*self.running, *self.waiting]:
+            self._finish(s, "length", error=error)
+
+    def _admit(self) -> None:
+        """FIFO: the oldest waiting sequence first; none jumps the queue. One page per running sequence
+        stays free for its next decode token."""
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            s = self.waiting[0]
+            pages = self.cache.pages_for(len(s.tokens))
+            if self.running and self.cache.free_pages - pages < len(self.running):
+                return
+            try:
+                self.cache.reserve(s.key, len(s.tokens))
+            except KVPoolFullError:
+                return
+            self.running.append(self.waiting.popleft())
+            self._dequeue(s.request)
+
+    def _preempt(self) -> Seq:
+        """Give the newest running sequence's pages back; it waits at the head of the queue to be recomputed."""
+        victim = self.running.pop()
+        self.cache.free(victim.key)
+        victim.computed = 0
+        victim.want_prompt_logprobs = False  # already sent
+        self.waiting.appendleft(victim)
+        self.metrics.preemptions.inc()
+        return victim
+
+    def _schedule(self) -> list[tuple[Seq, SeqChunk]]:
+        """The step: every decoding sequence's next token, then prefill chunks in admission order."""
+        planned: list[tuple[Seq, SeqChunk]] = []
+        budget = self.cfg.chunk_size
+        cs = self.cfg.chunk_size
+        i = 0
+        while i < len(self.running):
+            s = self.running[i]
+            start, n_all = s.computed, len(s.tokens)
+            if start >= s.prompt_len and n_all - start == 1:  # decode: its page may be new
+                try:
+                    self.cache.reserve(s.key, n_all)
+                except KVPoolFullError:
+                    if self._preempt() is not s:
+                        continue  # retry this sequence with the freed pages
+                    break
+                planned.append((s, SeqChunk(s.key, s.tokens[start:], start, "last")))
+            i += 1
+        for s in self.running:
+            start, n_all = s.computed, len(s.tokens)
+            if start >= s.prompt_len and n_all - start == 1:
+                continue
+            end = min(n_all, (start // cs + 1) * cs)
+            if end - start > budget:
+                break
+            budget -= end - start
+            mode = "all" if s.want_prompt_logprobs else ("last" if end == n_all else "none")
+            planned.append((s, SeqChunk(s.key, s.tokens[start:end], start, mode)))
+        return planned
+
+    def _run(self, planned: list[tuple[Seq, SeqChunk]]) -> None:
+        try:
+            logits = self.runner.forward(Step(tuple(c for _, c in planned)))
+        except Exception as e:  # one bad step fails its sequences, never the engine
+            log.exception("a step failed")
+            for s, _ in planned:
+                self._finish(s, "length", error=f"the step failed: {e}")
+            return
+        self.steps += 1
+        row = 0
+        now = time.perf_counter()
+        for s, c in planned:
+            n = len(c.tokens) if c.logits == "all" else (1 if c.logits == "last" else 0)
+            rows = logits[row:row + n]
+            row += n
+            s.computed += len(c.tokens)
+            if c.logits == "all":
+                self._prompt_logprobs(s, c, rows)
+            if s.computed == len(s.tokens) and not s.finished:
+                self._sample(s, rows[-1], now)
+
+    def _prompt_logprobs(self, s: Seq, c: SeqChunk, rows: torch.Tensor) -> None:
+        """Echo with logprobs: the logprob of each prompt token given the ones before it."""
+        k = s.request.logprobs or 0
+        out: list[TokenLogprob | None] = [None] if c.start == 0 else []
+        for j in range(len(c.tokens)):
+            nxt = c.start + j + 1
+            if nxt < s.prompt_len:
+                out.append(self._logprob(rows[j], s.tokens[nxt], k))
+        if c.start + len(c.tokens) >= s.prompt_len:
+            s.want_prompt_logprobs = False
+        s.request.put(Delta(s.index, prompt_logprobs=out))
+
+    @staticmethod
+    def _logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(lp, k) if k else None
+        pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+        return TokenLogprob(token, float(lp[token]), pairs)
+
+    def _sample(self, s: Seq, logits: torch.Tensor, now: float) -> None:
+        token = s.sampler(logits, s.tokens)
+        if s.generated == 0:
+            self.metrics.ttft.observe(now - s.request.arrival)
+        else:
+            self.metrics.itl.observe(now - s.last_token_at)
+        s.last_token_at = now
+        if token in s.end_ids:
+            self._finish(s, "stop")
+            return
+        s.tokens.append(token)
+        s.generated += 1
+        self.metrics.generation_tokens.inc()
+        text, stopped = s.stop.push(s.decoder.push(token))
+        lps = [self._logprob(logits, token, s.request.logprobs)] if s.request.logprobs is not None else []
+        delta = Delta(s.index, text, [token], lps)
+        if stopped:
+            self._finish(s, "stop", delta)
+        elif s.generated >= s.params.max_tokens or len(s.tokens) >= self.cfg.max_model_len:
+            self._finish(s, "length", delta)
+        else:
+            s.request.put(delta)
+
+    def _finish(self, s: Seq, reason: str, delta: Delta | None = None, error: str | None = None) -> None:
+        if s.finished:
+            return
+        self._drop(s)
+        d = delta or Delta(s.index)
+        if not s.stop.stopped:
+            d.text += s.stop.push(s.decoder.flush())[0] + s.stop.flush()
+        d.finish_reason, d.error = reason, error
+        req = s.request
+        req.put(d)
+        req.open -= 1
+        if req.open == 0:
+            req.put(None)
+
+    def _gauges(self) -> None:
+        m = self.metrics
+        m.running.set(len(self.running))
+        m.waiting.set(len(self.waiting))
+        m.kv_used.set(self.cache.used_pages / self.cache.n_pages)

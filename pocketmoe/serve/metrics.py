@@ -1,0 +1,33 @@
+"""The server's Prometheus metrics (GET /metrics), one registry per server so tests can run several."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds: TTFT spans a prefill, inter-token latency a decode step (ms on the bench preset).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "pocketmoe_"
+        self.requests = Counter(p + "requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.preemptions = Counter(p + "preemptions", "Sequences preempted (recomputed later) for KV pages",
+                                   registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between a sequence's tokens",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.running = Gauge(p + "num_requests_running", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Sequences waiting for admission", registry=r)
+        self.kv_used = Gauge(p + "kv_cache_usage_ratio", "Fraction of the KV pool's pages in use", registry=r)
+        self.kv_pages = Gauge(p + "kv_cache_pages", "Pages in the KV pool", registry=r)
+        self.kv_bytes = Gauge(p + "kv_cache_bytes", "Bytes of the KV pool", registry=r)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

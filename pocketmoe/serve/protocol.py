@@ -1,0 +1,181 @@
+"""The request bodies the server accepts, as pydantic models with OpenAI's field names.
+
+Validation is strict (a string where a number belongs is a 400, as OpenAI answers), unknown fields
+are ignored, and every range OpenAI documents is checked here, so the engine only sees valid input.
+llama.cpp's `top_k`, `min_p`, `repeat_penalty` and vLLM's `ignore_eos` are accepted as extensions.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
+
+MAX_STOP = 16          # stop strings per request
+MAX_CHOICES = 16       # n (x prompts on /v1/completions)
+MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's limit); completions logprobs is capped at 5 as OpenAI does
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class RequestError(Exception):
+    """An invalid request: becomes a 400 (or `status`) with OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    type: StrictStr
+
+
+class SamplingFields(_Body):
+    """Fields both endpoints share."""
+
+    model: StrictStr | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[StrictStr, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    user: StrictStr | None = None
+    response_format: ResponseFormat | None = None
+    # llama.cpp / vLLM extensions
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def stop_list(self) -> tuple[str, ...]:
+        return () if self.stop is None else ((self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+
+    def check_common(self) -> None:
+        if self.response_format is not None and self.response_format.type != "text":
+            raise RequestError(f"response_format type {self.response_format.type!r} is not supported; this server "
+                               "answers in plain text (response_format type 'text').", "response_format.type")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed when stream is true.", "stream_options")
+
+
+class CompletionRequest(SamplingFields):
+    prompt: StrictStr | list[StrictStr] | list[NonNegInt] | list[list[NonNegInt]]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    suffix: StrictStr | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix:
+            raise RequestError("suffix (insertion) is not supported by this model; leave it out.", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(f"best_of ({self.best_of}) different from n ({self.n}) is not supported; leave "
+                               "best_of out.", "best_of")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise RequestError("prompt is an empty list; give a string, a list of strings or token ids.", "prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class OtherPart(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: StrictStr
+
+
+class ChatMessage(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart | OtherPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        out = []
+        for j, part in enumerate(self.content):
+            if not isinstance(part, TextPart):
+                raise RequestError(f"messages[{index}].content[{j}] is of type {part.type!r}; this model reads "
+                                   "text parts only.", f"messages.{index}.content.{j}.type")
+            out.append(part.text)
+        return "".join(out)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
+        if self.tools:
+            raise RequestError("tools (function calling) are not supported by this server yet; leave tools out.",
+                               "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise RequestError("tool_choice must be 'none' or 'auto' (no tools are supported yet).", "tool_choice")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template reads them: role and text content (parts joined)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            d: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+
+def pydantic_error(errors: list[dict[str, Any]]) -> RequestError:
+    """The first validation error as one sentence naming the field."""
+    e = errors[0]
+    loc = ".".join(str(x) for x in e.get("loc", ()) if not (isinstance(x, str) and x.endswith("]")))
+    if e.get("type") == "json_invalid":
+        return RequestError(f"the request body is not valid JSON: {e.get('msg', '')}.", None)
+    if e.get("type") == "missing":
+        return RequestError(f"the field {loc!r} is required.", loc or None)
+    if e.get("type") == "model_type" and not loc:
+        return RequestError("the request body must be a JSON object.", None)
+    msg = str(e.get("msg", "invalid value")).rstrip(".")
+    got = e.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    return RequestError(f"{loc or 'the body'}: {msg} (got {shown[:80]}).", loc or None)

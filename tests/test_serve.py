@@ -1,0 +1,282 @@
+"""The OpenAI-compatible server, live on 127.0.0.1, driven by the official `openai` client and raw httpx.
+
+The reference for each answer is independent of the server: the same model run through `LLM` (one
+sequence at a time, no batching, no HTTP) gives the tokens, text and logprobs a request must get.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from pocketmoe.engine.llm import LLM
+from pocketmoe.engine.sampler import SamplingParams
+from pocketmoe.testing.live_server import LiveServer
+from pocketmoe.testing.synth import write_fixture
+
+NAME = "tiny"
+PROMPTS = ["hello world", "the quick brown fox", "a b c d e f g", "lorem ipsum dolor", "one two three four five",
+           "zzz", "tensor parallel", "mixture of experts"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_fixture("deepseek2", "tiny", "Q4_K_M", tmp_path_factory.mktemp("serve") / "m.gguf", seed=11)[0]
+
+
+@pytest.fixture(scope="module")
+def server(model: Path):
+    with LiveServer(["--model", str(model), "--served-model-name", NAME, "--max-num-seqs", "16",
+                     "--max-model-len", "256", "--threads", "1"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm(model: Path) -> LLM:
+    return LLM(model, n_ctx=256, threads=1)
+
+
+def solo(llm: LLM, prompt, **kw):  # noqa: ANN001
+    return llm.generate([prompt], SamplingParams(**kw))[0]
+
+
+def test_models_and_health(server: LiveServer, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
+    assert httpx.get(server.url + "/health").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_completion_matches_the_engine_alone(client: openai.OpenAI, llm: LLM) -> None:
+    want = solo(llm, "hello world", temperature=0, max_tokens=12, ignore_eos=True)
+    r = client.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids) and r.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_chat_and_chat_stream(client: openai.OpenAI, llm: LLM) -> None:
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi "},
+                                                                                     {"type": "text", "text": "there"}]}]
+    ids = llm.encode_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}])
+    want = solo(llm, ids, temperature=0, max_tokens=10)
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_completion_tokens=10, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == want.finish_reason
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+def test_logprobs_are_the_models(client: openai.OpenAI, llm: LLM) -> None:
+    ids = llm.encode_prompt("the quick brown fox")
+    logits = llm.prompt_logits(ids)[-1]
+    lp = torch.log_softmax(logits, -1)
+    top = torch.topk(lp, 3)
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    assert len(r.choices[0].logprobs.content[0].top_logprobs) == 3
+    c = client.completions.create(model=NAME, prompt=ids, max_tokens=1, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    got = c.choices[0].logprobs
+    assert got.token_logprobs[0] == pytest.approx(float(top.values[0]), abs=1e-5)
+    assert list(got.top_logprobs[0].values()) == pytest.approx(top.values.tolist(), abs=1e-5)
+    e = client.completions.create(model=NAME, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                  extra_body={"ignore_eos": True})
+    pl = e.choices[0].logprobs.token_logprobs
+    full = torch.log_softmax(llm.prompt_logits(ids), -1)
+    assert pl[0] is None and len(pl) == len(ids) + 1
+    for j in range(1, len(ids)):
+        assert pl[j] == pytest.approx(float(full[j - 1, ids[j]]), abs=1e-5)
+    assert e.choices[0].text.startswith(llm.tokenizer.decode(ids))
+
+
+def test_n_seed_and_stop(client: openai.OpenAI, llm: LLM) -> None:
+    kw = dict(model=NAME, prompt="a b c", max_tokens=16, temperature=1.0, top_p=0.9)
+    r1 = client.completions.create(n=2, seed=1234, **kw)
+    r2 = client.completions.create(n=2, seed=1234, **kw)
+    assert [c.index for c in r1.choices] == [0, 1]
+    assert [c.text for c in r1.choices] == [c.text for c in r2.choices]
+    want = solo(llm, "a b c", temperature=1.0, top_p=0.9, max_tokens=16, seed=1234)
+    assert r1.choices[0].text == want.text
+    # stop: never emitted, cut where it starts, even when it spans tokens
+    full = solo(llm, "hello world", temperature=0, max_tokens=24, ignore_eos=True).text
+    stop = full[5:9]
+    assert stop.strip()
+    r = client.completions.create(model=NAME, prompt="hello world", max_tokens=24, temperature=0, stop=[stop, "@@@"],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model=NAME, prompt="hello world", max_tokens=24, temperature=0, stop=stop,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks) == full[:full.index(stop)]
+
+
+def _stream_text(url: str, prompt: str, n_tokens: int) -> tuple[str, list]:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "stream": True,
+            "logprobs": 3, "ignore_eos": True}
+    text, lps = "", []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ch = json.loads(line[6:])["choices"][0]
+                text += ch["text"]
+                lps.append(ch["logprobs"])
+    return text, lps
+
+
+def test_sixteen_concurrent_streams_equal_each_alone(server: LiveServer) -> None:
+    prompts = [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(16)]
+    lengths = [8 + 3 * (i % 5) for i in range(16)]
+    alone = [_stream_text(server.url, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda a: _stream_text(server.url, *a), zip(prompts, lengths, strict=True)))
+    # logprobs (top 3 of the raw logits, as JSON floats) equal means the logits were bitwise equal
+    assert together == alone
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def test_disconnect_mid_stream_frees_kv(server: LiveServer) -> None:
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert _metric(server.url, "pocketmoe_kv_cache_usage_ratio") > 0
+    deadline = time.monotonic() + 10
+    while _metric(server.url, "pocketmoe_kv_cache_usage_ratio") > 0:
+        assert time.monotonic() < deadline, "the KV pages of a closed stream were not freed"
+        time.sleep(0.05)
+    text = httpx.get(server.url + "/metrics").text
+    assert 'pocketmoe_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert "pocketmoe_time_to_first_token_seconds_count" in text
+
+
+BAD = [
+    ("not json", "{", 400),
+    ("not an object", "[1, 2]", 400),
+    ("missing prompt", {"model": NAME}, 400),
+    ("prompt wrong type", {"prompt": 5}, 400),
+    ("max_tokens string", {"prompt": "x", "max_tokens": "5"}, 400),
+    ("max_tokens zero", {"prompt": "x", "max_tokens": 0}, 400),
+    ("temperature high", {"prompt": "x", "temperature": 3}, 400),
+    ("top_p zero", {"prompt": "x", "top_p": 0}, 400),
+    ("n too big", {"prompt": "x", "n": 1000}, 400),
+    ("empty stop", {"prompt": "x", "stop": [""]}, 400),
+    ("bad logit_bias key", {"prompt": "x", "logit_bias": {"abc": 1}}, 400),
+    ("logit_bias out of vocab", {"prompt": "x", "logit_bias": {"999999": 1}}, 400),
+    ("logprobs too many", {"prompt": "x", "logprobs": 50}, 400),
+    ("token id out of vocab", {"prompt": [1, 2, 10**9]}, 400),
+    ("negative token id", {"prompt": [-1]}, 400),
+    ("empty prompt list", {"prompt": []}, 400),
+    ("prompt too long", {"prompt": list(range(300))}, 400),
+    ("prompt + max_tokens too long", {"prompt": [1, 2, 3], "max_tokens": 300}, 400),
+    ("json_object format", {"prompt": "x", "response_format": {"type": "json_object"}}, 400),
+    ("unknown model", {"prompt": "x", "model": "gpt-4"}, 404),
+    ("seed float", {"prompt": "x", "seed": 1.5}, 400),
+    ("stream string", {"prompt": "x", "stream": "yes"}, 400),
+]
+BAD_CHAT = [
+    ("no messages", {"messages": []}, 400),
+    ("bad role", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("content number", {"messages": [{"role": "user", "content": 5}]}, 400),
+    ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
+    ("top_logprobs too many", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     400),
+    ("tools", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400),
+]
+
+
+@pytest.mark.parametrize("path,case", [("/v1/completions", c) for c in BAD] + [("/v1/chat/completions", c)
+                                                                                 for c in BAD_CHAT],
+                         ids=[c[0] for c in BAD] + ["chat " + c[0] for c in BAD_CHAT])
+def test_bad_requests_get_their_4xx_and_the_server_goes_on(server: LiveServer, path: str, case) -> None:  # noqa: ANN001
+    _, body, status = case
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server.url + path, content=data, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in r.text
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_limits_routes_and_context_message(server: LiveServer) -> None:
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": list(range(300))})
+    assert "300" in r.json()["error"]["message"] and "256" in r.json()["error"]["message"]
+    big = b'{"prompt": "' + b"a" * (17 << 20) + b'"}'
+    r = httpx.post(server.url + "/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    assert httpx.get(server.url + "/v1/completions").status_code == 405
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_api_key(model: Path) -> None:
+    with LiveServer(["--model", str(model), "--served-model-name", NAME, "--threads", "1", "--max-model-len", "64"],
+                    env={"POCKETMOE_API_KEY": "sekrit"}) as srv:
+        url = srv.url + "/v1/models"
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekrit", max_retries=0)
+        assert c.completions.create(model=NAME, prompt="x", max_tokens=2).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_sigterm_ends_streams_and_exits_zero(model: Path) -> None:
+    srv = LiveServer(["--model", str(model), "--threads", "1", "--max-model-len", "512"])
+    srv.start()
+    got: list[str] = []
+
+    def read() -> None:
+        body = {"prompt": "x", "max_tokens": 500, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            got.extend(r.iter_lines())
+
+    t = threading.Thread(target=read)
+    t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    srv.signal(signal.SIGTERM)
+    assert srv.wait(10) == 0
+    assert time.monotonic() - t0 < 10
+    t.join(5)
+    data = [json.loads(x[6:]) for x in got if x.startswith("data: {")]
+    assert data and data[-1]["choices"][0]["finish_reason"] == "length"
+    assert [x for x in got if x.startswith("data:")][-1] == "data: [DONE]"

@@ -1,0 +1,143 @@
+"""The serving engine's scheduler without HTTP: preemption, chunked prefill beside decode, aborts, the queue cap.
+
+Each sequence's tokens are checked against the same request run alone in the same engine (greedy,
+ignore_eos), which is what a client sees when the server is idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pocketmoe import native
+from pocketmoe.engine import ModelRunner, RunnerConfig, Step
+from pocketmoe.engine.sampler import SamplingParams
+from pocketmoe.gguf import open_bundle
+from pocketmoe.serve.engine import Engine, EngineConfig, QueueFullError
+from pocketmoe.serve.metrics import Metrics
+from pocketmoe.testing.synth import write_fixture
+from pocketmoe.tokenizer import Tokenizer
+
+BACKEND = "native" if native.available() else "reference"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_fixture("deepseek2", "tiny", "Q4_K_M", tmp_path_factory.mktemp("eng") / "m.gguf", seed=13)[0]
+
+
+def make_engine(model: Path, n_ctx: int, kv_bytes: int | None = None, chunk: int = 256, seqs: int = 8,
+                max_queue: int = 64) -> tuple[Engine, list[Step]]:
+    bundle = open_bundle(model)
+    runner = ModelRunner(bundle, RunnerConfig(n_ctx=n_ctx, backend=BACKEND, threads=1, max_seqs=seqs,
+                                              kv_cache_bytes=kv_bytes, chunk_size=chunk))
+    steps: list[Step] = []
+    forward = runner.forward
+
+    def recorded(step, *a, **kw):  # noqa: ANN001, ANN202
+        steps.append(step)
+        return forward(step, *a, **kw)
+
+    runner.forward = recorded  # type: ignore[method-assign]
+    eng = Engine(runner, Tokenizer.from_metadata(bundle.metadata), EngineConfig(seqs, max_queue, chunk, n_ctx), Metrics())
+    return eng, steps
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+async def tokens(eng: Engine, prompt: list[int], n: int) -> list[int]:
+    req = eng.submit(prompt, [greedy(n)])
+    return [t async for d in req.deltas() for t in d.token_ids]
+
+
+def run(coro):  # noqa: ANN001, ANN201
+    return asyncio.run(coro)
+
+
+PROMPTS = [[5 + i + 3 * j for j in range(10)] for i in range(3)]
+
+
+def test_preempted_sequences_resume_with_their_solo_tokens(model: Path) -> None:
+    eng, _ = make_engine(model, n_ctx=48, kv_bytes=None, seqs=3)
+    eng.start()
+    alone = [run(tokens(eng, p, 30)) for p in PROMPTS]
+    eng.stop()
+    # 5 pages of 16 positions for three sequences of 40: the newest is preempted and recomputed
+    width = eng.runner.spec.kv_values_per_token()
+    small, steps = make_engine(model, n_ctx=48, kv_bytes=5 * 16 * eng.runner.model.n_layer * width * 4, seqs=3)
+    assert small.cache.n_pages == 5
+    small.start()
+
+    async def together() -> list[list[int]]:
+        return list(await asyncio.gather(*(tokens(small, p, 30) for p in PROMPTS)))
+
+    assert run(together()) == alone
+    small.stop()
+    assert small.metrics.preemptions._value.get() > 0
+    assert small.cache.used_pages == 0
+
+
+def test_long_prefill_runs_in_chunks_beside_running_decode(model: Path) -> None:
+    eng, steps = make_engine(model, n_ctx=256, chunk=16)
+    eng.start()
+    long_prompt = [(7 * i) % 400 + 3 for i in range(100)]
+    alone_long = run(tokens(eng, long_prompt, 5))
+
+    async def both() -> tuple[list[int], list[int]]:
+        a = eng.submit([1, 2, 3], [greedy(60)])
+        got_a: list[int] = []
+        async for d in a.deltas():
+            got_a += d.token_ids
+            if len(got_a) == 3:
+                break
+        first = len(steps)
+        b = asyncio.ensure_future(tokens(eng, long_prompt, 5))
+        async for d in a.deltas():
+            got_a += d.token_ids
+        return got_a, await b, first
+
+    steps.clear()
+    got_a, got_b, first = run(both())
+    eng.stop()
+    assert got_b == alone_long and len(got_a) == 60
+    prefill = [s for s in steps[first:] if any(len(c.tokens) > 1 for c in s.chunks)]
+    assert len(prefill) >= 100 // 16
+    for s in prefill:
+        assert sum(len(c.tokens) for c in s.chunks if len(c.tokens) > 1) <= 16
+        assert any(len(c.tokens) == 1 for c in s.chunks), "a prefill chunk ran without the running decode"
+
+
+def test_abort_mid_prefill_frees_the_pages_before_the_next_step(model: Path) -> None:
+    eng, steps = make_engine(model, n_ctx=256, chunk=16)
+    eng.start()
+
+    async def go() -> None:
+        req = eng.submit(list(range(3, 203)), [greedy(5)])
+        while not steps:
+            await asyncio.sleep(0.001)
+        eng.abort(req)
+        n = len(steps)
+        while eng.cache.used_pages and len(steps) <= n + 1:
+            await asyncio.sleep(0.001)
+        assert eng.cache.used_pages == 0
+        key = req.seqs[0].key
+        assert all(c.seq != key for s in steps[n + 1:] for c in s.chunks)
+
+    run(go())
+    eng.stop()
+
+
+def test_queue_cap(model: Path) -> None:
+    eng, _ = make_engine(model, n_ctx=64, max_queue=2)
+
+    async def go() -> None:
+        eng.submit([1, 2], [greedy(2)])
+        eng.submit([1, 2], [greedy(2)])
+        with pytest.raises(QueueFullError, match="2 requests waiting"):
+            eng.submit([1, 2], [greedy(2)])
+
+    run(go())
