@@ -245,9 +245,10 @@ def test_limits_routes_and_context_message(server: LiveServer) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_api_key(model: Path) -> None:
-    with LiveServer(["--model", str(model), "--served-model-name", NAME, "--threads", "1", "--max-model-len", "64"],
-                    env={"POCKETMOE_API_KEY": "sekrit"}) as srv:
+def test_api_key_and_full_queue(model: Path) -> None:
+    args = ["--model", str(model), "--served-model-name", NAME, "--threads", "1", "--max-model-len", "2048",
+            "--max-num-seqs", "1", "--max-queue", "1"]
+    with LiveServer(args, env={"POCKETMOE_API_KEY": "sekrit"}) as srv:
         url = srv.url + "/v1/models"
         assert httpx.get(url).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
@@ -257,6 +258,29 @@ def test_api_key(model: Path) -> None:
         assert c.completions.create(model=NAME, prompt="x", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
+        # one running, one waiting: the third gets a 503 at once, and the first two still finish
+        auth = {"Authorization": "Bearer sekrit"}
+        body = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, srv.url + "/v1/completions", json=body, headers=auth, timeout=60)
+            time.sleep(0.3)
+            second = pool.submit(httpx.post, srv.url + "/v1/completions", json=body, headers=auth, timeout=60)
+            time.sleep(0.3)
+            third = httpx.post(srv.url + "/v1/completions", json=body, headers=auth, timeout=60)
+            assert third.status_code == 503 and third.json()["error"]["code"] == "queue_full"
+            assert first.result().status_code == 200 and second.result().status_code == 200
+
+
+def test_health_is_503_while_loading() -> None:
+    from fastapi.testclient import TestClient
+
+    from pocketmoe.serve.api import ServerState, create_app
+
+    with TestClient(create_app(ServerState(model_name="m", max_model_len=16))) as tc:
+        assert tc.get("/health").status_code == 503
+        r = tc.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        assert tc.get("/metrics").status_code == 200
 
 
 def test_sigterm_ends_streams_and_exits_zero(model: Path) -> None:

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pocketmoe.engine.sampler import SamplingParams
+from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError, TokenLogprob
 from pocketmoe.serve.metrics import Metrics
 from pocketmoe.serve.protocol import (
@@ -37,6 +37,7 @@ from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pocketmoe.serve")
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
 
@@ -185,6 +186,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def _request_error(_: Request, e: RequestError) -> JSONResponse:
         return error_response(e.status, e.message, e.type, e.param, e.code)
 
+    @app.exception_handler(SamplingParamsError)
+    async def _sampling_error(_: Request, e: SamplingParamsError) -> JSONResponse:
+        return error_response(400, str(e))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
@@ -235,8 +240,8 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(model_id)
         return model_card()
 
-    def encode_prompt(tok: Tokenizer, p: str | list[int]) -> list[int]:
-        ids = tok.encode(p) if isinstance(p, str) else p
+    async def encode_prompt(tok: Tokenizer, p: str | list[int]) -> list[int]:
+        ids = await asyncio.to_thread(tok.encode, p) if isinstance(p, str) else p  # off the event loop
         if not ids:
             raise RequestError("the prompt is empty; give at least one token.", "prompt")
         bad = [t for t in ids if t >= engine().runner.vocab_size]
@@ -294,9 +299,10 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(req.model)
         eng = engine()
         tok = eng.tok
-        prompts = [encode_prompt(tok, p) for p in req.prompts()]
-        if len(prompts) * req.n > 4 * 16:
-            raise RequestError(f"{len(prompts)} prompts x n={req.n} is over 64 choices in one request.", "n")
+        prompts = [await encode_prompt(tok, p) for p in req.prompts()]
+        if len(prompts) * req.n > MAX_COMPLETION_CHOICES:
+            raise RequestError(f"{len(prompts)} prompts x n={req.n} is over {MAX_COMPLETION_CHOICES} choices in one "
+                               "request; send fewer prompts or a smaller n.", "n")
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         params = [_sampling(req, max_tokens, eng.runner.vocab_size, len(p), state.max_model_len) for p in prompts]
         echo_lp = req.echo and req.logprobs is not None
@@ -332,10 +338,10 @@ def create_app(state: ServerState) -> FastAPI:
         eng = engine()
         tok = eng.tok
         try:
-            ids = tok.encode_chat(req.template_messages())
+            ids = await asyncio.to_thread(tok.encode_chat, req.template_messages())
         except ChatTemplateError as e:
             raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
-        ids = encode_prompt(tok, ids)
+        ids = await encode_prompt(tok, ids)
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
         params = _sampling(req, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len)
         k = (req.top_logprobs or 0) if req.logprobs else None

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
 MAX_STOP = 16          # stop strings per request
+MAX_STOP_CHARS = 512   # characters of one stop string (matching is quadratic in it, per token)
 MAX_CHOICES = 16       # n (x prompts on /v1/completions)
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's limit); completions logprobs is capped at 5 as OpenAI does
 
@@ -66,8 +67,9 @@ class SamplingFields(_Body):
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
-            raise ValueError("stop strings must not be empty")
+        for s in [] if v is None else ([v] if isinstance(v, str) else v):
+            if not 0 < len(s) <= MAX_STOP_CHARS:
+                raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, not {len(s)}")
         return v
 
     def stop_list(self) -> tuple[str, ...]:
