@@ -7,7 +7,7 @@ DEMO_DIR ?= out/demo
 # llama.cpp (the parity reference) builds from source in ~4 minutes on 2 cores; pip caches the wheel.
 LLAMA_CPP_ARGS ?= -DGGML_NATIVE=OFF
 
-.PHONY: venv native parity simde test avx512-emulated demo lint clean
+.PHONY: venv native parity simde test avx512-emulated demo serve lint clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ avx512-emulated:
 # The built-in demo model (pocketmoe/data/demo-model.gguf): a plain completion and a chat turn, then how to serve it.
 demo: venv native
 	$(PY) -m pocketmoe.demo
+
+# The OpenAI-compatible server on 127.0.0.1:8000 (the demo model unless SERVE_ARGS has --model PATH).
+SERVE_ARGS ?=
+serve: venv native
+	$(PY) -m pocketmoe.serve $(SERVE_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check pocketmoe tests scripts

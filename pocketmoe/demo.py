@@ -11,7 +11,6 @@ prints the command that serves it over HTTP and a `curl` to try.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shlex
 import sys
@@ -64,13 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rc != 0:
             return rc
 
-    body = json.dumps({"model": SERVED_NAME, "max_tokens": 64,
+    body = json.dumps({"model": SERVED_NAME, "max_tokens": 64, "temperature": 0,
                        "messages": [{"role": "user", "content": args.chat}]})
     serve = ["python", "-m", "pocketmoe.serve", *model_flag, "--port", str(PORT), "--served-model-name", SERVED_NAME]
-    if importlib.util.find_spec("pocketmoe.serve") is None:
-        print("\n== the OpenAI-compatible server (python -m pocketmoe.serve) is not in this build yet; "
-              "python -m pocketmoe.generate and pocketmoe.LLM serve the model from the command line and Python.")
-        return 0
     print("\n== serve it over HTTP (OpenAI-compatible API), then try it from another terminal:", flush=True)
     print(f"   {shlex.join(serve)}")
     print(f"   curl -s http://127.0.0.1:{PORT}/v1/chat/completions -H 'Content-Type: application/json' "

@@ -3,7 +3,6 @@ llama.cpp, meets its held-out perplexity, and routes unevenly as real MoE models
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -179,5 +178,22 @@ def test_demo_runs_a_completion_and_a_chat_turn(capsys) -> None:
     captured = capsys.readouterr()
     out = captured.out
     assert out.count("== python -m pocketmoe.generate") == 2 and "prefill_tok_s=" in captured.err
-    # the serve command is printed only once the server exists in this build
-    assert ("pocketmoe.serve --port" in out) == (importlib.util.find_spec("pocketmoe.serve") is not None)
+    assert "python -m pocketmoe.serve --port 8000 --served-model-name pocketmoe-demo" in out
+    assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in out
+
+
+def test_serve_without_a_model_serves_the_demo_model(llm) -> None:
+    """The command `make demo` prints (on a free port): the demo model answers the printed chat request
+    with the reply `LLM()` gives."""
+    import httpx
+
+    from pocketmoe import demo
+    from pocketmoe.engine.sampler import SamplingParams
+    from pocketmoe.testing.live_server import LiveServer
+
+    msgs = [{"role": "user", "content": demo.CHAT}]
+    want = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=24))
+    with LiveServer(["--served-model-name", demo.SERVED_NAME, "--threads", "2"]) as srv:
+        body = {"model": demo.SERVED_NAME, "max_tokens": 24, "temperature": 0, "messages": msgs}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["message"]["content"] == want.text and want.text.strip()
