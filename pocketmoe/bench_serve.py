@@ -99,12 +99,13 @@ async def fetch_model(client: httpx.AsyncClient, base: str) -> str:
 
 
 def is_output_event(chunk: dict[str, Any]) -> bool:
-    """A chunk that carries generated text, or a token (logprobs) whose text is still empty."""
+    """A chunk that carries generated text or a token: text, logprobs tokens, or any chunk before the last
+    (PocketMoE sends one chunk per token, its text empty while a UTF-8 character or a stop string is pending)."""
     choices = chunk.get("choices") or []
     if not choices:
         return False
     c = choices[0]
-    return bool(c.get("text")) or bool((c.get("logprobs") or {}).get("tokens"))
+    return bool(c.get("text")) or bool((c.get("logprobs") or {}).get("tokens")) or c.get("finish_reason") is None
 
 
 async def one_request(client: httpx.AsyncClient, base: str, body: dict[str, Any]) -> RequestResult:

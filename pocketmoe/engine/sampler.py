@@ -76,6 +76,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties changes a logit."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def end_ids(self, eot_ids: Sequence[int]) -> frozenset[int]:
         """Token ids that end generation: stop_token_ids, plus the model's EOG ids unless ignore_eos."""
         ids = set(self.stop_token_ids)
@@ -87,7 +92,7 @@ class SamplingParams:
 def apply_penalties(logits: torch.Tensor, history: Sequence[int], params: SamplingParams) -> torch.Tensor:
     """logits [V] float32 (a new tensor). Penalises each distinct token of the history window."""
     window = history[-params.penalty_last_n:] if params.penalty_last_n else history
-    if not window:
+    if not window or not params.penalized:
         return logits.clone()
     counts = Counter(int(t) for t in window)
     ids = torch.tensor(list(counts), dtype=torch.long)
@@ -160,6 +165,9 @@ class Sampler:
         return apply_min_p(x, p.min_p)
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+        p = self.params
+        if p.greedy and not p.penalized and not p.logit_bias:  # argmax of the logits as they are
+            return int(torch.argmax(logits))
         x = self.process(logits, history)
         if self.params.greedy:
             return int(torch.argmax(x))

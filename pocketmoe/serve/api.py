@@ -457,7 +457,7 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
             lp = _completion_logprobs(tok, list(d.logprobs), [], offsets[i] + len(text) - len(d.text))
         offsets[i] += len(text)
         usage["completion_tokens"] += len(d.token_ids)
-        if text or d.finish_reason or d.logprobs:
+        if text or d.finish_reason or d.token_ids:  # one chunk per token, as OpenAI streams
             yield chunk(i, text, lp, d.finish_reason)
     if include_usage:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -485,7 +485,7 @@ async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: Async
             return
         usage["completion_tokens"] += len(d.token_ids)
         lp = {"content": [_chat_logprob(tok, x) for x in d.logprobs]} if req.logprobs and d.logprobs else None
-        if d.text or lp:
+        if d.text or d.token_ids:  # one chunk per token, as OpenAI streams
             yield chunk(d.index, {"content": d.text}, lp, None)
         if d.finish_reason:
             yield chunk(d.index, {}, None, d.finish_reason)
