@@ -53,8 +53,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--seed", type=int, default=0, help="request i's prompt comes from random.Random(seed + i)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a connect or read may wait")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="requests of the same shape sent first and not counted (page-in, first-call costs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = p.parse_args(argv)
+    if args.warmup < 0:
+        raise PocketMoEError(f"--warmup must be 0 or more, got {args.warmup}.")
     for flag, value in (("--concurrency", args.concurrency), ("--requests", args.requests),
                         ("--prompt-tokens", args.prompt_tokens), ("--gen-tokens", args.gen_tokens)):
         if value < 1:
@@ -160,13 +164,17 @@ async def run_all(args: argparse.Namespace, base: str) -> tuple[str, list[Reques
         model = args.model or await fetch_model(client, base)
         gate = asyncio.Semaphore(args.concurrency)
 
-        async def bounded(i: int) -> RequestResult:
-            body = {"model": model, "prompt": prompt_ids(args.seed, i, args.prompt_tokens),
+        def body(i: int) -> dict[str, Any]:
+            return {"model": model, "prompt": prompt_ids(args.seed, i, args.prompt_tokens),
                     "max_tokens": args.gen_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
                     "stream_options": {"include_usage": True}}
-            async with gate:
-                return await one_request(client, base, body)
 
+        async def bounded(i: int) -> RequestResult:
+            async with gate:
+                return await one_request(client, base, body(i))
+
+        for k in range(args.warmup):
+            await one_request(client, base, body(-1 - k))
         start = time.perf_counter()
         results = await asyncio.gather(*(bounded(i) for i in range(args.requests)))
         return model, list(results), time.perf_counter() - start

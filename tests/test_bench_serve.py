@@ -88,10 +88,18 @@ def server() -> Iterator[tuple[str, Fake]]:
 
 
 def bench(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
-    assert bench_serve.main([*args, "--json"]) == 0
+    assert bench_serve.main([*args, "--json"] + ([] if "--warmup" in args else ["--warmup", "0"])) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1
     return json.loads(out[0])
+
+
+def test_warmup_requests_are_sent_first_and_not_counted(server: tuple[str, Fake],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    url, fake = server
+    fake.reset()
+    rep = bench(capsys, "--url", url, "--requests", "3", "--gen-tokens", "2", "--warmup", "2")
+    assert len(fake.bodies) == 5 and rep["completed"] == 3 and rep["total_output_tokens"] == 6
 
 
 def test_counts_latencies_and_concurrency(server: tuple[str, Fake], capsys: pytest.CaptureFixture[str]) -> None:
