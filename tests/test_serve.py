@@ -304,3 +304,43 @@ def test_sigterm_ends_streams_and_exits_zero(model: Path) -> None:
     data = [json.loads(x[6:]) for x in got if x.startswith("data: {")]
     assert data and data[-1]["choices"][0]["finish_reason"] == "length"
     assert [x for x in got if x.startswith("data:")][-1] == "data: [DONE]"
+
+
+def _fuzz_values(rng) -> list:  # noqa: ANN001
+    return [None, True, False, 0, -1, 1, 2**70, -(2**70), 0.5, -3.5, 1e308, "", "x", "0", [], [1], ["a"], [[1]], {},
+            {"a": 1}, {"type": "text"}, [{"role": "user", "content": "x"}], rng.random(), "\u0000\ud7ff", "<|EOT|>"]
+
+
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+          "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "echo", "stream",
+          "stream_options", "response_format", "user", "top_k", "min_p", "repeat_penalty", "ignore_eos", "suffix",
+          "best_of", "tools", "tool_choice"]
+
+
+def test_schema_fuzz_never_500s(server: LiveServer) -> None:
+    """Valid requests with one to three fields replaced by values of any JSON type: every answer is a 200 or a
+    4xx with OpenAI's error body, and the server keeps answering."""
+    import random
+
+    rng = random.Random(0)
+    values = _fuzz_values(rng)
+    bases = {"/v1/completions": {"model": NAME, "prompt": "hi", "max_tokens": 3},
+             "/v1/chat/completions": {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for _ in range(200):
+            path = rng.choice(list(bases))
+            body = dict(bases[path])
+            for f in rng.sample(FIELDS, rng.randint(1, 3)):
+                body[f] = rng.choice(values)
+            if body.get("stream") is True:
+                with http.stream("POST", path, json=body) as r:
+                    text = r.read().decode()
+            else:
+                r = http.post(path, json=body)
+                text = r.text
+            assert r.status_code in (200, 400, 404, 503), (body, r.status_code, text)
+            if r.status_code != 200:
+                assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}, text
+            elif body.get("stream") is True:
+                assert text.rstrip().endswith("data: [DONE]"), (body, text[-300:])
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
