@@ -141,3 +141,25 @@ def test_queue_cap(model: Path) -> None:
             eng.submit([1, 2], [greedy(2)])
 
     run(go())
+
+
+def test_prompt_logprobs_across_chunks(model: Path) -> None:
+    """Echo logprobs of a prompt prefilled in three chunks: entry p is log_softmax(logits at p - 1)[token p]."""
+    import torch
+
+    eng, _ = make_engine(model, n_ctx=128, chunk=16)
+    prompt = [(11 * i) % 300 + 2 for i in range(40)]
+    want = torch.log_softmax(eng.runner.forward(prompt, 0), -1)
+    eng.runner.free("solo")
+    eng.start()
+
+    async def go() -> list:
+        req = eng.submit(prompt, [greedy(2)], logprobs=0, prompt_logprobs=True)
+        return [e for d in [d async for d in req.deltas()] for e in (d.prompt_logprobs or [])]
+
+    got = run(go())
+    eng.stop()
+    assert len(got) == len(prompt) and got[0] is None
+    for p in range(1, len(prompt)):
+        assert got[p].token_id == prompt[p]
+        assert got[p].logprob == pytest.approx(float(want[p - 1, prompt[p]]), abs=1e-5)

@@ -87,6 +87,7 @@ class Seq:
     computed: int = 0
     generated: int = 0
     want_prompt_logprobs: bool = False
+    prompt_lp_sent: int = 0  # prompt logprob entries sent (a preempted sequence does not send them twice)
     last_token_at: float = 0.0
     finished: bool = False
 
@@ -249,7 +250,6 @@ class Engine:
         victim = self.running.pop()
         self.cache.free(victim.key)
         victim.computed = 0
-        victim.want_prompt_logprobs = False  # already sent
         self.waiting.appendleft(victim)
         self.metrics.preemptions.inc()
         return victim
@@ -306,16 +306,19 @@ class Engine:
                 self._sample(s, rows[-1], now)
 
     def _prompt_logprobs(self, s: Seq, c: SeqChunk, rows: torch.Tensor) -> None:
-        """Echo with logprobs: the logprob of each prompt token given the ones before it."""
+        """Echo with logprobs: entry p is the logprob of prompt token p given the ones before it (from the
+        logits of position p - 1; entry 0 has none). A chunk [a, b) gives entries a+1..b (0..b from 0);
+        those sent before a preemption are not sent again."""
         k = s.request.logprobs or 0
-        out: list[TokenLogprob | None] = [None] if c.start == 0 else []
-        for j in range(len(c.tokens)):
-            nxt = c.start + j + 1
-            if nxt < s.prompt_len:
-                out.append(self._logprob(rows[j], s.tokens[nxt], k))
-        if c.start + len(c.tokens) >= s.prompt_len:
+        first = c.start if c.start == 0 else c.start + 1
+        last = min(c.start + len(c.tokens), s.prompt_len - 1)
+        out = [None if p == 0 else self._logprob(rows[p - 1 - c.start], s.tokens[p], k)
+               for p in range(max(first, s.prompt_lp_sent), last + 1)]
+        s.prompt_lp_sent = max(s.prompt_lp_sent, last + 1)
+        if s.prompt_lp_sent >= s.prompt_len:
             s.want_prompt_logprobs = False
-        s.request.put(Delta(s.index, prompt_logprobs=out))
+        if out:
+            s.request.put(Delta(s.index, prompt_logprobs=out))
 
     @staticmethod
     def _logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
