@@ -293,12 +293,25 @@ def create_app(state: ServerState) -> FastAPI:
                 for r in reqs:
                     eng.abort(r)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req: CompletionRequest = _parse(CompletionRequest, await request.body())
+    async def accept(request: Request, model: type[SamplingFields]) -> tuple[Any, Engine, Tokenizer]:
+        """The validated body of a request for the served model, and the engine to run it."""
+        req = _parse(model, await request.body())
         check_model(req.model)
         eng = engine()
-        tok = eng.tok
+        return req, eng, eng.tok
+
+    async def collect(request: Request, q: asyncio.Queue, reqs: list, n: int) -> list[_Choice]:
+        choices = [_Choice() for _ in range(n)]
+        async for d in deltas(request, q, reqs):
+            choices[d.index].add(d)
+        for c in choices:
+            if c.error:
+                raise RuntimeError(c.error)
+        return choices
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req, eng, tok = await accept(request, CompletionRequest)
         prompts = [await encode_prompt(tok, p) for p in req.prompts()]
         if len(prompts) * req.n > MAX_COMPLETION_CHOICES:
             raise RequestError(f"{len(prompts)} prompts x n={req.n} is over {MAX_COMPLETION_CHOICES} choices in one "
@@ -314,12 +327,8 @@ def create_app(state: ServerState) -> FastAPI:
         if req.stream:
             return _sse(_completion_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name,
                                            prompts, prompt_text, usage))
-        choices = [_Choice() for _ in range(n_choices)]
-        async for d in deltas(request, q, reqs):
-            choices[d.index].add(d)
         out = []
-        for i, c in enumerate(choices):
-            _raise_error(c)
+        for i, c in enumerate(await collect(request, q, reqs, n_choices)):
             echo = prompt_text[i // req.n] if req.echo else ""
             lp = None
             if req.logprobs is not None:
@@ -333,10 +342,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req: ChatCompletionRequest = _parse(ChatCompletionRequest, await request.body())
-        check_model(req.model)
-        eng = engine()
-        tok = eng.tok
+        req, eng, tok = await accept(request, ChatCompletionRequest)
         try:
             ids = await asyncio.to_thread(tok.encode_chat, req.template_messages())
         except ChatTemplateError as e:
@@ -350,12 +356,8 @@ def create_app(state: ServerState) -> FastAPI:
         usage = _usage(len(ids))
         if req.stream:
             return _sse(_chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage))
-        choices = [_Choice() for _ in range(req.n)]
-        async for d in deltas(request, q, reqs):
-            choices[d.index].add(d)
         out = []
-        for i, c in enumerate(choices):
-            _raise_error(c)
+        for i, c in enumerate(await collect(request, q, reqs, req.n)):
             lp = {"content": [_chat_logprob(tok, x) for x in c.logprobs]} if req.logprobs else None
             out.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
                         "finish_reason": c.finish_reason})
@@ -370,11 +372,6 @@ def create_app(state: ServerState) -> FastAPI:
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _raise_error(c: _Choice) -> None:
-    if c.error:
-        raise RuntimeError(c.error)
 
 
 def _usage(n_prompt: int) -> dict[str, int]:
