@@ -78,6 +78,18 @@ def test_completion_matches_the_engine_alone(client: openai.OpenAI, llm: LLM) ->
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
 
 
+def test_null_fields_take_their_defaults(server: LiveServer) -> None:
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "echo": None, "stop": None,
+            "temperature": None, "logprobs": None, "stream_options": None, "seed": None, "user": None}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": None,
+            "logprobs": None, "top_logprobs": None, "tools": None, "tool_choice": None, "response_format": None}
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": None}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
 def test_chat_and_chat_stream(client: openai.OpenAI, llm: LLM) -> None:
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi "},
                                                                                      {"type": "text", "text": "there"}]}]
