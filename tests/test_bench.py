@@ -19,8 +19,8 @@ ENGINE_KEYS = {"backend", "prefill_tok_s", "decode_tok_s", "peak_rss_mib", "peak
 FAST = ["--prompt-tokens", "8", "--gen-tokens", "4", "--threads", "1", "--bandwidth-mib", "32", "--json"]
 
 
-def bench(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run([sys.executable, "-m", "pocketmoe.bench", *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=600)
 
@@ -134,3 +134,9 @@ def test_llama_cpp_side_by_side(model: Path) -> None:
         assert theirs[key] > 0, key
     assert r["ratio"]["prefill"] > 0 and r["ratio"]["decode"] > 0
     assert r["greedy_agreement"]["compared_tokens"] == 5
+    assert "CPU" in theirs["system_info"]  # llama.cpp's build features (AVX2 = 1, ...), said with the figures
+
+
+def test_llama_python_must_be_a_file(model: Path) -> None:
+    proc = bench("--model", str(model), *FAST, "--llama-cpp", env={"POCKETMOE_LLAMA_PYTHON": "/nonexistent/python"})
+    assert proc.returncode == 2 and "POCKETMOE_LLAMA_PYTHON" in proc.stderr and proc.stderr.count("\n") == 1

@@ -27,7 +27,21 @@ from pocketmoe.memstat import MemoryWatch
 DEFAULT_UBATCH = 512  # llama.cpp's default physical batch
 
 
+LLAMA_PYTHON_ENV = "POCKETMOE_LLAMA_PYTHON"  # an interpreter whose llama-cpp-python runs the reference
+
+
+def llama_python() -> str:
+    """The interpreter the llama.cpp child runs in: $POCKETMOE_LLAMA_PYTHON (e.g. a venv holding a
+    llama-cpp-python built with CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU), else this one."""
+    return os.environ.get(LLAMA_PYTHON_ENV) or sys.executable
+
+
 def require_llama_cpp() -> None:
+    if os.environ.get(LLAMA_PYTHON_ENV):
+        if not Path(os.environ[LLAMA_PYTHON_ENV]).is_file():
+            raise PocketMoEError(f"${LLAMA_PYTHON_ENV} is {os.environ[LLAMA_PYTHON_ENV]!r}, which is not a file; "
+                                 "point it at a python that has llama-cpp-python, or unset it.")
+        return
     if importlib.util.find_spec("llama_cpp") is None:
         raise PocketMoEError("llama-cpp-python is not installed in this Python, so --llama-cpp cannot run; "
                              "install it (pip install llama-cpp-python==0.3.36) or drop --llama-cpp.")
@@ -76,6 +90,7 @@ def run_llama_cpp(model: str | Path, ids: Sequence[int], s: BenchSettings) -> tu
     m = measure(_LlamaStepper(llm), ids, s.gen_tokens, s.repeats, mem.sample)
     result = engine_result("llama.cpp cpu", m, mem, load_s)
     result["version"] = f"llama-cpp-python {llama_cpp.__version__}"
+    result["system_info"] = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     llm.close()
     return result, m.tokens
 
@@ -86,7 +101,7 @@ def run_llama_cpp_subprocess(model: str | Path, ids: Sequence[int], s: BenchSett
     require_llama_cpp()
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "pocketmoe.bench", "--engine", "llama-cpp", "--model", str(model),
+    cmd = [llama_python(), "-m", "pocketmoe.bench", "--engine", "llama-cpp", "--model", str(model),
            "--token-ids", ",".join(map(str, ids)), "--gen-tokens", str(s.gen_tokens),
            "--threads", str(s.threads), "--repeats", str(s.repeats), "--n-ctx", str(s.n_ctx), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
