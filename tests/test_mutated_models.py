@@ -19,10 +19,10 @@ from pocketmoe.testing.synth import write_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [("deepseek2", "tiny", "Q4_K_M", "native", 1), ("deepseek2", "tiny-legacy", "Q8_0", "reference", 2),
-         ("deepseek2", "tiny-qlora", "F32", "auto", 3)]
+         ("deepseek2", "tiny-qlora", "F32", "auto", 3), ("minimax-m2", "tiny", "Q4_K_M", "auto", 4)]
 
 
-@pytest.mark.parametrize("arch,preset,quant,backend,seed", CASES, ids=[f"{c[1]}-{c[2]}-{c[3]}" for c in CASES])
+@pytest.mark.parametrize("arch,preset,quant,backend,seed", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES])
 def test_mutated_model_files_are_refused_or_run(tmp_path: Path, arch: str, preset: str, quant: str, backend: str,
                                                 seed: int) -> None:
     if backend == "native" and not native.available():

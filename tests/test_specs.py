@@ -364,6 +364,7 @@ def test_structure_helpers():
     assert d["n_params_routed_experts"] == 26 * 3 * 64 * 1408 * 2048
     cap = spec.capability()
     assert cap["generate"] is True and cap["mla_layout"] == "absorbed" and cap["gating"] == "softmax"
-    for arch in ("minimax-m2", "deepseek4"):
-        cap = spec_from_metadata(metadata_from_config(arch, PRESETS[arch])).capability()
-        assert cap["generate"] is False and cap["inspect"] is True
+    cap = spec_from_metadata(metadata_from_config("minimax-m2", PRESETS["minimax-m2"])).capability()
+    assert cap["generate"] is True and cap["attention"] == "gqa"
+    cap = spec_from_metadata(metadata_from_config("deepseek4", PRESETS["deepseek4"])).capability()
+    assert cap["generate"] is False and cap["inspect"] is True

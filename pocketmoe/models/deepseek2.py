@@ -8,68 +8,20 @@ Legend: T tokens of the step, D hidden, V vocab, L tokens that need logits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from pocketmoe.layers.attention import MLAConfig, MLAttention
 from pocketmoe.layers.experts import ExpertsFactory, ExpertWeights
-from pocketmoe.layers.linear import QuantEmbedding, QuantLinear, load_float
+from pocketmoe.layers.linear import QuantEmbedding, load_float
 from pocketmoe.layers.mlp import GatedMLP
 from pocketmoe.layers.moe import MoEBlock, Router, RouterConfig
-from pocketmoe.layers.norm import Residual
 from pocketmoe.layers.rotary import RopeConfig, Rotary
+from pocketmoe.models.decoder import DecoderBlock, DecoderModel, LinearFactory
 from pocketmoe.specs.base import Role
 
 if TYPE_CHECKING:
-    from pocketmoe.engine.step import StepContext
     from pocketmoe.gguf import GGUFBundle
     from pocketmoe.specs.deepseek2 import DeepSeek2Config
-
-# make_linear(name, role=None) -> the weight bound to that tensor (role: the spec's, unless given)
-LinearFactory = Callable[..., QuantLinear]
-
-
-class DeepSeek2Block:
-    def __init__(self, attn_norm: torch.Tensor, attn: MLAttention, ffn_norm: torch.Tensor,
-                 ffn: GatedMLP | MoEBlock) -> None:
-        self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
-
-
-class DeepSeek2Model:
-    def __init__(self, cfg: DeepSeek2Config, ops: Any, embed: QuantEmbedding, blocks: list[DeepSeek2Block],
-                 norm: torch.Tensor, head: QuantLinear, rotary: Rotary) -> None:
-        self.cfg, self.ops = cfg, ops
-        self.embed, self.blocks, self.norm, self.head, self.rotary = embed, blocks, norm, head, rotary
-
-    @property
-    def n_layer(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.head.out_features
-
-    def prepare(self, ctx: StepContext) -> None:
-        """What the step's ops read besides the weights: the rope tables of its positions."""
-        ctx.cos2, ctx.sin2 = self.rotary.span(*ctx.contiguous) if ctx.contiguous else self.rotary.at(ctx.positions)
-
-    def __call__(self, ctx: StepContext) -> torch.Tensor:
-        """logits [L, V] float32 of the step's tokens that need them; writes every token's cache rows."""
-        ops, eps = self.ops, self.cfg.rms_eps
-        self.prepare(ctx)
-        x = ops.embed(self.embed, ctx.tokens)  # [T, D], the residual stream (updated in place)
-        xn = ops.rms_norm(x, self.blocks[0].attn_norm, eps)
-        for i, block in enumerate(self.blocks):
-            xn = block.attn(xn, ctx, i, Residual(x, block.ffn_norm, eps))
-            last = i + 1 == len(self.blocks)
-            xn = block.ffn(xn, Residual(x, None if last else self.blocks[i + 1].attn_norm, eps))
-        rows = ctx.logit_rows
-        if len(rows) == 0:
-            return x.new_zeros(0, self.vocab_size)
-        x = x if len(rows) == len(x) else x[torch.from_numpy(rows).long()].contiguous()
-        return self.head(ops.rms_norm(x, self.norm, eps))
 
 
 def rope_config(cfg: DeepSeek2Config) -> RopeConfig:
@@ -121,15 +73,15 @@ def _moe(bundle: GGUFBundle, cfg: DeepSeek2Config, ops: Any, i: int, lin: Linear
 
 
 def build(bundle: GGUFBundle, cfg: DeepSeek2Config, ops: Any, lin: LinearFactory,
-          make_experts: ExpertsFactory) -> DeepSeek2Model:
+          make_experts: ExpertsFactory) -> DecoderModel:
     """Bind every layer to its tensor views in the bundle (no copies of quantized data)."""
     blocks = []
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
         ffn = _mlp(b, "", ops, lin) if i < cfg.n_dense_lead else _moe(bundle, cfg, ops, i, lin, make_experts)
-        blocks.append(DeepSeek2Block(load_float(bundle, b + "attn_norm.weight"), _attention(bundle, cfg, ops, i, lin),
+        blocks.append(DecoderBlock(load_float(bundle, b + "attn_norm.weight"), _attention(bundle, cfg, ops, i, lin),
                                      load_float(bundle, b + "ffn_norm.weight"), ffn))
     # llama.cpp ties the head to token_embd when output.weight is absent
     head = lin("output.weight") if "output.weight" in bundle.tensors else lin("token_embd.weight", Role.HEAD)
-    return DeepSeek2Model(cfg, ops, QuantEmbedding.from_bundle(bundle, "token_embd.weight"), blocks,
+    return DecoderModel(cfg, ops, QuantEmbedding.from_bundle(bundle, "token_embd.weight"), blocks,
                           load_float(bundle, "output_norm.weight"), head, Rotary(rope_config(cfg)))

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pocketmoe.engine.step import StepContext
     from pocketmoe.layers.attention import MLAttention
     from pocketmoe.layers.experts import ExpertBank
+    from pocketmoe.layers.gqa import GQAttention
     from pocketmoe.layers.mlp import GatedMLP
     from pocketmoe.layers.moe import MoEBlock, Router
     from pocketmoe.layers.norm import Residual
@@ -153,6 +154,39 @@ class ReferenceOps(ReferenceBackend):
         """The attention sublayer: projections, mla_attention, the output projection, then finalize."""
         q, kv = attn.project_q_kv(x)
         return self.close(residual, self.linear(attn.wo, self.mla_attention(attn, q, kv, ctx, layer)))
+
+    def gqa_attention(self, attn: GQAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
+                      layer: int) -> torch.Tensor:
+        """q [T, H*Dh], k [T, G*Dh], v [T, G*Dv] -> [T, H*Dv]; ropes q and k, writes the tokens' cache rows
+        ([K of every KV head, then V]) and attends per sequence over that sequence's rows."""
+        c = attn.cfg
+        t, r = q.shape[0], c.n_rot
+        cos2, sin2 = ctx.cos2[:, None], ctx.sin2[:, None]
+        q, k = q.view(t, c.n_head, c.head_dim), k.view(t, c.n_head_kv, c.head_dim)
+        q = torch.cat([rope_rows(q[..., :r], cos2, sin2, c.neox), q[..., r:]], dim=-1)
+        k = torch.cat([rope_rows(k[..., :r], cos2, sin2, c.neox), k[..., r:]], dim=-1)
+        cache = ctx.cache
+        cache.data[layer, torch.from_numpy(ctx.write_rows).long()] = torch.cat(
+            [k.reshape(t, -1), v.reshape(t, -1)], dim=-1).to(cache.data.dtype)
+        nk = c.n_head_kv * c.head_dim
+        group = c.n_head // c.n_head_kv
+        out = []
+        for i, (a, b) in enumerate(ctx.seq_spans):
+            rows = cache.keys(layer, sequence_rows(ctx, i, int(ctx.keys[b - 1])))  # [S, G*(Dh+Dv)]
+            keys = rows[:, :nk].view(-1, c.n_head_kv, c.head_dim).transpose(0, 1)  # [G, S, Dh]
+            vals = rows[:, nk:].view(-1, c.n_head_kv, c.v_dim).transpose(0, 1)     # [G, S, Dv]
+            qs = q[a:b].transpose(0, 1).reshape(c.n_head_kv, group * (b - a), c.head_dim)  # [G, group*t, Dh]
+            scores = (qs @ keys.transpose(1, 2)).view(c.n_head, b - a, -1)  # [H, t, S]
+            probs = _softmax(scores, c.scale, causal_mask(b - a, int(ctx.positions[a])))
+            o = probs.view(c.n_head_kv, group * (b - a), -1) @ vals  # [G, group*t, Dv]
+            out.append(o.view(c.n_head, b - a, c.v_dim).transpose(0, 1).reshape(b - a, c.n_head * c.v_dim))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def gqa_sublayer(self, attn: GQAttention, x: torch.Tensor, ctx: StepContext, layer: int,
+                     residual: Residual) -> torch.Tensor | None:
+        """The attention sublayer: projections (and q / k norms), gqa_attention, the output projection, finalize."""
+        q, k, v = attn.project(x)
+        return self.close(residual, self.linear(attn.wo, self.gqa_attention(attn, q, k, v, ctx, layer)))
 
     def close(self, residual: Residual, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
         """finalize into the residual stream: x += a (+ b); the next sublayer's input."""

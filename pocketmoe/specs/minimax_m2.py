@@ -128,6 +128,11 @@ class MiniMaxM2Spec(ModelSpec):
     def moe_layers(self) -> list[int]:
         return list(range(self.config.n_layer))
 
+    def kv_values_per_token(self) -> int:
+        """GQA: K and V of every KV head, per token and layer."""
+        c = self.config
+        return c.n_head_kv * (c.head_dim + c.v_head_dim)
+
     def _tensors(self, present: frozenset[str] | None) -> list[TensorSpec]:
         c, D, A = self.config, self.config.n_embd, Role.ATTENTION
         q, k, v = c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_head_kv * c.v_head_dim
@@ -157,6 +162,5 @@ class MiniMaxM2Spec(ModelSpec):
 
     def capability_details(self) -> dict[str, Any]:
         c = self.config
-        return {"generate": False, "reason": "minimax-m2 is inspect-only for now (no model implementation yet)",
-                "attention": "gqa", "qk_norm": "whole-projection", "rope": "neox-partial",
+        return {"generate": True, "reason": "", "attention": "gqa", "qk_norm": "whole-projection", "rope": "neox-partial",
                 "gating": c.gating, "expert_weights_norm": True, "shared_experts": 0}
