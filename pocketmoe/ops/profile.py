@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 OPS = ("embed", "rms_norm", "add_rms_norm", "finalize", "linear", "linear_multi", "batched", "rope", "mla_sublayer",
-       "ffn_sublayer", "moe_sublayer",
-       "mla_attention", "route", "moe", "ffn")
+       "ffn_sublayer", "moe_sublayer", "gqa_sublayer",
+       "mla_attention", "gqa_attention", "route", "moe", "ffn")
 
 
 class OpProfile:
