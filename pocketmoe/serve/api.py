@@ -33,6 +33,8 @@ from pocketmoe.serve.protocol import (
     SamplingFields,
     pydantic_error,
 )
+from pocketmoe.serve.tools import ToolFormat, ToolStream, tool_format
+from pocketmoe.serve.tools import parse as parse_tool_calls
 from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pocketmoe.serve")
@@ -343,8 +345,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req, eng, tok = await accept(request, ChatCompletionRequest)
+        tools = req.tool_dicts
+        fmt = tool_format(tok.chat_template, eng.runner.bundle.architecture) if tools and req.tool_choice != "none" \
+            else None
         try:
-            ids = await asyncio.to_thread(tok.encode_chat, req.template_messages())
+            ids = await asyncio.to_thread(tok.encode_chat, req.template_messages(), True, tools=tools or None)
         except ChatTemplateError as e:
             raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
         ids = await encode_prompt(tok, ids)
@@ -355,12 +360,17 @@ def create_app(state: ServerState) -> FastAPI:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = _usage(len(ids))
         if req.stream:
-            return _sse(_chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage))
+            return _sse(_chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage,
+                                     fmt, tools))
         out = []
         for i, c in enumerate(await collect(request, q, reqs, req.n)):
             lp = {"content": [_chat_logprob(tok, x) for x in c.logprobs]} if req.logprobs else None
-            out.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                        "finish_reason": c.finish_reason})
+            content, calls = parse_tool_calls(fmt, c.text, tools) if fmt else (c.text, [])
+            message: dict[str, Any] = {"role": "assistant", "content": (content or None) if calls else content}
+            if calls:
+                message["tool_calls"] = [x.to_json() for x in calls]
+            out.append({"index": i, "message": message, "logprobs": lp,
+                        "finish_reason": "tool_calls" if calls else c.finish_reason})
             usage["completion_tokens"] += len(c.token_ids)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
@@ -463,8 +473,12 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
 
 
 async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: AsyncIterator[Delta], rid: str,
-                       created: int, model: str, usage: dict[str, int]) -> AsyncIterator[dict[str, Any]]:
+                       created: int, model: str, usage: dict[str, int], fmt: ToolFormat | None,
+                       tools: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """Chat chunks; with tools, text from the start of a tool call on is held and sent as tool_calls at the end
+    (or as content, when it does not parse)."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    held = [ToolStream(fmt, tools) for _ in range(req.n)] if fmt else None
 
     def chunk(index: int, delta: dict[str, Any], lp: Any, finish: str | None) -> dict[str, Any]:
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -482,10 +496,19 @@ async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: Async
             return
         usage["completion_tokens"] += len(d.token_ids)
         lp = {"content": [_chat_logprob(tok, x) for x in d.logprobs]} if req.logprobs and d.logprobs else None
-        if d.text or d.token_ids:  # one chunk per token, as OpenAI streams
-            yield chunk(d.index, {"content": d.text}, lp, None)
+        text = held[d.index].push(d.text) if held else d.text
+        if text or d.token_ids:  # one chunk per token, as OpenAI streams
+            yield chunk(d.index, {"content": text}, lp, None)
         if d.finish_reason:
-            yield chunk(d.index, {}, None, d.finish_reason)
+            finish = d.finish_reason
+            if held:
+                rest, calls = held[d.index].finish()
+                if rest:
+                    yield chunk(d.index, {"content": rest}, None, None)
+                if calls:
+                    yield chunk(d.index, {"tool_calls": [c.to_json(k) for k, c in enumerate(calls)]}, None, None)
+                    finish = "tool_calls"
+            yield chunk(d.index, {}, None, finish)
     if include_usage:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],

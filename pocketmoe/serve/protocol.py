@@ -144,31 +144,47 @@ class ChatMessage(_Body):
         return "".join(out)
 
 
+class FunctionDef(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def check(self) -> None:
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
-        if self.tools:
-            raise RequestError("tools (function calling) are not supported by this server yet; leave tools out.",
-                               "tools")
         if self.tool_choice not in (None, "none", "auto"):
-            raise RequestError("tool_choice must be 'none' or 'auto' (no tools are supported yet).", "tool_choice")
+            raise RequestError(f"tool_choice {self.tool_choice!r} is not supported; use 'auto' (the model decides) "
+                               "or 'none'.", "tool_choice")
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The request's tools as the chat template and the parser read them ([] without tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template reads them: role and text content (parts joined)."""
+        """The messages as the chat template reads them: role, text content (parts joined), and the rest
+        of each message as sent (tool_calls, tool_call_id, name)."""
         out = []
         for i, m in enumerate(self.messages):
-            d: dict[str, Any] = {"role": m.role, "content": m.text(i)}
-            if m.name is not None:
-                d["name"] = m.name
+            d = m.model_dump(exclude_none=True)
+            d["content"] = m.text(i)
             out.append(d)
         return out
 

@@ -1,0 +1,170 @@
+"""Tool calls: the parsers of both formats, the streamed hold-back, and the chat endpoint driven by the
+official `openai` client over a scripted engine whose output is forced (what a model would write).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from pocketmoe.gguf import open_bundle
+from pocketmoe.serve.api import ServerState, create_app
+from pocketmoe.serve.engine import Delta
+from pocketmoe.serve.tools import DEEPSEEK, MINIMAX, ToolStream, parse
+from pocketmoe.testing.synth import write_fixture
+from pocketmoe.tokenizer import Tokenizer
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+MM_CALL = ('Let me check.<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+           '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="now">\n</invoke>\n</minimax:tool_call>')
+DS_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+           '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+
+
+def test_minimax_calls_parse_with_schema_types() -> None:
+    content, calls = parse(MINIMAX, MM_CALL, TOOLS)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3}),
+                                                                  ("now", {})]
+    assert len({c.id for c in calls}) == 2
+
+
+def test_deepseek_calls_parse() -> None:
+    content, calls = parse(DEEPSEEK, "ok " + DS_CALL, TOOLS)
+    assert content == "ok " and json.loads(calls[0].arguments) == {"city": "Paris", "days": 3}
+
+
+@pytest.mark.parametrize("text", [
+    MM_CALL.replace("</minimax:tool_call>", ""),                      # cut off
+    MM_CALL.replace('"days">3', '"days">three'),                      # integer that is not JSON
+    MM_CALL.replace("get_weather", "launch_rockets"),                 # no such tool
+    MM_CALL + " and more text",                                       # text after the calls
+])
+def test_malformed_minimax_calls_stay_text(text: str) -> None:
+    assert parse(MINIMAX, text, TOOLS) == (text, [])
+
+
+def test_malformed_deepseek_calls_stay_text() -> None:
+    bad = DS_CALL.replace('"days": 3}', '"days": 3')
+    assert parse(DEEPSEEK, bad, TOOLS) == (bad, [])
+
+
+@pytest.mark.parametrize("fmt,text", [(MINIMAX, MM_CALL), (DEEPSEEK, "ok " + DS_CALL),
+                                      (MINIMAX, "no calls, but <minimax:tool a near miss")])
+def test_stream_holds_back_the_calls_at_any_split(fmt, text: str) -> None:  # noqa: ANN001
+    want_content, want_calls = parse(fmt, text, TOOLS)
+    for step in (1, 3, 7):
+        ts = ToolStream(fmt, TOOLS)
+        sent = "".join(ts.push(text[i:i + step]) for i in range(0, len(text), step))
+        rest, calls = ts.finish()
+        assert sent + rest == want_content
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
+
+
+class ScriptedEngine:
+    """Stands in for the engine: every choice 'generates' `script`, a few characters a token."""
+
+    alive = True
+
+    def __init__(self, tok: Tokenizer, architecture: str, script: str) -> None:
+        self.tok, self.script, self.prompts = tok, script, []
+        self.runner = type("R", (), {"vocab_size": tok.vocab_size,
+                                     "bundle": type("B", (), {"architecture": architecture})()})()
+
+    def submit(self, ids, params, *, logprobs=None, prompt_logprobs=False, out=None, index_base=0):  # noqa: ANN001, ANN201
+        self.prompts.append(list(ids))
+        for i in range(len(params)):
+            pieces = [self.script[j:j + 5] for j in range(0, len(self.script), 5)]
+            for k, p in enumerate(pieces):
+                out.put_nowait(Delta(index_base + i, p, [1], finish_reason="stop" if k == len(pieces) - 1 else None))
+        out.put_nowait(None)
+        return object()
+
+    def abort(self, req) -> None:  # noqa: ANN001
+        pass
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_fixture("minimax-m2", "tiny", "Q4_K_M", tmp_path_factory.mktemp("tools") / "m.gguf")[0]
+
+
+@pytest.fixture(scope="module")
+def tok(model: Path) -> Tokenizer:
+    return Tokenizer.from_metadata(open_bundle(model).metadata)
+
+
+def client_for(tok: Tokenizer, script: str, arch: str = "minimax-m2") -> tuple[openai.OpenAI, ScriptedEngine]:
+    eng = ScriptedEngine(tok, arch, script)
+    state = ServerState(model_name="m", max_model_len=4096, engine=eng, tokenizer=tok)  # type: ignore[arg-type]
+    http = TestClient(create_app(state), base_url="http://testserver")
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0), eng
+
+
+MSGS = [{"role": "user", "content": "weather in Paris?"}]
+
+
+def test_chat_returns_tool_calls(tok: Tokenizer) -> None:
+    c, _ = client_for(tok, MM_CALL)
+    r = c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, max_tokens=50)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content == "Let me check."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in ch.message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 3}), ("now", {})]
+
+
+def test_chat_stream_returns_tool_calls(tok: Tokenizer) -> None:
+    c, _ = client_for(tok, MM_CALL)
+    content, calls, finish = "", {}, None
+    for chunk in c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, max_tokens=50, stream=True):
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            calls.setdefault(t.index, ["", ""])
+            calls[t.index][0] += t.function.name or ""
+            calls[t.index][1] += t.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Let me check." and finish == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in calls.values()] == [("get_weather", {"city": "Paris", "days": 3}),
+                                                              ("now", {})]
+
+
+def test_malformed_call_and_tool_choice_none_come_back_as_text(tok: Tokenizer) -> None:
+    bad = MM_CALL.replace("</minimax:tool_call>", "")
+    c, _ = client_for(tok, bad)
+    r = c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, max_tokens=50)
+    assert r.choices[0].message.content == bad and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    c, _ = client_for(tok, MM_CALL)
+    r = c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, tool_choice="none", max_tokens=50)
+    assert r.choices[0].message.content == MM_CALL and not r.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, tool_choice="required")
+
+
+def test_deepseek_format_by_architecture(tok: Tokenizer) -> None:
+    c, _ = client_for(tok, DS_CALL, arch="deepseek2")
+    r = c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, max_tokens=50)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == \
+        "get_weather"
+
+
+def test_template_sees_the_tools(model: Path) -> None:
+    """The chat template's `tools` variable is the request's tools (and the history's tool messages pass through)."""
+    tok2 = Tokenizer.from_metadata(open_bundle(model).metadata)
+    tok2.chat_template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                          "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.tool_call_id is defined %}"
+                          "#{{ m.tool_call_id }}{% endif %}{% endfor %}")
+    c, eng = client_for(tok2, "fine")
+    history = MSGS + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                      "function": {"name": "now", "arguments": "{}"}}]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    c.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=5)
+    text = tok2.decode(eng.prompts[-1])
+    assert "[tool get_weather][tool now]" in text and "<tool>12:00#call_1" in text
