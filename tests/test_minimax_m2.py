@@ -148,3 +148,39 @@ def test_f32_matches_hf_transformers(tmp_path_factory: pytest.TempPathFactory) -
     for backend in BACKENDS:
         ours = ModelRunner(open_bundle(path), RunnerConfig(n_ctx=64, backend=backend)).forward(PROMPT, 0)
         assert (ours - want).abs().max().item() <= F32_TOL, backend
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels")
+@pytest.mark.parametrize("neox,heads", [(True, (12, 2)), (False, (4, 4)), (True, (10, 2))])
+def test_native_gqa_attention_is_the_reference(neox: bool, heads: tuple[int, int]) -> None:
+    """The C++ op against the torch one over a step of two sequences (one prefilling 20 tokens after 5 cached,
+    one decoding): outputs and written cache rows, at float rounding."""
+    from pocketmoe.engine.kv_cache import PagedKVCache
+    from pocketmoe.engine.step import StepContext
+    from pocketmoe.layers.gqa import GQAConfig, GQAttention
+    from pocketmoe.layers.rotary import RopeConfig, Rotary
+    from pocketmoe.ops import make_ops
+
+    h, g = heads
+    cfg = GQAConfig(n_head=h, n_head_kv=g, head_dim=64, v_dim=32, n_rot=32, neox=neox, scale=0.125)
+    gen = torch.Generator().manual_seed(1)
+    rot = Rotary(RopeConfig(dim=32, base=10000.0, neox=neox))
+    results = []
+    for ops in (make_ops("reference", 1, None), make_ops("native", 2, None)):
+        attn = GQAttention(cfg, ops, wq=None, wk=None, wv=None, wo=None)  # type: ignore[arg-type]
+        cache = PagedKVCache(1, cfg.kv_width, 8, 64)
+        gen.manual_seed(1)
+        cache.data.normal_(generator=gen)
+        outs = []
+        for step in (Step([SeqChunk("a", list(range(5)), 0, "all"), SeqChunk("b", [1], 0)]),
+                     Step([SeqChunk("a", list(range(20)), 5, "all"), SeqChunk("b", [2], 1)])):
+            ctx = StepContext.build(step, cache, 1000)
+            ctx.cos2, ctx.sin2 = rot.at(ctx.positions)
+            t = ctx.n_tokens
+            q, k, v = (torch.randn(t, n, generator=gen) for n in (h * 64, g * 64, g * 32))
+            outs.append(ops.gqa_attention(attn, q, k, v, ctx, 0))
+        results.append((outs, cache.data.clone()))
+    (ref, ref_cache), (nat, nat_cache) = results
+    for a, b in zip(ref, nat, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nat_cache, ref_cache, rtol=1e-6, atol=1e-6)

@@ -352,6 +352,30 @@ py::array_t<float> mla_attention_py(const MLAShape& sh, const py::array& q, cons
   return out;
 }
 
+py::array_t<float> gqa_attention_py(const GQAShape& sh, const py::array& q, const py::array& k, const py::array& v,
+                                    const py::array& cos2, const py::array& sin2, const py::array& cache,
+                                    const py::array& seq, const py::array& keys, const py::array& write_rows,
+                                    const py::array& table, int page) {
+  if (sh.n_head <= 0 || sh.n_head_kv <= 0 || sh.head_dim <= 0 || sh.v_dim <= 0 || sh.rot <= 0)
+    throw py::value_error("gqa_attention: the shape's heads and dims must be positive");
+  const int w = sh.n_head_kv * (sh.head_dim + sh.v_dim);
+  auto qa = rows_of(q, "q", static_cast<py::ssize_t>(sh.n_head) * sh.head_dim);
+  const py::ssize_t n = qa.shape(0);
+  auto ka = rows_of(k, "k", static_cast<py::ssize_t>(sh.n_head_kv) * sh.head_dim);
+  auto va = rows_of(v, "v", static_cast<py::ssize_t>(sh.n_head_kv) * sh.v_dim);
+  auto c = rows_of(cos2, "cos2", sh.rot), s = rows_of(sin2, "sin2", sh.rot);
+  if (ka.shape(0) != n || va.shape(0) != n || c.shape(0) != n || s.shape(0) != n)
+    throw py::value_error("q, k, v, cos2 and sin2 need the same number of rows");
+  float* cachep = nullptr;
+  const KVLayout layout = kv_layout_of(cache, w, seq, keys, write_rows, table, page, n, cachep);
+  py::array_t<float> q_work({n, static_cast<py::ssize_t>(sh.n_head) * sh.head_dim});
+  py::array_t<float> out({n, static_cast<py::ssize_t>(sh.n_head) * sh.v_dim});
+  const float *qp = qa.data(), *kp = ka.data(), *vp = va.data(), *cp = c.data(), *sp = s.data();
+  float *qw = q_work.mutable_data(), *op = out.mutable_data();
+  run(size_t{1} << 20, [&] { gqa_attention(sh, qp, kp, vp, cp, sp, cachep, layout, static_cast<int>(n), qw, op); });
+  return out;
+}
+
 py::tuple route_py(const RouteParams& p, const py::array& x, const WeightHandle& gate, const py::object& bias) {
   auto xa = rows_of(x, "x", gate.w.cols);
   const py::ssize_t n = xa.shape(0);
@@ -716,6 +740,12 @@ PYBIND11_MODULE(_native, m) {
            }),
            py::arg("n_head"), py::arg("qk_nope"), py::arg("qk_rope"), py::arg("v_head"), py::arg("kv_lora"),
            py::arg("scale"), py::arg("eps"));
+  py::class_<GQAShape>(m, "GQAShape")
+      .def(py::init([](int n_head, int n_head_kv, int head_dim, int v_dim, int rot, bool neox, float scale) {
+             return GQAShape{n_head, n_head_kv, head_dim, v_dim, rot, neox, scale};
+           }),
+           py::arg("n_head"), py::arg("n_head_kv"), py::arg("head_dim"), py::arg("v_dim"), py::arg("rot"),
+           py::arg("neox"), py::arg("scale"));
   py::class_<RouteParams>(m, "RouteParams")
       .def(py::init([](int n_experts, int top_k, int gating, int n_groups, int groups_used, bool norm, float scale,
                        float weight_sum_min, int gating_softmax, int gating_sigmoid) {
@@ -736,6 +766,10 @@ PYBIND11_MODULE(_native, m) {
         py::arg("k_b"), py::arg("v_b"), py::arg("cos2"), py::arg("sin2"), py::arg("cache"), py::arg("seq"),
         py::arg("keys"), py::arg("write_rows"), py::arg("page_table"), py::arg("page"),
         "MLA attention of rows of several sequences over a paged latent cache -> [T, H*V].");
+  m.def("gqa_attention", &gqa_attention_py, py::arg("shape"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("cos2"), py::arg("sin2"), py::arg("cache"), py::arg("seq"), py::arg("keys"), py::arg("write_rows"),
+        py::arg("page_table"), py::arg("page"),
+        "Grouped-query attention of rows of several sequences over a paged K/V cache -> [T, H*Dv].");
   m.def("route", &route_py, py::arg("params"), py::arg("x"), py::arg("gate"), py::arg("bias"),
         "(ids int32 [T, K], weights float32 [T, K]) of the router.");
   m.def("gated_ffn", &gated_ffn_py, py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("down"),

@@ -47,6 +47,7 @@ class GQAttention:
             raise ValueError(f"{cfg.n_head} query heads are not a multiple of {cfg.n_head_kv} KV heads")
         self.cfg, self.ops, self.eps = cfg, ops, float(eps)
         self.wq, self.wk, self.wv, self.wo, self.q_norm, self.k_norm = wq, wk, wv, wo, q_norm, k_norm
+        self.native: object = None  # what a native backend precomputed for this layer (its shape)
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, layer: int, residual: Residual) -> torch.Tensor | None:
         """x [T, D] (normed) -> residual.x += attention(x); the next sublayer's input (ops.gqa_sublayer)."""

@@ -24,6 +24,7 @@ from pocketmoe.specs.base import Role
 if TYPE_CHECKING:
     from pocketmoe.engine.step import StepContext
     from pocketmoe.layers.attention import MLAttention
+    from pocketmoe.layers.gqa import GQAttention
     from pocketmoe.layers.mlp import GatedMLP
     from pocketmoe.layers.moe import MoEBlock, Router
     from pocketmoe.layers.norm import Residual
@@ -224,6 +225,19 @@ class NativeOps(ReferenceOps):
         out = self.lib.mla_attention(self._mla_shape(attn), _np(q), _np(kv), attn.kv_a_norm.numpy(), k_b, v_b, cos2,
                                      sin2, layers[layer], *kv_layout)
         return torch.from_numpy(out)
+
+    @_not_replayed
+    def gqa_attention(self, attn: GQAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
+                      layer: int) -> torch.Tensor:
+        step = self._step_args(ctx)
+        if step is None:
+            return super().gqa_attention(attn, q, k, v, ctx, layer)
+        cos2, sin2, layers, *kv_layout = step
+        if attn.native is None:
+            c = attn.cfg
+            attn.native = self.lib.GQAShape(c.n_head, c.n_head_kv, c.head_dim, c.v_dim, c.n_rot, c.neox, c.scale)
+        return torch.from_numpy(self.lib.gqa_attention(attn.native, _np(q), _np(k), _np(v), cos2, sin2, layers[layer],
+                                                       *kv_layout))
 
     def _mla_shape(self, attn: MLAttention) -> object:
         if attn.native is None:

@@ -58,6 +58,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "minimax-m2": {
         "tiny": _MM2_TINY,
+        # MiniMax-M2's head layout (128-dim heads, 64 rotated, 6 query heads per KV head) at bench size
+        "bench": replace(_MM2_TINY, n_vocab=32000, n_embd=1024, n_layer=8, n_head=12, n_head_kv=2, head_dim=128,
+                         v_head_dim=128, n_rot=64, n_expert=32, n_expert_used=4, n_ff_exp=512, n_ff=512),
         "full": MiniMaxM2Config.full(),
     },
     "deepseek4": {

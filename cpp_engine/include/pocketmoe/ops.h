@@ -68,6 +68,18 @@ void mla_attention(const MLAShape& s, const float* q, const float* kv, const flo
                    const Weight& v_b, const float* cos2, const float* sin2, float* cache, const KVLayout& kv_layout,
                    int n_rows, float* out);
 
+// Grouped-query attention over a cache [cache_rows, n_head_kv * (head_dim + v_dim)] whose row holds a token's
+// roped K of every KV head, then its V: writes each row's entry (k [T, G*Dh] roped, v [T, G*Dv]), ropes a copy
+// of q [T, H*Dh] into q_work (the first `rot` dims of each head; NeoX or normal pairs), and attends query head j
+// over KV head j / (H / G). out: [T, H*Dv].
+struct GQAShape {
+  int n_head, n_head_kv, head_dim, v_dim, rot;
+  bool neox;
+  float scale;
+};
+void gqa_attention(const GQAShape& s, const float* q, const float* k, const float* v, const float* cos2,
+                   const float* sin2, float* cache, const KVLayout& kv_layout, int n_rows, float* q_work, float* out);
+
 // Router: logits = x @ gate^T, probabilities by softmax (gating 1) or sigmoid (gating 2), selection
 // scores = probabilities + bias, the best `groups_used` of `n_groups` expert groups (group score: its two
 // best selection scores), top-k by selection in descending order (ties: the lower id), weights = the

@@ -1,4 +1,5 @@
-// DeepSeek MLA attention over a paged latent cache, for the rows of several sequences (pocketmoe/ops.h).
+// Attention over a paged cache for the rows of several sequences (pocketmoe/ops.h): DeepSeek MLA over latent
+// rows, and grouped-query attention over rows of per-head K and V.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -26,17 +27,17 @@ float* grow(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
-// Attention of one query for G heads (G <= 4) over `keys` cache rows of w values (c_kv: the first c):
-// scores, softmax, and the probability-weighted sum of c_kv. Each head's arithmetic is the same for any
-// G, any batch and any chunk the query came in, so it never depends on how the work was grouped.
-// rows[s]: key s's cache row; q[j]: w values (q_lat, then roped q_pe); sc[j]: room for `keys` scores;
-// o[j]: c outputs.
+// Attention of one query for G heads (G <= 4) over `keys` cache rows: the key is the w values at
+// k_off of a row, the value the c values at v_off (MLA: both 0, c_kv being the key's first c values):
+// scores, softmax, and the probability-weighted sum of the values. Each head's arithmetic is the same
+// for any G, any batch and any chunk the query came in, so it never depends on how the work was grouped.
+// rows[s]: key s's cache row; q[j]: w values; sc[j]: room for `keys` scores; o[j]: c outputs.
 template <int G>
 void attend(const float* const* rows, int keys, int w, int c, float scale, const float* const* q, float* const* sc,
-            float* const* o) {
+            float* const* o, int k_off = 0, int v_off = 0) {
   // Two accumulators per head (even / odd groups of 8): the FMA chains are half as long.
   for (int s = 0; s < keys; ++s) {
-    const float* row = rows[s];
+    const float* row = rows[s] + k_off;
     __m256 a[G][2];
     for (int j = 0; j < G; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
     int i = 0;
@@ -65,7 +66,7 @@ void attend(const float* const* rows, int keys, int w, int c, float scale, const
     __m256 acc[G][2];
     for (int j = 0; j < G; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     for (int s = 0; s < keys; ++s) {
-      const float* row = rows[s] + i0;
+      const float* row = rows[s] + v_off + i0;
       const __m256 r0 = _mm256_loadu_ps(row);
       const __m256 r1 = nv == 2 ? _mm256_loadu_ps(row + 8) : _mm256_setzero_ps();
       for (int j = 0; j < G; ++j) {
@@ -211,6 +212,73 @@ void mla_attention(const MLAShape& sh, const float* q, const float* kv, const fl
       const float* src = ov + (static_cast<size_t>(hh) * n + t) * v;
       std::copy(src, src + v, out + (static_cast<size_t>(t) * h + hh) * v);
     }
+}
+
+void gqa_attention(const GQAShape& sh, const float* q, const float* k, const float* v, const float* cos2,
+                   const float* sin2, float* cache, const KVLayout& layout, int n, float* q_work, float* out) {
+  const int h = sh.n_head, g = sh.n_head_kv, dh = sh.head_dim, dv = sh.v_dim, r = sh.rot;
+  if (h <= 0 || g <= 0 || h % g || dh <= 0 || dh % 8 || dv <= 0 || dv % 8 || r <= 0 || r % 2 || r > dh)
+    throw std::invalid_argument("gqa attention: " + std::to_string(h) + " heads over " + std::to_string(g) +
+                                " KV heads, head dims " + std::to_string(dh) + " / " + std::to_string(dv) + ", rope " +
+                                std::to_string(r) + " (heads a multiple of KV heads, dims multiples of 8, rope even "
+                                "and at most the head dims)");
+  if (n <= 0) return;
+  const int w = g * (dh + dv);
+  const auto rows = key_rows(layout, n, cache, w);
+  std::unique_lock<std::mutex> lock;
+  Runtime& rt = acquire_runtime(lock);
+  static thread_local std::vector<std::vector<float>> scores_;
+
+  // Cache rows of these tokens: roped K of every KV head, then V.
+  for (int t = 0; t < n; ++t) {
+    float* dst = cache + static_cast<size_t>(layout.write_rows[t]) * w;
+    std::copy(k + static_cast<size_t>(t) * g * dh, k + static_cast<size_t>(t + 1) * g * dh, dst);
+    std::copy(v + static_cast<size_t>(t) * g * dv, v + static_cast<size_t>(t + 1) * g * dv, dst + g * dh);
+    rope(dst, 1, 0, g, dh, r, sh.neox, cos2 + static_cast<size_t>(t) * r, sin2 + static_cast<size_t>(t) * r);
+  }
+  std::copy(q, q + static_cast<size_t>(n) * h * dh, q_work);
+  rope(q_work, n, static_cast<size_t>(h) * dh, h, dh, r, sh.neox, cos2, sin2);
+
+  // Work items: (query, KV head, up to 4 of its query heads); query head j uses KV head j / (h / g).
+  const int per = h / g, chunks = (per + kGroup - 1) / kGroup;
+  ThreadPool& pool = *rt.pool;
+  int max_keys = 0;
+  size_t work = 0;
+  for (int t = 0; t < n; ++t) {
+    max_keys = std::max(max_keys, layout.keys[t]);
+    work += static_cast<size_t>(h) * layout.keys[t] * (dh + dv);
+  }
+  if (scores_.size() < static_cast<size_t>(pool.size())) scores_.resize(pool.size());
+  std::vector<std::vector<float>>& scores = scores_;  // this thread's: the workers' thread_local ones are empty
+  for (auto& s : scores) grow(s, static_cast<size_t>(kGroup) * max_keys);
+  const auto one = [&](int item, int thread) {
+    const int t = item / (g * chunks), rem = item % (g * chunks), kv = rem / chunks;
+    const int h0 = kv * per + (rem % chunks) * kGroup, cnt = std::min(kGroup, (kv + 1) * per - h0);
+    const int keys = layout.keys[t];
+    const float* const* key_rows = rows[layout.seq[t]].data();
+    const float* qp[kGroup];
+    float* sc[kGroup];
+    float* o[kGroup];
+    for (int j = 0; j < cnt; ++j) {
+      const size_t th = static_cast<size_t>(t) * h + h0 + j;
+      qp[j] = q_work + th * dh;
+      sc[j] = scores[thread].data() + static_cast<size_t>(j) * keys;
+      o[j] = out + th * dv;
+    }
+    const int k_off = kv * dh, v_off = g * dh + kv * dv;
+    switch (cnt) {
+      case 4: attend<4>(key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off); break;
+      case 3: attend<3>(key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off); break;
+      case 2: attend<2>(key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off); break;
+      default: attend<1>(key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off); break;
+    }
+  };
+  const int items = n * g * chunks;
+  if (work < kInlineAttention) {
+    for (int item = 0; item < items; ++item) one(item, 0);
+  } else {
+    pool.parallel_for(items, [&](int item, int thread) { one(item, thread); });
+  }
 }
 
 }  // namespace pocketmoe
