@@ -83,6 +83,17 @@ void attend(const float* const* rows, int keys, int w, int c, float scale, const
   }
 }
 
+// attend<G> for g (1..4) heads.
+void attend_heads(int g, const float* const* rows, int keys, int w, int c, float scale, const float* const* q,
+                  float* const* sc, float* const* o, int k_off = 0, int v_off = 0) {
+  switch (g) {
+    case 4: attend<4>(rows, keys, w, c, scale, q, sc, o, k_off, v_off); break;
+    case 3: attend<3>(rows, keys, w, c, scale, q, sc, o, k_off, v_off); break;
+    case 2: attend<2>(rows, keys, w, c, scale, q, sc, o, k_off, v_off); break;
+    default: attend<1>(rows, keys, w, c, scale, q, sc, o, k_off, v_off); break;
+  }
+}
+
 // Checks the layout against the call and returns, per sequence, the row pointers of its keys.
 std::vector<std::vector<const float*>> key_rows(const KVLayout& L, int n_rows, const float* cache, int w) {
   if (L.page <= 0 || L.n_seqs <= 0 || L.table_width <= 0)
@@ -190,12 +201,7 @@ void mla_attention(const MLAShape& sh, const float* q, const float* kv, const fl
       sc[j] = scores[thread].data() + static_cast<size_t>(j) * keys;
       o[j] = olat + ht * c;
     }
-    switch (g) {
-      case 4: attend<4>(key_rows, keys, w, c, scale, qp, sc, o); break;
-      case 3: attend<3>(key_rows, keys, w, c, scale, qp, sc, o); break;
-      case 2: attend<2>(key_rows, keys, w, c, scale, qp, sc, o); break;
-      default: attend<1>(key_rows, keys, w, c, scale, qp, sc, o); break;
-    }
+    attend_heads(g, key_rows, keys, w, c, scale, qp, sc, o);
   };
   const int items = n * groups;
   if (work < kInlineAttention) {
@@ -266,12 +272,7 @@ void gqa_attention(const GQAShape& sh, const float* q, const float* k, const flo
       o[j] = out + th * dv;
     }
     const int k_off = kv * dh, v_off = g * dh + kv * dv;
-    switch (cnt) {
-      case 4: attend<4>(key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off); break;
-      case 3: attend<3>(key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off); break;
-      case 2: attend<2>(key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off); break;
-      default: attend<1>(key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off); break;
-    }
+    attend_heads(cnt, key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off);
   };
   const int items = n * g * chunks;
   if (work < kInlineAttention) {
