@@ -205,6 +205,7 @@ BAD = [
     ("temperature high", {"prompt": "x", "temperature": 3}, 400),
     ("top_p zero", {"prompt": "x", "top_p": 0}, 400),
     ("n too big", {"prompt": "x", "n": 1000}, 400),
+    ("too many choices", {"prompt": ["x"] * 20, "n": 4}, 400),
     ("empty stop", {"prompt": "x", "stop": [""]}, 400),
     ("bad logit_bias key", {"prompt": "x", "logit_bias": {"abc": 1}}, 400),
     ("logit_bias out of vocab", {"prompt": "x", "logit_bias": {"999999": 1}}, 400),

@@ -314,10 +314,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req, eng, tok = await accept(request, CompletionRequest)
+        if len(req.prompts()) * req.n > MAX_COMPLETION_CHOICES:
+            raise RequestError(f"{len(req.prompts())} prompts x n={req.n} is over {MAX_COMPLETION_CHOICES} choices in "
+                               "one request; send fewer prompts or a smaller n.", "n")
         prompts = [await encode_prompt(tok, p) for p in req.prompts()]
-        if len(prompts) * req.n > MAX_COMPLETION_CHOICES:
-            raise RequestError(f"{len(prompts)} prompts x n={req.n} is over {MAX_COMPLETION_CHOICES} choices in one "
-                               "request; send fewer prompts or a smaller n.", "n")
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         params = [_sampling(req, max_tokens, eng.runner.vocab_size, len(p), state.max_model_len) for p in prompts]
         echo_lp = req.echo and req.logprobs is not None
