@@ -184,3 +184,21 @@ def test_native_gqa_attention_is_the_reference(neox: bool, heads: tuple[int, int
     for a, b in zip(ref, nat, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(nat_cache, ref_cache, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels")
+def test_native_gqa_sublayer_is_its_ops_in_order(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One native call per attention sublayer gives bitwise what the native ops give one at a time."""
+    path = fixture(tmp_path_factory, "Q4_K_M", seed=6)
+    runs = []
+    for whole in (True, False):
+        r = ModelRunner(open_bundle(path), RunnerConfig(n_ctx=64, backend="native"))
+        if not whole:
+            for b in r.model.blocks:
+                b.attn.native_sublayer = False
+        logits = [r.forward(PROMPT, 0)] + [r.decode(t, len(PROMPT) + i) for i, t in enumerate((5, 6, 7))]
+        runs.append((logits, r))
+    (a, ra), (b, _) = runs
+    assert all(type(blk.attn.native_sublayer).__name__ == "GQASublayer" for blk in ra.model.blocks)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)

@@ -503,22 +503,73 @@ MLASublayerHandle make_mla_sublayer(const MLAShape& shape, const py::object& wq,
   return h;
 }
 
-py::object mla_sublayer_py(const MLASublayerHandle& h, const py::array& xn, const py::array& x, const py::object& norm,
-                           float eps, const py::array& cos2, const py::array& sin2, const py::array& cache,
-                           const py::array& seq, const py::array& keys, const py::array& write_rows,
-                           const py::array& table, int page) {
-  const MLAShape& sh = h.shape;
-  const int w = sh.kv_lora + sh.qk_rope, d = h.w.wkv_a->cols;
+// An attention sublayer's call from Python: checks xn [T, d], the rope tables [T, rot] and the step's cache
+// layout (rows of w values), then runs sublayer(xn, cos2, sin2, cache, layout, n, residual) on the pool.
+template <class Sublayer>
+py::object attention_sublayer_call(int d, int w, int rot, const py::array& xn, const py::array& x,
+                                   const py::object& norm, float eps, const py::array& cos2, const py::array& sin2,
+                                   const py::array& cache, const py::array& seq, const py::array& keys,
+                                   const py::array& write_rows, const py::array& table, int page, Sublayer&& sublayer) {
   auto xa = rows_of(xn, "xn", d);
   const py::ssize_t n = xa.shape(0);
-  auto c = rows_of(cos2, "cos2", sh.qk_rope), s = rows_of(sin2, "sin2", sh.qk_rope);
+  auto c = rows_of(cos2, "cos2", rot), s = rows_of(sin2, "sin2", rot);
   if (c.shape(0) != n || s.shape(0) != n) throw py::value_error("xn, cos2 and sin2 need the same number of rows");
   float* cachep = nullptr;
   const KVLayout layout = kv_layout_of(cache, w, seq, keys, write_rows, table, page, n, cachep);
   ResidualArrays res = residual_of(x, n, d, norm, eps);
   const float *xp = xa.data(), *cp = c.data(), *sp = s.data();
-  run(size_t{1} << 20, [&] { mla_sublayer(sh, h.w, xp, cp, sp, cachep, layout, static_cast<int>(n), res.r); });
+  run(size_t{1} << 20, [&] { sublayer(xp, cp, sp, cachep, layout, static_cast<int>(n), res.r); });
   return res.next;
+}
+
+py::object mla_sublayer_py(const MLASublayerHandle& h, const py::array& xn, const py::array& x, const py::object& norm,
+                           float eps, const py::array& cos2, const py::array& sin2, const py::array& cache,
+                           const py::array& seq, const py::array& keys, const py::array& write_rows,
+                           const py::array& table, int page) {
+  const MLAShape& sh = h.shape;
+  return attention_sublayer_call(
+      h.w.wkv_a->cols, sh.kv_lora + sh.qk_rope, sh.qk_rope, xn, x, norm, eps, cos2, sin2, cache, seq, keys, write_rows,
+      table, page, [&](const float* xp, const float* cp, const float* sp, float* cachep, const KVLayout& layout, int n,
+                       const Residual& r) { mla_sublayer(sh, h.w, xp, cp, sp, cachep, layout, n, r); });
+}
+
+struct GQASublayerHandle {
+  GQAShape shape;
+  GQAWeights w;
+  std::vector<py::object> keep;
+};
+
+GQASublayerHandle make_gqa_sublayer(const GQAShape& shape, const py::object& wq, const py::object& wk,
+                                    const py::object& wv, const py::object& wo, const py::object& q_norm,
+                                    const py::object& k_norm, float eps) {
+  GQASublayerHandle h{shape, {}, {}};
+  h.w.wq = optional_weight(wq, h.keep);
+  h.w.wk = optional_weight(wk, h.keep);
+  h.w.wv = optional_weight(wv, h.keep);
+  h.w.wo = optional_weight(wo, h.keep);
+  if (!h.w.wq || !h.w.wk || !h.w.wv || !h.w.wo) throw py::value_error("a GQA sublayer needs wq, wk, wv and wo");
+  const int d = h.w.wq->cols, qd = shape.n_head * shape.head_dim, kd = shape.n_head_kv * shape.head_dim;
+  check_weight("attn_q", *h.w.wq, 1, qd, d);
+  check_weight("attn_k", *h.w.wk, 1, kd, d);
+  check_weight("attn_v", *h.w.wv, 1, shape.n_head_kv * shape.v_dim, d);
+  check_weight("attn_output", *h.w.wo, 1, d, shape.n_head * shape.v_dim);
+  h.w.q_norm = kept_vector(q_norm, "q_norm", qd, h.keep);
+  h.w.k_norm = kept_vector(k_norm, "k_norm", kd, h.keep);
+  h.w.eps = eps;
+  return h;
+}
+
+py::object gqa_sublayer_py(const GQASublayerHandle& h, const py::array& xn, const py::array& x, const py::object& norm,
+                           float eps, const py::array& cos2, const py::array& sin2, const py::array& cache,
+                           const py::array& seq, const py::array& keys, const py::array& write_rows,
+                           const py::array& table, int page) {
+  const GQAShape& sh = h.shape;
+  return attention_sublayer_call(
+      h.w.wq->cols, sh.n_head_kv * (sh.head_dim + sh.v_dim), sh.rot, xn, x, norm, eps, cos2, sin2, cache, seq, keys,
+      write_rows, table, page, [&](const float* xp, const float* cp, const float* sp, float* cachep,
+                                   const KVLayout& layout, int n, const Residual& r) {
+        gqa_sublayer(sh, h.w, xp, cp, sp, cachep, layout, n, r);
+      });
 }
 
 struct FFNSublayerHandle {
@@ -781,6 +832,13 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init(&make_mla_sublayer), py::arg("shape"), py::arg("wq"), py::arg("wq_a"), py::arg("q_a_norm"),
            py::arg("wq_b"), py::arg("wkv_a"), py::arg("kv_a_norm"), py::arg("k_b"), py::arg("v_b"), py::arg("wo"))
       .def("__call__", &mla_sublayer_py, py::arg("xn"), py::arg("x"), py::arg("norm"), py::arg("eps"), py::arg("cos2"),
+           py::arg("sin2"), py::arg("cache"), py::arg("seq"), py::arg("keys"), py::arg("write_rows"),
+           py::arg("page_table"), py::arg("page"),
+           "x += attention(xn) in place; returns rms_norm(x) * norm (None without a norm).");
+  py::class_<GQASublayerHandle>(m, "GQASublayer", "A GQA attention sublayer's weights (q, k, v, output, q/k norms).")
+      .def(py::init(&make_gqa_sublayer), py::arg("shape"), py::arg("wq"), py::arg("wk"), py::arg("wv"), py::arg("wo"),
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"))
+      .def("__call__", &gqa_sublayer_py, py::arg("xn"), py::arg("x"), py::arg("norm"), py::arg("eps"), py::arg("cos2"),
            py::arg("sin2"), py::arg("cache"), py::arg("seq"), py::arg("keys"), py::arg("write_rows"),
            py::arg("page_table"), py::arg("page"),
            "x += attention(xn) in place; returns rms_norm(x) * norm (None without a norm).");

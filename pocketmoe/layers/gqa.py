@@ -48,6 +48,7 @@ class GQAttention:
         self.cfg, self.ops, self.eps = cfg, ops, float(eps)
         self.wq, self.wk, self.wv, self.wo, self.q_norm, self.k_norm = wq, wk, wv, wo, q_norm, k_norm
         self.native: object = None  # what a native backend precomputed for this layer (its shape)
+        self.native_sublayer: object = None  # and the whole sublayer, or False when it cannot run it
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, layer: int, residual: Residual) -> torch.Tensor | None:
         """x [T, D] (normed) -> residual.x += attention(x); the next sublayer's input (ops.gqa_sublayer)."""

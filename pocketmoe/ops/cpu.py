@@ -239,6 +239,27 @@ class NativeOps(ReferenceOps):
         return torch.from_numpy(self.lib.gqa_attention(attn.native, _np(q), _np(k), _np(v), cos2, sin2, layers[layer],
                                                        *kv_layout))
 
+    def gqa_sublayer(self, attn: GQAttention, x: torch.Tensor, ctx: StepContext, layer: int,
+                     residual: Residual) -> torch.Tensor | None:
+        """One native call: projections, q / k norms, attention, output projection and the residual update."""
+        op = attn.native_sublayer
+        if op is None:
+            ws = [self.handle(w) for w in (attn.wq, attn.wk, attn.wv, attn.wo)]
+            c = attn.cfg
+            shape = attn.native or self.lib.GQAShape(c.n_head, c.n_head_kv, c.head_dim, c.v_dim, c.n_rot, c.neox,
+                                                     c.scale)
+            attn.native = shape
+            op = attn.native_sublayer = self.lib.GQASublayer(
+                shape, *ws, None if attn.q_norm is None else attn.q_norm.numpy(),
+                None if attn.k_norm is None else attn.k_norm.numpy(), attn.eps) if all(
+                h is not False for h in ws) else False
+        step = self._step_args(ctx)
+        self._record("other")  # a step program replays MLA sublayers only
+        if op is False or step is None or not x.is_cpu:
+            return super().gqa_sublayer(attn, x, ctx, layer, residual)
+        cos2, sin2, layers, *kv = step
+        return _tensor(op(_np(x), *self._residual(residual), cos2, sin2, layers[layer], *kv))
+
     def _mla_shape(self, attn: MLAttention) -> object:
         if attn.native is None:
             c = attn.cfg

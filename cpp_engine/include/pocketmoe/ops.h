@@ -131,6 +131,20 @@ struct MLAWeights {
 void mla_sublayer(const MLAShape& s, const MLAWeights& w, const float* xn, const float* cos2, const float* sin2,
                   float* cache, const KVLayout& kv_layout, int n_rows, const Residual& res);
 
+// GQA attention sublayer on normed rows xn [T, D]: q, k, v = xn (wq, wk, wv)^T in one dispatch, the q and k
+// norms over the whole projections (when given), gqa_attention, o wo^T, then the residual update.
+struct GQAWeights {
+  const Weight* wq = nullptr;
+  const Weight* wk = nullptr;
+  const Weight* wv = nullptr;
+  const Weight* wo = nullptr;
+  const float* q_norm = nullptr;  // [H*Dh] or null
+  const float* k_norm = nullptr;  // [G*Dh] or null
+  float eps = 0.0f;
+};
+void gqa_sublayer(const GQAShape& s, const GQAWeights& w, const float* xn, const float* cos2, const float* sin2,
+                  float* cache, const KVLayout& kv_layout, int n_rows, const Residual& res);
+
 // Gated FFN sublayer (a dense FFN): gated_ffn(xn), then the residual update.
 void ffn_sublayer(const Weight& gate, const Weight& up, const Weight& down, const float* xn, int n_rows,
                   const Residual& res);

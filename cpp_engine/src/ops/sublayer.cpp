@@ -50,6 +50,29 @@ void mla_sublayer(const MLAShape& s, const MLAWeights& w, const float* xn, const
   close_residual(res, y, nullptr, n, d);
 }
 
+void gqa_sublayer(const GQAShape& s, const GQAWeights& w, const float* xn, const float* cos2, const float* sin2,
+                  float* cache, const KVLayout& layout, int n, const Residual& res) {
+  if (n <= 0) return;
+  static thread_local std::vector<float> q_, k_, v_, qw_, o_, y_;
+  const int d = w.wq->cols;
+  const size_t nq = static_cast<size_t>(n) * s.n_head * s.head_dim;
+  float* q = grow(q_, nq);
+  float* k = grow(k_, static_cast<size_t>(n) * s.n_head_kv * s.head_dim);
+  float* v = grow(v_, static_cast<size_t>(n) * s.n_head_kv * s.v_dim);
+  const Weight* ws[3] = {w.wq, w.wk, w.wv};
+  float* ys[3] = {q, k, v};
+  linear_multi(ws, 3, xn, n, ys);
+  if (w.q_norm != nullptr) rms_norm(q, w.q_norm, n, s.n_head * s.head_dim, w.eps, q);
+  if (w.k_norm != nullptr) rms_norm(k, w.k_norm, n, s.n_head_kv * s.head_dim, w.eps, k);
+  float* o = grow(o_, static_cast<size_t>(n) * s.n_head * s.v_dim);
+  gqa_attention(s, q, k, v, cos2, sin2, cache, layout, n, grow(qw_, nq), o);
+  float* y = grow(y_, static_cast<size_t>(n) * d);
+  const Weight* wo[1] = {w.wo};
+  float* yo[1] = {y};
+  linear_multi(wo, 1, o, n, yo);
+  close_residual(res, y, nullptr, n, d);
+}
+
 void ffn_sublayer(const Weight& gate, const Weight& up, const Weight& down, const float* xn, int n,
                   const Residual& res) {
   if (n <= 0) return;
