@@ -136,7 +136,7 @@ class LLM:
                 break
             logits = self.runner.decode(token, pos)
             pos += 1
-        tail = "" if stop.stopped else stop.push(decoder.flush())[0] + stop.flush()
+        tail = stop.end(decoder.flush())
         out.text += tail
         out.finish_reason = finish
         yield StreamChunk(None, tail, finish)

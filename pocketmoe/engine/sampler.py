@@ -200,15 +200,23 @@ class StopChecker:
             i, s = min(hits)
             self._held, self.stopped, self.matched = "", True, s
             return buf[:i], True
-        keep = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(buf)), keep, -1):
-                if buf.endswith(s[:n]):
-                    keep = n
-                    break
+        keep = max(partial_prefix(buf, s) for s in self.stop) if self.stop else 0
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], False
 
     def flush(self) -> str:
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+    def end(self, tail: str) -> str:
+        """The text still to show when the stream ends: `tail` (the decoder's flush) and what is held,
+        unless a stop string was already found."""
+        return "" if self.stopped else self.push(tail)[0] + self.flush()
+
+
+def partial_prefix(text: str, target: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `target` (0: none)."""
+    for n in range(min(len(target) - 1, len(text)), 0, -1):
+        if text.endswith(target[:n]):
+            return n
+    return 0

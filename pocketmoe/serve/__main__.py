@@ -69,6 +69,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def kv_budget(bundle, spec, args: argparse.Namespace) -> tuple[int, int]:  # noqa: ANN001
     """(KV pool bytes, max model len): what the flags say, else the placement rule's defaults."""
+    from pocketmoe.engine.kv_cache import PAGE
     from pocketmoe.hostinfo import host_memory_bytes
     from pocketmoe.placement import KV_DTYPE_BYTES, kv_reserve
 
@@ -84,7 +85,7 @@ def kv_budget(bundle, spec, args: argparse.Namespace) -> tuple[int, int]:  # noq
         weights = sum(p.stat().st_size for p in bundle.paths)
         headroom = max((host_memory_bytes() - weights - 2**30) // 2, 256 * 2**20)
         budget = min(want, headroom)
-    positions = budget // per_pos // 16 * 16
+    positions = budget // per_pos // PAGE * PAGE
     max_len = args.max_model_len or min(file_ctx, positions)
     if positions < max_len or max_len < 2:
         raise PocketMoEError(

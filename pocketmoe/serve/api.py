@@ -95,8 +95,9 @@ class GateMiddleware:
     async def _gate(self, scope: dict[str, Any], receive: Callable[..., Awaitable[dict[str, Any]]],
                     send: Callable[..., Awaitable[None]]) -> None:
         st = self.state
+        headers = dict(scope["headers"])
         if st.api_key is not None and scope["path"].startswith("/v1"):
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            auth = headers.get(b"authorization", b"").decode("latin-1")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), st.api_key.encode()):
                 what = "no API key was given" if not token else "the API key is wrong"
@@ -104,7 +105,7 @@ class GateMiddleware:
                                      code="invalid_api_key")(scope, receive, send)
                 return
         limit = st.max_body_bytes
-        declared = dict(scope["headers"]).get(b"content-length")
+        declared = headers.get(b"content-length")
         too_big = error_response(413, f"the request body is over the server's limit of {limit} bytes "
                                       "(--max-body-mib); send a smaller request.", code="body_too_large")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -246,18 +247,18 @@ def create_app(state: ServerState) -> FastAPI:
         ids = await asyncio.to_thread(tok.encode, p) if isinstance(p, str) else p  # off the event loop
         if not ids:
             raise RequestError("the prompt is empty; give at least one token.", "prompt")
-        bad = [t for t in ids if t >= engine().runner.vocab_size]
+        vocab = engine().runner.vocab_size
+        bad = [t for t in ids if t >= vocab]
         if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary of {engine().runner.vocab_size} "
-                               "tokens.", "prompt")
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary of {vocab} tokens.", "prompt")
         if len(ids) >= state.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens but this server's context holds "
                                f"{state.max_model_len} (--max-model-len), and at least one must be left to generate; "
                                "shorten the prompt.", "prompt", code="context_length_exceeded")
         return ids
 
-    async def run(request: Request, prompts: list[list[int]], params: list[list[SamplingParams]], logprobs: int | None,
-                  echo_logprobs: bool) -> tuple[asyncio.Queue, list]:
+    def run(prompts: list[list[int]], params: list[list[SamplingParams]], logprobs: int | None,
+            echo_logprobs: bool) -> tuple[asyncio.Queue, list]:
         """Submit one engine request per prompt; their deltas (global choice index) share one queue."""
         eng = engine()
         q: asyncio.Queue[Delta | None] = asyncio.Queue()
@@ -321,7 +322,7 @@ def create_app(state: ServerState) -> FastAPI:
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         params = [_sampling(req, max_tokens, eng.runner.vocab_size, len(p), state.max_model_len) for p in prompts]
         echo_lp = req.echo and req.logprobs is not None
-        q, reqs = await run(request, prompts, params, req.logprobs, echo_lp)
+        q, reqs = run(prompts, params, req.logprobs, echo_lp)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         n_choices = len(prompts) * req.n
         prompt_text = [tok.decode(p) for p in prompts]
@@ -356,7 +357,7 @@ def create_app(state: ServerState) -> FastAPI:
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
         params = _sampling(req, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        q, reqs = await run(request, [ids], [params], k, False)
+        q, reqs = run([ids], [params], k, False)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = _usage(len(ids))
         if req.stream:

@@ -33,6 +33,7 @@ from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker
 from pocketmoe.engine.step import SeqChunk, Step
 from pocketmoe.serve.metrics import Metrics
 from pocketmoe.tokenizer import Tokenizer
+from pocketmoe.tokenizer.stream import StreamDecoder
 
 log = logging.getLogger("pocketmoe.serve")
 
@@ -83,13 +84,18 @@ class Seq:
     sampler: Sampler
     end_ids: frozenset[int]
     stop: StopChecker
-    decoder: object
+    decoder: StreamDecoder
     computed: int = 0
     generated: int = 0
     want_prompt_logprobs: bool = False
     prompt_lp_sent: int = 0  # prompt logprob entries sent (a preempted sequence does not send them twice)
     last_token_at: float = 0.0
     finished: bool = False
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt with one token (the last sampled) to feed: a decode token this step."""
+        return self.computed >= self.prompt_len and len(self.tokens) - self.computed == 1
 
 
 class Request:
@@ -262,20 +268,19 @@ class Engine:
         i = 0
         while i < len(self.running):
             s = self.running[i]
-            start, n_all = s.computed, len(s.tokens)
-            if start >= s.prompt_len and n_all - start == 1:  # decode: its page may be new
+            if s.decoding:  # its page may be new
                 try:
-                    self.cache.reserve(s.key, n_all)
+                    self.cache.reserve(s.key, len(s.tokens))
                 except KVPoolFullError:
                     if self._preempt() is not s:
                         continue  # retry this sequence with the freed pages
                     break
-                planned.append((s, SeqChunk(s.key, s.tokens[start:], start, "last")))
+                planned.append((s, SeqChunk(s.key, s.tokens[s.computed:], s.computed, "last")))
             i += 1
         for s in self.running:
-            start, n_all = s.computed, len(s.tokens)
-            if start >= s.prompt_len and n_all - start == 1:
+            if s.decoding:
                 continue
+            start, n_all = s.computed, len(s.tokens)
             end = min(n_all, (start // cs + 1) * cs)
             if end - start > budget:
                 break
@@ -355,8 +360,7 @@ class Engine:
             return
         self._drop(s)
         d = delta or Delta(s.index)
-        if not s.stop.stopped:
-            d.text += s.stop.push(s.decoder.flush())[0] + s.stop.flush()
+        d.text += s.stop.end(s.decoder.flush())
         d.finish_reason, d.error = reason, error
         req = s.request
         req.put(d)

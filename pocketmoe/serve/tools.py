@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pocketmoe.engine.sampler import partial_prefix
+
 
 @dataclass(frozen=True)
 class ToolFormat:
@@ -118,7 +120,6 @@ class ToolStream:
         self.fmt, self.tools = fmt, tools
         self._held = ""
         self._capturing = False
-        self.sent = ""
 
     def push(self, text: str) -> str:
         if self._capturing:
@@ -128,19 +129,14 @@ class ToolStream:
         i = buf.find(self.fmt.start)
         if i >= 0:
             self._capturing, self._held = True, buf[i:]
-            return self._sent(buf[:i])
-        keep = next((n for n in range(min(len(self.fmt.start) - 1, len(buf)), 0, -1)
-                     if buf.endswith(self.fmt.start[:n])), 0)
+            return buf[:i]
+        keep = partial_prefix(buf, self.fmt.start)
         self._held = buf[len(buf) - keep:] if keep else ""
-        return self._sent(buf[:len(buf) - keep])
-
-    def _sent(self, text: str) -> str:
-        self.sent += text
-        return text
+        return buf[:len(buf) - keep]
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         held, self._held = self._held, ""
         if not self._capturing:
-            return self._sent(held), []
+            return held, []
         _, calls = parse(self.fmt, held, self.tools)
-        return ("", calls) if calls else (self._sent(held), [])
+        return ("", calls) if calls else (held, [])
