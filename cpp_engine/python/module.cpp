@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <array>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -172,6 +173,30 @@ py::array_t<float> moe_forward_py(const py::handle& x, const py::handle& expert_
     py::gil_scoped_release release;
     moe_forward(xp, static_cast<int>(n_tokens), static_cast<int>(hidden), ip, wp, static_cast<int>(top_k), g, u, d,
                 n_experts, ffn, yp);
+  }
+  return y;
+}
+
+// y[t] = sum_k w[t, k] * c[t, k] in slot order with fma from 0, as moe_forward combines its slots:
+// expert outputs computed elsewhere (another device, a worker thread) sum to moe_forward's bits.
+py::array_t<float> moe_combine_py(const py::array& contrib, const py::array& weights) {
+  auto c = checked<float>(contrib, "contrib", 3);
+  auto w = checked<float>(weights, "weights", 2);
+  const py::ssize_t n = c.shape(0), k = c.shape(1), d = c.shape(2);
+  if (w.shape(0) != n || w.shape(1) != k)
+    throw py::value_error("weights must have shape (" + std::to_string(n) + ", " + std::to_string(k) + ")");
+  py::array_t<float> y({n, d});
+  const float* cp = c.data();
+  const float* wp = w.data();
+  float* yp = y.mutable_data();
+  {
+    py::gil_scoped_release release;
+    for (py::ssize_t t = 0; t < n; ++t)
+      for (py::ssize_t r = 0; r < d; ++r) {
+        float acc = 0.0f;
+        for (py::ssize_t j = 0; j < k; ++j) acc = std::fma(wp[t * k + j], cp[(t * k + j) * d + r], acc);
+        yp[t * d + r] = acc;
+      }
   }
   return y;
 }
@@ -777,6 +802,8 @@ PYBIND11_MODULE(_native, m) {
         py::arg("gate"), py::arg("gate_type"), py::arg("up"), py::arg("up_type"), py::arg("down"),
         py::arg("down_type"), py::arg("n_experts"), py::arg("ffn"), py::arg("out") = py::none(),
         "y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t,k], fp32, slot order.");
+  m.def("moe_combine", &moe_combine_py, py::arg("contrib"), py::arg("weights"),
+        "y[t] = sum_k w[t,k] * contrib[t,k] in fp32 with fma in slot order, bitwise moe_forward's combine.");
   m.def("dequantize", &dequantize_py, py::arg("raw"), py::arg("ggml_type"), py::arg("n"),
         "Scalar reference dequantization of n values.");
   m.def("activation_roundtrip", &activation_roundtrip_py, py::arg("x"), py::arg("ggml_type"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from pocketmoe.layers.linear import QuantLinear
 from pocketmoe.models import model_builder
 from pocketmoe.ops import BACKENDS, ReferenceOps, make_ops
 from pocketmoe.placement import Devices, PlacementPlan, PlanOptions, make_plan
+from pocketmoe.placement.run import RunPlacement, run_plan
 from pocketmoe.specs import spec_from_bundle
 from pocketmoe.specs.base import ModelSpec, Role
 
@@ -46,6 +48,11 @@ class RunnerConfig:
     kv_dtype: str = "f32"
     max_seqs: int = 1                 # sequences the KV pool holds at n_ctx each (unless kv_cache_bytes)
     kv_cache_bytes: int | None = None  # KV pool size; None: max_seqs x n_ctx positions
+    # where the model runs (--device/--mode/--gpu-memory-gib/--expert-policy/--expert-cache-slots);
+    # None: the CPU-only plan
+    placement: RunPlacement | None = None
+    expert_rates: Any = None           # experts.Rates for the dispatcher's cost model; None: calibrated
+    copy_delay: Callable[[int, int], None] | None = None  # called before each staged copy (tests)
 
     def __post_init__(self) -> None:
         if self.n_ctx <= 0 or self.chunk_size <= 0 or self.max_seqs <= 0:
@@ -76,14 +83,24 @@ def load_spec(bundle: GGUFBundle) -> ModelSpec:
     return spec
 
 
+def plan_options(cfg: RunnerConfig) -> PlanOptions:
+    return PlanOptions(context_length=cfg.n_ctx, batch=cfg.max_seqs, kv_dtype=cfg.kv_dtype,
+                       prefill_chunk=cfg.chunk_size)
+
+
 def cpu_plan(spec: ModelSpec, bundle: GGUFBundle, cfg: RunnerConfig) -> PlacementPlan:
     """Everything in host memory, computed on the CPU."""
     from pocketmoe.hostinfo import host_memory_bytes
 
-    opts = PlanOptions(context_length=cfg.n_ctx, batch=cfg.max_seqs, kv_dtype=cfg.kv_dtype,
-                       prefill_chunk=cfg.chunk_size)
     host = max(host_memory_bytes() or 0, 1 << 30)
-    return make_plan(spec, bundle.tensors, Devices((), host), opts)
+    return make_plan(spec, bundle.tensors, Devices((), host), plan_options(cfg))
+
+
+def runner_plan(spec: ModelSpec, bundle: GGUFBundle, cfg: RunnerConfig) -> PlacementPlan:
+    """The plan cfg.placement asks for (run_plan, as inspect_gguf prints it), or the CPU-only plan."""
+    if cfg.placement is None:
+        return cpu_plan(spec, bundle, cfg)
+    return run_plan(spec, bundle.tensors, cfg.placement, plan_options(cfg))
 
 
 class ModelRunner:
@@ -94,7 +111,7 @@ class ModelRunner:
         self._on_tensor = on_tensor
         self.bundle = bundle
         self.spec = load_spec(bundle)
-        self.plan = plan if plan is not None else cpu_plan(self.spec, bundle, cfg)
+        self.plan = plan if plan is not None else runner_plan(self.spec, bundle, cfg)
         self.ops = ops if ops is not None else make_ops(cfg.backend, cfg.threads, cfg.tile_rows)
         threads = self.ops.torch_threads(cfg.threads)
         if threads is not None:
@@ -102,6 +119,7 @@ class ModelRunner:
         self._roles = {t.name: t.role for t in self.spec.tensors(bundle.tensors)}
         self._cache_roles = cfg.cache_roles if cfg.cache_roles is not None else self.ops.dense_cache_roles
         self.cached_bytes = 0  # float32 bytes promised to dequantized-weight caches so far
+        self.experts: Any = None  # experts.ExpertRuntime of all-device / heterogeneous plans (stats, rates)
         build = model_builder(bundle.architecture)
         self.model = build(bundle, self.spec.config, self.ops, self._make_linear, self._experts_factory())
         width = self.spec.kv_values_per_token()
@@ -118,11 +136,14 @@ class ModelRunner:
 
     def _experts_factory(self) -> ExpertsFactory:
         """The ExpertBank of each MoE layer, as the plan places the routed experts."""
-        if self.plan.mode != "cpu":
-            raise PocketMoEError(f"the placement plan is {self.plan.mode}, which needs the GPU runtime; this "
-                                 "build runs CPU plans only (plan with --num-gpus 0).")
         types = getattr(self.ops, "types", None)
-        return host_experts_factory(types, self.cfg.tile_rows)
+        if self.plan.mode == "cpu":
+            return host_experts_factory(types, self.cfg.tile_rows)
+        from pocketmoe.experts import ExpertRuntime, plan_experts_factory
+
+        policy = self.cfg.placement.expert_policy if self.cfg.placement is not None else "auto"
+        self.experts = ExpertRuntime(policy=policy, rates=self.cfg.expert_rates, copy_delay=self.cfg.copy_delay)
+        return plan_experts_factory(self.plan, self.ops, self.cfg.tile_rows, self.experts)
 
     def _make_linear(self, name: str, role: Role | None = None) -> QuantLinear:
         info = self.bundle.tensors[name]

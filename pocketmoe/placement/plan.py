@@ -44,13 +44,14 @@ class Devices:
                                  f"--host-memory-gib.")
 
     @staticmethod
-    def from_gib(num_gpus: int, gpu_memory_gib: float | Sequence[float], host_memory_gib: float) -> Devices:
-        """`gpu_memory_gib`: one size for every GPU, or one per GPU."""
+    def from_gib(num_gpus: int, gpu_memory_gib: float | Sequence[float], host_memory_gib: float,
+                 kind: str = "cuda") -> Devices:
+        """`gpu_memory_gib`: one size for every GPU, or one per GPU; `kind` names them (cpu: the CPU as device)."""
         sizes = [gpu_memory_gib] * num_gpus if isinstance(gpu_memory_gib, (int, float)) else list(gpu_memory_gib)
         if num_gpus < 0 or len(sizes) != num_gpus:
             raise PlacementError(f"{len(sizes)} GPU memory sizes were given for {num_gpus} GPUs; give one "
                                  f"size for all of them or one per GPU.")
-        return Devices(tuple(DeviceSpec(f"cuda:{i}", int(g * GIB)) for i, g in enumerate(sizes)),
+        return Devices(tuple(DeviceSpec(f"{kind}:{i}", int(g * GIB)) for i, g in enumerate(sizes)),
                        int(host_memory_gib * GIB))
 
 

@@ -72,9 +72,29 @@ def _slots(mb: ModelBytes, layer_device: Mapping[int, int], free: list[int]) -> 
     return {layer: out.get(layer, 0) for layer in mb.moe_layers}
 
 
+def _fixed_slots(mb: ModelBytes, layer_device: Mapping[int, int], free: list[int], per_layer: int) -> dict[int, int]:
+    """`per_layer` slots (at most E) on every MoE layer, refused where a device's free memory is short."""
+    if per_layer < 0:
+        raise PlacementError(f"--expert-cache-slots is {per_layer}; give 0 or more slots per MoE layer.")
+    slots = {layer: min(per_layer, mb.n_experts) for layer in mb.moe_layers}
+    for g, f in enumerate(free):
+        need = sum(s for layer, s in slots.items() if layer_device.get(layer) == g) * mb.max_expert_bytes
+        if need > f:
+            raise PlacementError(
+                f"--expert-cache-slots {per_layer} needs {size(need)} of expert cache on device {g} but "
+                f"{size(max(f, 0))} is free after the weights, KV cache and workspace; give fewer slots or more "
+                f"--gpu-memory-gib.")
+    return slots
+
+
 def make_plan(spec: Any, tensors: Mapping[str, TensorLike], devices: Devices,
-              options: PlanOptions | None = None, metadata: Mapping[str, Any] | None = None) -> PlacementPlan:
-    """Place the model whose real tensor sizes are `tensors` (e.g. `bundle.tensors`) on `devices`."""
+              options: PlanOptions | None = None, metadata: Mapping[str, Any] | None = None,
+              mode: str | None = None, cache_slots: int | None = None) -> PlacementPlan:
+    """Place the model whose real tensor sizes are `tensors` (e.g. `bundle.tensors`) on `devices`.
+
+    `mode` "all-device" or "heterogeneous" insists on that mode (None: all-device when it fits);
+    `cache_slots` sets the hot-expert cache slots of every MoE layer (None: the free memory's worth).
+    """
     opts = options or PlanOptions()
     mb = model_bytes(spec, tensors)
     meta = dict(metadata) if metadata is not None else spec_metadata(spec)
@@ -95,8 +115,15 @@ def make_plan(spec: Any, tensors: Mapping[str, TensorLike], devices: Devices,
     assumptions.append("pipeline-style split by layer in order (tensor parallelism is a later issue), "
                        "filled in proportion to each GPU's memory; embedding on the first GPU, head on the "
                        "last; each layer's KV cache sits with the layer")
-    split = split_pieces(_pieces(mb, kv, True), caps)
+    forced = mode
+    split = None if forced == "heterogeneous" else split_pieces(_pieces(mb, kv, True), caps)
     mode = "all-device"
+    if split is None and forced == "all-device":
+        need = mb.total + kv.total
+        raise PlacementError(
+            f"--mode all-device needs every weight ({size(mb.total)}) plus the KV cache ({size(kv.total)}) on "
+            f"device, {size(need)} in all, but {n} device(s) of {', '.join(size(g.memory_bytes) for g in devices.gpus)}"
+            f" cannot hold it; use --mode heterogeneous (or auto), more --gpu-memory-gib, or a shorter context.")
     if split is None:
         mode = "heterogeneous"
         pieces = _pieces(mb, kv, False)
@@ -119,6 +146,8 @@ def make_plan(spec: Any, tensors: Mapping[str, TensorLike], devices: Devices,
     ws_dev = [ws.on_device(g == n - 1) for g in range(n)]
     free = [devices.gpus[g].memory_bytes - sum(weights[g].values()) - kv_dev[g] - ws_dev[g] for g in range(n)]
     slots = _slots(mb, layer_device, free) if mode == "heterogeneous" else {}
+    if slots and cache_slots is not None:
+        slots = _fixed_slots(mb, layer_device, free, cache_slots)
     dev_slots = [sum(s for layer, s in slots.items() if layer_device[layer] == g) for g in range(n)]
     assignments = tuple(
         DeviceAssignment(d.name, d.memory_bytes, tuple(sorted(k for k, v in layer_device.items() if v == g)),

@@ -1,0 +1,124 @@
+"""Heterogeneous routed experts of one MoE layer: host weights, a device slot cache, per-expert dispatch.
+
+Per step, each active expert is a cache hit (its slot is read in place), staged (its raw blocks copied
+into a slot, then computed by the device kernels), or computed on the CPU by the host kernels (only
+the activations move), as the cost model decides (cost.py). CPU experts run on a worker thread while
+the device runs the hits and the staged experts; staged copies run ahead on the copy engine, at most
+`depth` slots in flight (double-buffered by default), each slot released only after its kernel ran.
+Every path writes each (token, slot k) pair's unweighted output into one buffer; the host kernels'
+combine sums it in slot order in fp32, so the result has the bits of the CPU-only bank.
+
+Legend: T tokens, K experts per token, D hidden, P pairs (T*K).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Executor
+
+import torch
+
+from pocketmoe.experts.cache import SlotCache
+from pocketmoe.experts.cost import CPU, HIT, STAGE, Active, Rates, decide
+from pocketmoe.experts.kernels import ExpertKernels, ExpertStore
+from pocketmoe.experts.staging import SlotPool
+from pocketmoe.experts.stats import ExpertStats
+
+
+class DispatchExperts:
+    def __init__(self, host: ExpertStore, host_kernels: ExpertKernels, pool: SlotPool | None, cache: SlotCache,
+                 device_kernels: ExpertKernels, rates: Rates, policy: str, stats: ExpertStats, worker: Executor,
+                 counts_tokens: bool = False, depth: int = 2) -> None:
+        self.host, self.host_kernels, self.pool, self.cache = host, host_kernels, pool, cache
+        self.device_kernels, self.rates, self.policy, self.stats = device_kernels, rates, policy, stats
+        self.worker, self.counts_tokens, self.depth = worker, counts_tokens, max(1, depth)
+        self.expert_bytes = host.expert_bytes()
+        self.n_experts = host.count
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D] float32, ids [T, K], weights [T, K] -> [T, D] float32."""
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, ascending
+        experts, counts = (v.tolist() for v in torch.unique_consecutive(flat[order], return_counts=True))
+        pairs = dict(zip(experts, torch.split(order, counts), strict=True))
+        self.cache.touch(experts)
+        can_stage = self.pool is not None and self.pool.n_slots > 0
+        active = [Active(e, n, self.expert_bytes, self.cache.lookup(e) is not None)
+                  for e, n in zip(experts, counts, strict=True)]
+        decision = decide(active, self.rates, self.policy, can_stage)
+        paths = decision.paths
+        contrib = x.new_empty(t * k, x.shape[1])
+
+        on_cpu = [e for e in experts if paths[e] == CPU]
+        job = None
+        if on_cpu:
+            cpu_pairs = torch.cat([pairs[e] for e in on_cpu])
+            job = self.worker.submit(self._host_outputs, x, cpu_pairs // k, flat[cpu_pairs])
+        late = self._device(x, k, pairs, [e for e in experts if paths[e] == HIT],
+                            [a.expert for a in sorted(active, key=lambda a: (-a.tokens, a.expert))
+                             if paths[a.expert] == STAGE], contrib)
+        if late:  # staged experts left without a slot (every slot pinned): the CPU takes them here
+            late_pairs = torch.cat([pairs[e] for e in late])
+            contrib[late_pairs] = self._host_outputs(x, late_pairs // k, flat[late_pairs])
+        if job is not None:
+            contrib[cpu_pairs] = job.result()
+        n_hit = sum(1 for e in experts if paths[e] == HIT)
+        n_staged = sum(1 for e in experts if paths[e] == STAGE) - len(late)
+        self.stats.add(tokens=t if self.counts_tokens else 0, hits=n_hit, misses=len(experts) - n_hit,
+                       staged=n_staged, cpu_experts=len(on_cpu) + len(late),
+                       bytes_copied=n_staged * self.expert_bytes, model_seconds=decision.seconds)
+        return self.host_kernels.combine(contrib.view(t, k, -1), weights)
+
+    def _host_outputs(self, x: torch.Tensor, rows: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        host_x = x[rows].cpu()
+        return self.host_kernels.outputs(self.host, host_x, which.cpu()).to(x.device)
+
+    def _device_outputs(self, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        store = self.pool.store
+        dev = store.gate.raw.device
+        return self.device_kernels.outputs(store, x[rows].to(dev), slots.to(dev)).to(x.device)
+
+    def _device(self, x: torch.Tensor, k: int, pairs: dict[int, torch.Tensor], hits: list[int], staged: list[int],
+                contrib: torch.Tensor) -> list[int]:
+        """Hits, then staged experts as their copies land; returns the staged experts that found no slot."""
+        if not hits and not staged:
+            return []
+        pool, cache = self.pool, self.cache
+        hit_slots = [cache.lookup(e) for e in hits]
+        cache.pinned.update(hit_slots)
+        waiting, inflight = deque(staged), deque()
+
+        def issue() -> None:
+            while waiting and len(inflight) < self.depth:
+                slot = cache.victim()
+                if slot is None:
+                    return
+                e = waiting.popleft()
+                cache.drop(slot)
+                cache.pinned.add(slot)
+                pool.stage(slot, e)
+                inflight.append((e, slot))
+
+        issue()  # copies start before the hits compute
+        if hits:
+            for s in hit_slots:
+                pool.acquire(s)
+            hp = torch.cat([pairs[e] for e in hits])
+            which = torch.cat([torch.full_like(pairs[e], s) for e, s in zip(hits, hit_slots, strict=True)])
+            contrib[hp] = self._device_outputs(x, hp // k, which)
+            for s in hit_slots:
+                pool.release(s)
+            cache.pinned.difference_update(hit_slots)
+            issue()
+        while inflight:
+            e, slot = inflight.popleft()
+            pool.acquire(slot)
+            p = pairs[e]
+            contrib[p] = self._device_outputs(x, p // k, torch.full_like(p, slot))
+            pool.release(slot)
+            if self.policy != "stage" and cache.admits(e):
+                cache.put(e, slot)
+            cache.pinned.discard(slot)
+            issue()
+        return list(waiting)

@@ -1,0 +1,106 @@
+"""Expert kernels over a store of raw expert blocks (the host's stacked tensors, or a device slot pool):
+each pair's unweighted expert output, and the slot-order fp32 combine.
+
+The native kernels run a pair set through moe_forward with top_k 1 and weight 1 (fma(1, c, 0) = c),
+and combine with moe_combine, moe_forward's own fma order; the reference runs ReferenceExperts'
+per-expert tiles and its combine. So whichever path computed which expert, the sum has the bits of
+the CPU-only bank of the same kernels.
+
+Legend: P pairs, D hidden, T tokens, K experts per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pocketmoe.layers.experts import ExpertWeights, ReferenceExperts, combine, native_reads
+
+
+@dataclass(frozen=True)
+class ExpertStore:
+    """gate, up, down of E experts (host tensors) or of S slots (a device pool), same layout per expert."""
+
+    gate: ExpertWeights
+    up: ExpertWeights
+    down: ExpertWeights
+
+    @property
+    def count(self) -> int:
+        return self.gate.shape[0]
+
+    @property
+    def ffn(self) -> int:
+        return self.gate.shape[1]
+
+    def expert_bytes(self, e: int = 0) -> int:
+        return sum(w.raw[e].numel() * w.raw.element_size() for w in (self.gate, self.up, self.down))
+
+
+class ExpertKernels(Protocol):
+    name: str
+
+    def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """x [P, D] float32, which [P] int64 (expert or slot of `store`) -> [P, D] float32, unweighted."""
+        ...
+
+    def combine(self, contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """contrib [T, K, D], weights [T, K] -> [T, D] float32 in slot order."""
+        ...
+
+
+class NativeKernels:
+    name = "native"
+
+    def __init__(self) -> None:
+        from pocketmoe import native
+
+        self.native = native
+        self.lib = native._lib()
+        self._arrays: dict[int, tuple[ExpertStore, tuple[np.ndarray, ...]]] = {}
+
+    def _raw(self, store: ExpertStore) -> tuple[np.ndarray, ...]:
+        got = self._arrays.get(id(store))
+        if got is None or got[0] is not store:
+            got = self._arrays[id(store)] = (store, tuple(w.raw.numpy() for w in (store.gate, store.up, store.down)))
+        return got[1]
+
+    def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        g, u, d = self._raw(store)
+        ids = which.to(torch.int32).reshape(-1, 1).numpy()
+        ones = np.ones(ids.shape, dtype=np.float32)
+        y = self.lib.moe_forward(x.float().contiguous().numpy(), ids, ones, g, store.gate.ggml_type, u,
+                                 store.up.ggml_type, d, store.down.ggml_type, store.count, store.ffn)
+        return torch.from_numpy(y)
+
+    def combine(self, contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.lib.moe_combine(contrib.contiguous().numpy(), weights.float().contiguous().numpy()))
+
+
+class ReferenceKernels:
+    name = "reference"
+
+    def __init__(self, tile_rows: int | None) -> None:
+        self.tile_rows = tile_rows
+
+    def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        bank = ReferenceExperts(store.gate, store.up, store.down, tile_rows=self.tile_rows)
+        out = x.new_zeros(x.shape)
+        for e in torch.unique(which).tolist():
+            rows = (which == e).nonzero().squeeze(1)
+            out[rows] = bank.expert_forward(e, x[rows])
+        return out
+
+    def combine(self, contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return combine(contrib, weights)
+
+
+def host_kernels(store: ExpertStore, native_types: frozenset[int] | None, tile_rows: int | None) -> ExpertKernels:
+    """The kernels the CPU-only bank of these weights would run: native where it reads every weight."""
+    if native_types is not None and all(native_reads(w.raw, w.ggml_type, native_types, strided_experts=True)
+                                        for w in (store.gate, store.up, store.down)):
+        return NativeKernels()
+    return ReferenceKernels(tile_rows)

@@ -1,0 +1,45 @@
+"""All-device routed experts: every expert's raw blocks on the device, computed by the device kernels.
+
+On the CPU device the blocks already are in (mapped) host memory, so `to(device)` copies nothing and
+the bank is the native host bank itself (the native backend then runs the MoE sublayer as one call).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pocketmoe.experts.kernels import ExpertKernels, ExpertStore, NativeKernels
+from pocketmoe.experts.stats import ExpertStats
+from pocketmoe.layers.experts import ExpertBank, ExpertWeights, NativeExperts, ReferenceExperts
+
+
+class ResidentExperts:
+    """A store of every expert on the device and the kernels that read it in place."""
+
+    def __init__(self, store: ExpertStore, kernels: ExpertKernels, stats: ExpertStats,
+                 counts_tokens: bool = False) -> None:
+        self.store, self.kernels, self.stats, self.counts_tokens = store, kernels, stats, counts_tokens
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape
+        dev = self.store.gate.raw.device
+        flat = ids.reshape(-1).to(dev)
+        rows = torch.arange(t * k, device=dev) // k
+        contrib = self.kernels.outputs(self.store, x.to(dev)[rows], flat)
+        self.stats.add(tokens=t if self.counts_tokens else 0, resident=len(torch.unique(flat)))
+        return self.kernels.combine(contrib.view(t, k, -1), weights.to(dev)).to(x.device)
+
+
+def to_device(w: ExpertWeights, device: torch.device) -> ExpertWeights:
+    return ExpertWeights(w.raw.to(device), w.ggml_type, w.shape)
+
+
+def resident_bank(store: ExpertStore, kernels: ExpertKernels, device: torch.device, stats: ExpertStats,
+                  tile_rows: int | None, counts_tokens: bool) -> ExpertBank:
+    """The bank of one all-device MoE layer: on the CPU device, the same bank as the CPU plan's."""
+    on_dev = ExpertStore(*(to_device(w, device) for w in (store.gate, store.up, store.down)))
+    if device.type == "cpu":
+        if isinstance(kernels, NativeKernels):
+            return NativeExperts(on_dev.gate, on_dev.up, on_dev.down)
+        return ReferenceExperts(on_dev.gate, on_dev.up, on_dev.down, tile_rows=tile_rows)
+    return ResidentExperts(on_dev, kernels, stats, counts_tokens)

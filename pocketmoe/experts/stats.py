@@ -1,0 +1,43 @@
+"""What the expert banks did, summed over the MoE layers: hits, misses, copies, CPU experts, model time."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ExpertStats:
+    tokens: int = 0            # tokens through the model (counted at the first MoE layer)
+    hits: int = 0              # active (layer, expert) pairs a device slot held
+    misses: int = 0            # active pairs no slot held (staged or computed on the CPU)
+    staged: int = 0            # misses copied into a slot
+    cpu_experts: int = 0       # misses computed on the CPU
+    resident: int = 0          # active pairs of all-device layers (always on the device)
+    bytes_copied: int = 0
+    model_seconds: float = 0.0  # the cost model's time for the routed experts of every step
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: float) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.tokens = self.hits = self.misses = self.staged = self.cpu_experts = self.resident = 0
+            self.bytes_copied, self.model_seconds = 0, 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        per = max(self.tokens, 1)
+        return {"tokens": self.tokens, "hits": self.hits, "misses": self.misses, "staged": self.staged,
+                "cpu_experts": self.cpu_experts, "resident": self.resident, "hit_rate": round(self.hit_rate, 4),
+                "bytes_copied": self.bytes_copied, "bytes_copied_per_token": round(self.bytes_copied / per, 1),
+                "cpu_experts_per_token": round(self.cpu_experts / per, 3),
+                "model_expert_seconds_per_token": self.model_seconds / per}

@@ -1,0 +1,92 @@
+"""The plan a run uses, from the placement flags: the one function generate, bench, serve and
+`inspect_gguf --placement-report` call, so the report shows the plan that runs.
+
+Devices: `--device cpu` makes the CPU the "device" (device memory is host memory; staging is a copy into
+a slot tensor), `cuda` the visible GPUs, `auto` the GPUs when torch sees any, else the CPU. `--mode auto`
+with the CPU device and no `--gpu-memory-gib` is the CPU-only plan, as before these flags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pocketmoe.cli_util import cuda_memory_bytes
+from pocketmoe.placement.plan import GIB, Devices, PlacementError, PlacementPlan, PlanOptions
+from pocketmoe.placement.planner import make_plan
+
+DEVICES = ("auto", "cpu", "cuda")
+RUN_MODES = ("auto", "all-device", "heterogeneous", "cpu")
+
+
+@dataclass(frozen=True)
+class RunPlacement:
+    device: str = "auto"
+    mode: str = "auto"
+    gpu_memory_gib: tuple[float, ...] | None = None   # per device; one value: every device
+    expert_policy: str = "auto"
+    expert_cache_slots: int | None = None             # per MoE layer; None: the plan's share of free memory
+    num_devices: int | None = None                    # None: as many as --gpu-memory-gib sizes (or GPUs seen)
+
+    def __post_init__(self) -> None:
+        from pocketmoe.experts.cost import POLICIES
+
+        for flag, value, allowed in (("--device", self.device, DEVICES), ("--mode", self.mode, RUN_MODES),
+                                     ("--expert-policy", self.expert_policy, POLICIES)):
+            if value not in allowed:
+                raise PlacementError(f"{flag} {value!r} is not one of {', '.join(allowed)}.")
+        if self.gpu_memory_gib is not None:
+            object.__setattr__(self, "gpu_memory_gib", tuple(float(g) for g in self.gpu_memory_gib))
+            if not self.gpu_memory_gib or any(not g > 0 for g in self.gpu_memory_gib):
+                raise PlacementError(f"--gpu-memory-gib {','.join(map(str, self.gpu_memory_gib))} must be one or "
+                                     f"more positive sizes in GiB, e.g. 4 or 22,22.")
+        if self.expert_cache_slots is not None and self.expert_cache_slots < 0:
+            raise PlacementError(f"--expert-cache-slots is {self.expert_cache_slots}; give 0 or more.")
+
+
+def device_kind(device: str) -> str:
+    """"cpu" or "cuda" for the --device flag; --device cuda without a GPU is a user error."""
+    gpus = cuda_memory_bytes()
+    if device == "cuda" and not gpus:
+        raise PlacementError("--device cuda was asked for but torch sees no CUDA GPU (torch.cuda.is_available() "
+                             "is False); use --device cpu or --device auto.")
+    if device == "auto":
+        return "cuda" if gpus else "cpu"
+    return device
+
+
+def run_devices(rp: RunPlacement, kind: str, host_bytes: int) -> Devices:
+    """The devices the plan may use: none for --mode cpu (or the CPU device with nothing asked of it)."""
+    if rp.mode == "cpu" or (kind == "cpu" and rp.mode == "auto" and rp.gpu_memory_gib is None):
+        return Devices((), host_bytes)
+    if rp.gpu_memory_gib is not None:
+        sizes = list(rp.gpu_memory_gib)
+    elif kind == "cuda":
+        sizes = [b / GIB for b in cuda_memory_bytes()]
+    else:
+        sizes = [host_bytes / GIB]  # the CPU as device: its memory is the host's
+    n = rp.num_devices if rp.num_devices is not None else len(sizes)
+    if len(sizes) == 1:
+        sizes = sizes * n
+    if len(sizes) != n:
+        raise PlacementError(f"--gpu-memory-gib gives {len(sizes)} sizes for {n} devices; give one size for all "
+                             f"of them or one per device.")
+    if kind == "cuda" and n > len(cuda_memory_bytes()):
+        raise PlacementError(f"{n} GPUs were planned for but torch sees {len(cuda_memory_bytes())}; give fewer "
+                             f"--gpu-memory-gib sizes.")
+    return Devices.from_gib(n, sizes, host_bytes / GIB, kind=kind)
+
+
+def run_plan(spec: Any, tensors: Mapping[str, Any], rp: RunPlacement, options: PlanOptions,
+             host_memory_bytes: int | None = None) -> PlacementPlan:
+    """The placement plan of a run with these flags (the one `inspect_gguf --placement-report` prints)."""
+    from pocketmoe.hostinfo import host_memory_bytes as host_total
+
+    host = host_memory_bytes if host_memory_bytes is not None else max(host_total() or 0, 1 << 30)
+    kind = device_kind(rp.device)
+    devices = run_devices(rp, kind, host)
+    if not devices.gpus:
+        return make_plan(spec, tensors, devices, options)
+    mode = None if rp.mode == "auto" else rp.mode
+    return make_plan(spec, tensors, devices, options, mode=mode, cache_slots=rp.expert_cache_slots)
