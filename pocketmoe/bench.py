@@ -2,6 +2,7 @@
 
     python -m pocketmoe.bench --model PATH [--prompt-tokens 128] [--gen-tokens 128] [--threads N]
         [--llama-cpp] [--json] [--profile] [--per-op] [--repeats N] [--backend auto|native|reference] [--n-ctx C]
+        [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 Both engines get the same fixed pseudo-random prompt of ordinary token ids (no BOS). Prefill is one
 pass over the prompt from position 0; decode is --gen-tokens greedy single-token steps. A warm-up
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pocketmoe.benchmark.ours import BenchSettings
-from pocketmoe.cli_util import run_cli, size, table
+from pocketmoe.cli_util import add_placement_args, placement_from_args, run_cli, size, table
 from pocketmoe.errors import PocketMoEError
 
 CTX_ROUND = 256
@@ -43,6 +44,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="time every op call and print where each token's time goes, by op (adds ~1 us a call)")
     p.add_argument("--engine", default="pocketmoe", choices=["pocketmoe", "llama-cpp"], help=argparse.SUPPRESS)
     p.add_argument("--token-ids", default=None, help=argparse.SUPPRESS)
+    add_placement_args(p)
     return p.parse_args(argv)
 
 
@@ -85,7 +87,7 @@ def llama_child(args: argparse.Namespace, s: BenchSettings) -> int:
 
 
 def run(model: Path, s: BenchSettings, backend: str, llama: bool, bandwidth_mib: int = 512,
-        profile: bool = False) -> dict[str, Any]:
+        profile: bool = False, placement: Any = None) -> dict[str, Any]:
     from pocketmoe.benchmark.bounds import decode_bound, decode_bytes_per_token
     from pocketmoe.benchmark.llama_ref import require_llama_cpp, run_llama_cpp_subprocess
     from pocketmoe.benchmark.ours import run_pocketmoe
@@ -94,7 +96,7 @@ def run(model: Path, s: BenchSettings, backend: str, llama: bool, bandwidth_mib:
 
     if llama:
         require_llama_cpp()
-    ours, ids, our_tokens, llm = run_pocketmoe(model, s, backend, profile)
+    ours, ids, our_tokens, llm = run_pocketmoe(model, s, backend, profile, placement)
     arch = llm.bundle.architecture
     file_bytes = sum(p.stat().st_size for p in llm.bundle.paths)
     per_token = decode_bytes_per_token(llm.bundle)
@@ -133,6 +135,8 @@ def render(r: dict[str, Any], profile: bool = False) -> str:
                        rows), ""]
     if r["pocketmoe"].get("detail"):
         lines.append(f"pocketmoe: {r['pocketmoe']['detail']}")
+    if r["pocketmoe"].get("experts"):
+        lines.append(experts_line(r["pocketmoe"]["experts"]))
     if r["greedy_agreement"]:
         g = r["greedy_agreement"]
         lines.append(f"greedy tokens: {g['matching_prefix_tokens']} of {g['compared_tokens']} agree before "
@@ -147,6 +151,20 @@ def render(r: dict[str, Any], profile: bool = False) -> str:
     if profile and r["pocketmoe"].get("profile"):
         lines += ["", render_profile(r["pocketmoe"]["profile"])]
     return "\n".join(lines)
+
+
+def experts_line(x: dict[str, Any]) -> str:
+    """Placement, the decode cache statistics and the predicted decode tok/s beside the measured one."""
+    line = f"placement: {x['mode']}" + (f" on {', '.join(x['devices'])}, policy {x['expert_policy']}" if x["devices"] else "")
+    st = x.get("stats")
+    if st:
+        line += (f"; decode: hit rate {100 * st['hit_rate']:.1f}%, {size(st['bytes_copied_per_token'])} copied and "
+                 f"{st['cpu_experts_per_token']:.2f} CPU experts per token")
+    pred = [f"{name} {x[key]:.1f}" for name, key in (("plan", "plan_decode_tok_s"), ("cost model", "cost_model_decode_tok_s"))
+            if x.get(key)]
+    if pred:
+        line += f"; predicted decode tok/s: {', '.join(pred)} (measured {x['measured_decode_tok_s']:.1f})"
+    return line
 
 
 def render_profile(prof: dict[str, Any]) -> str:
@@ -174,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise PocketMoEError(f"model file {model} does not exist; pass a GGUF file, shard, or directory.")
     if args.engine == "llama-cpp":
         return llama_child(args, s)
-    report = run(model, s, args.backend, args.llama_cpp, args.bandwidth_mib, profile=args.profile)
+    report = run(model, s, args.backend, args.llama_cpp, args.bandwidth_mib, profile=args.profile,
+                 placement=placement_from_args(args))
     print(json.dumps(report) if args.json else render(report, args.profile))
     return 0
 

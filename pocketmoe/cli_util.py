@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from pocketmoe.errors import PocketMoEError
 
@@ -96,3 +98,37 @@ def cuda_memory_bytes() -> list[int]:
     if not torch.cuda.is_available():
         return []
     return [int(torch.cuda.get_device_properties(i).total_memory) for i in range(torch.cuda.device_count())]
+
+
+def add_placement_args(p: argparse.ArgumentParser) -> None:
+    """The placement flags generate, bench and serve share (placement.run turns them into the plan)."""
+    g = p.add_argument_group("placement")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="the device: cuda (the GPUs), cpu (the CPU stands in for the device), auto (GPUs if any)")
+    g.add_argument("--mode", default="auto", choices=["auto", "all-device", "heterogeneous", "cpu"],
+                   help="all-device: every weight on the device; heterogeneous: routed experts in host memory "
+                        "with a hot-expert cache on the device; cpu: no device; auto: all-device when it fits "
+                        "(with --device cpu and no --gpu-memory-gib: cpu)")
+    g.add_argument("--gpu-memory-gib", default=None, metavar="G[,G...]",
+                   help="device memory to plan with, GiB: one size for every device or one per device "
+                        "(default: what torch sees; the host's memory for --device cpu)")
+    g.add_argument("--expert-policy", default="auto", choices=["auto", "cache", "stage", "cpu"],
+                   help="missed experts: auto (the cost model picks staging or the CPU per expert), cache (stage "
+                        "and keep hot ones), stage (stage every step, keep none), cpu (compute on the CPU)")
+    g.add_argument("--expert-cache-slots", type=int, default=None, metavar="N",
+                   help="hot-expert cache slots per MoE layer (default: the device memory the plan leaves free)")
+
+
+def placement_from_args(args: argparse.Namespace) -> Any:
+    """A placement.run.RunPlacement from the flags add_placement_args defined."""
+    from pocketmoe.placement.run import RunPlacement
+
+    sizes = None
+    if args.gpu_memory_gib is not None:
+        try:
+            sizes = tuple(float(x) for x in str(args.gpu_memory_gib).split(",") if x.strip())
+        except ValueError:
+            raise PocketMoEError(f"--gpu-memory-gib {args.gpu_memory_gib!r} is not a number or a comma-separated "
+                                 "list of numbers; give e.g. 4 or 22,22.") from None
+    return RunPlacement(device=args.device, mode=args.mode, gpu_memory_gib=sizes, expert_policy=args.expert_policy,
+                        expert_cache_slots=args.expert_cache_slots)

@@ -3,6 +3,8 @@
     python -m pocketmoe.generate [--model PATH] (--prompt TEXT | --chat TEXT | --token-ids 1,2,3)
         [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S]
         [--threads N] [--n-ctx C] [--stop STR ...] [--json] [--dump-logits FILE.npy]
+        [--device auto|cpu|cuda] [--mode auto|all-device|heterogeneous|cpu] [--gpu-memory-gib G[,G...]]
+        [--expert-policy auto|cache|stage|cpu] [--expert-cache-slots N]
 
 Text streams to stdout; `--json` prints one object instead. prefill_tok_s = prompt tokens / prefill
 wall time; decode_tok_s = tokens after the first / their wall time; loading is excluded from both.
@@ -16,7 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from pocketmoe.cli_util import run_cli
+from pocketmoe.cli_util import add_placement_args, placement_from_args, run_cli
 from pocketmoe.errors import PocketMoEError
 
 
@@ -46,6 +48,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--dump-logits", metavar="FILE.npy",
                    help="write float32 [n_prompt_tokens, vocab] logits of every prompt position")
+    add_placement_args(p)
     return p.parse_args(argv)
 
 
@@ -76,8 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pocketmoe.demo_model import demo_model_path
 
         args.model = str(demo_model_path())
+    placement = placement_from_args(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, threads=args.threads, chunk_size=args.chunk_size,
-              backend=args.backend)
+              backend=args.backend, placement=placement)
     load_s = time.perf_counter() - t_load
     if not args.json:
         print(f"[pocketmoe] {llm.bundle.architecture} from {llm.bundle.paths[0].name}: kernels "
@@ -112,9 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kv_cache_mib": round(llm.runner.cache.nbytes / 2**20, 1),
         "finish_reason": out.finish_reason,
         "backend": llm.backend_name,
+        "mode": llm.runner.plan.mode,
     }
+    from pocketmoe.experts.report import expert_report
+
+    experts = expert_report(llm.runner)
     if args.json:
-        print(json.dumps({"token_ids": out.token_ids, "text": out.text, **stats}, ensure_ascii=False))
+        print(json.dumps({"token_ids": out.token_ids, "text": out.text, **stats, "experts": experts},
+                         ensure_ascii=False))
     else:
         print(file=sys.stdout)
         print("[pocketmoe] " + ", ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)

@@ -36,7 +36,8 @@ from pocketmoe.inspect_sections import (
     validation,
     validation_text,
 )
-from pocketmoe.placement import Bandwidths, Devices, PlacementError, PlanOptions, make_plan, plan_report
+from pocketmoe.placement import Bandwidths, PlacementError, PlanOptions, plan_report
+from pocketmoe.placement.run import RunPlacement, run_plan
 
 GIB = 2**30
 
@@ -68,6 +69,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per sequence for the KV reserve; default 4096 or the model's if shorter")
     d.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     d.add_argument("--kv-dtype", default="f16", help="KV cache dtype: f16, bf16 or f32")
+    d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="the device the plan is for (cpu: the CPU stands in for it); auto: cuda when GPU sizes "
+                        "are given or torch sees GPUs")
+    d.add_argument("--mode", default="auto", choices=["auto", "all-device", "heterogeneous", "cpu"],
+                   help="insist on a placement mode (auto: all-device when it fits)")
+    d.add_argument("--expert-policy", default="auto", choices=["auto", "cache", "stage", "cpu"],
+                   help="the dispatcher policy the run will use (which estimate applies)")
+    d.add_argument("--expert-cache-slots", type=int, default=None, help="hot-expert cache slots per MoE layer")
     bw = Bandwidths()
     d.add_argument("--dram-gbps", type=float, default=bw.dram_gbps, help="host memory bandwidth, GB/s")
     d.add_argument("--pcie-gbps", type=float, default=bw.pcie_gbps, help="host-to-device copy bandwidth, GB/s")
@@ -115,10 +124,13 @@ def _options(args: argparse.Namespace, spec: Any) -> PlanOptions:
 
 
 def _plan(args: argparse.Namespace, spec: Any, bundle: Any) -> Any:
+    """The plan run_plan makes for these flags: the one generate / bench / serve run with the same ones."""
     sizes = _gpu_sizes(args)
     host = args.host_memory_gib if args.host_memory_gib is not None else host_memory_bytes() / GIB
-    devices = Devices.from_gib(len(sizes), sizes, host)
-    return make_plan(spec, bundle.tensors, devices, _options(args, spec))
+    mode = "cpu" if not sizes and args.mode == "auto" and args.device != "cpu" else args.mode
+    rp = RunPlacement(device=args.device, mode=mode, gpu_memory_gib=tuple(sizes) or None,
+                      expert_policy=args.expert_policy, expert_cache_slots=args.expert_cache_slots)
+    return run_plan(spec, bundle.tensors, rp, _options(args, spec), host_memory_bytes=int(host * GIB), plan_only=True)
 
 
 def collect(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str], int]:

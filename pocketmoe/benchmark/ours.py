@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,18 @@ class _RunnerStepper:
         self.profile = profile
         self.prefill_profile: dict[str, Any] | None = None
         self.prefill_tokens = self.decode_tokens = 0
+        self.prefill_stats: Any = None
 
     def prefill(self, ids: Sequence[int]) -> int:
         if self.profile is not None:
             self.profile.reset()
+        stats = self.runner.experts.stats if self.runner.experts is not None else None
+        if stats is not None:
+            stats.reset()
         tok = int(self.runner.forward(ids, 0, last_only=True)[0].argmax())
+        if stats is not None:  # the experts' statistics of the latest prefill, then of the decodes since
+            self.prefill_stats = replace(stats, _lock=threading.Lock())
+            stats.reset()
         if self.profile is not None:
             self.prefill_profile, self.prefill_tokens = self.profile.snapshot(), len(ids)
             self.profile.reset()
@@ -78,14 +86,16 @@ def ordinary_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
     return [i for i, a in enumerate(tokenizer.attrs[:vocab_size]) if a == TokenAttr.NORMAL]
 
 
-def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto", profile: bool = False
-                  ) -> tuple[dict[str, Any], list[int], list[int], Any]:
+def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto", profile: bool = False,
+                  placement: Any = None) -> tuple[dict[str, Any], list[int], list[int], Any]:
     """-> (result object, prompt ids, greedy tokens, the LLM, still open so the caller can read its bundle)."""
     from pocketmoe.engine.llm import LLM
+    from pocketmoe.experts.report import expert_report
 
     mem = MemoryWatch()
     t0 = time.perf_counter()
-    llm = LLM(model, n_ctx=s.n_ctx, threads=s.threads, chunk_size=s.chunk_size, backend=backend)
+    llm = LLM(model, n_ctx=s.n_ctx, threads=s.threads, chunk_size=s.chunk_size, backend=backend,
+              placement=placement)
     load_s = time.perf_counter() - t0
     vocab = llm.runner.vocab_size
     ids = prompt_ids(s.prompt_tokens, vocab, ordinary_token_ids(llm.tokenizer, vocab))
@@ -94,4 +104,10 @@ def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto", pr
     result = engine_result(llm.backend_name, m, mem, load_s)
     result["detail"] = llm.backend_detail  # which ops ran: kernels, instruction set, threads
     result["profile"] = stepper.profiles()  # per-op time with --profile, else None
+    # placement, cache statistics of the last timed run's decode (and prefill), predicted beside measured
+    experts = expert_report(llm.runner)
+    if stepper.prefill_stats is not None:
+        experts["prefill_stats"] = stepper.prefill_stats.to_json()
+    experts["measured_decode_tok_s"] = result["decode_tok_s"]
+    result["experts"] = experts
     return result, ids, m.tokens, llm

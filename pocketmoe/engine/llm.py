@@ -58,14 +58,16 @@ class LLM:
     one, the built-in demo model (pocketmoe/data/demo-model.gguf)."""
 
     def __init__(self, model: str | Path | None = None, *, n_ctx: int = 4096, threads: int | None = None,
-                 chunk_size: int = 256, backend: str = "auto", kv_dtype: str = "f32") -> None:
+                 chunk_size: int = 256, backend: str = "auto", kv_dtype: str = "f32", placement: Any = None) -> None:
+        """placement: a placement.run.RunPlacement (the --device/--mode/... flags); None: CPU only."""
         if model is None:
             from pocketmoe.demo_model import demo_model_path
 
             model = demo_model_path()
         self.bundle = open_bundle(model)
         self.tokenizer = Tokenizer.from_metadata(self.bundle.metadata)
-        cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, threads=threads, kv_dtype=kv_dtype, backend=backend)
+        cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, threads=threads, kv_dtype=kv_dtype, backend=backend,
+                           placement=placement)
         self.runner = ModelRunner(self.bundle, cfg)
         self.backend_name, self.backend_detail = self.runner.ops.name, self.runner.ops.detail
         self.n_ctx = n_ctx

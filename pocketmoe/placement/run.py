@@ -45,18 +45,26 @@ class RunPlacement:
             raise PlacementError(f"--expert-cache-slots is {self.expert_cache_slots}; give 0 or more.")
 
 
-def device_kind(device: str) -> str:
-    """"cpu" or "cuda" for the --device flag; --device cuda without a GPU is a user error."""
-    gpus = cuda_memory_bytes()
-    if device == "cuda" and not gpus:
+def cuda_runtime() -> bool:
+    """Whether this build can run a model on CUDA: a GPU torch sees and a CUDA op backend."""
+    from pocketmoe.ops import BACKENDS
+
+    return bool(cuda_memory_bytes()) and "cuda" in BACKENDS
+
+
+def device_kind(device: str, plan_only: bool = False, sizes_given: bool = False) -> str:
+    """"cpu" or "cuda" for the --device flag. --device cuda without a GPU is a user error, unless the plan
+    is only printed (inspect_gguf plans for GPUs this machine lacks). auto: cuda where this build can run
+    there (or, for a printed plan, where GPU sizes were given), else the CPU."""
+    if device == "cuda" and not plan_only and not cuda_memory_bytes():
         raise PlacementError("--device cuda was asked for but torch sees no CUDA GPU (torch.cuda.is_available() "
                              "is False); use --device cpu or --device auto.")
     if device == "auto":
-        return "cuda" if gpus else "cpu"
+        return "cuda" if cuda_runtime() or (plan_only and (sizes_given or bool(cuda_memory_bytes()))) else "cpu"
     return device
 
 
-def run_devices(rp: RunPlacement, kind: str, host_bytes: int) -> Devices:
+def run_devices(rp: RunPlacement, kind: str, host_bytes: int, plan_only: bool = False) -> Devices:
     """The devices the plan may use: none for --mode cpu (or the CPU device with nothing asked of it)."""
     if rp.mode == "cpu" or (kind == "cpu" and rp.mode == "auto" and rp.gpu_memory_gib is None):
         return Devices((), host_bytes)
@@ -64,6 +72,9 @@ def run_devices(rp: RunPlacement, kind: str, host_bytes: int) -> Devices:
         sizes = list(rp.gpu_memory_gib)
     elif kind == "cuda":
         sizes = [b / GIB for b in cuda_memory_bytes()]
+        if not sizes:
+            raise PlacementError("torch sees no CUDA GPU to plan for; give --gpu-memory-gib (e.g. 4) to plan for "
+                                 "one, or use --device cpu.")
     else:
         sizes = [host_bytes / GIB]  # the CPU as device: its memory is the host's
     n = rp.num_devices if rp.num_devices is not None else len(sizes)
@@ -72,20 +83,21 @@ def run_devices(rp: RunPlacement, kind: str, host_bytes: int) -> Devices:
     if len(sizes) != n:
         raise PlacementError(f"--gpu-memory-gib gives {len(sizes)} sizes for {n} devices; give one size for all "
                              f"of them or one per device.")
-    if kind == "cuda" and n > len(cuda_memory_bytes()):
+    if kind == "cuda" and not plan_only and n > len(cuda_memory_bytes()):
         raise PlacementError(f"{n} GPUs were planned for but torch sees {len(cuda_memory_bytes())}; give fewer "
                              f"--gpu-memory-gib sizes.")
     return Devices.from_gib(n, sizes, host_bytes / GIB, kind=kind)
 
 
 def run_plan(spec: Any, tensors: Mapping[str, Any], rp: RunPlacement, options: PlanOptions,
-             host_memory_bytes: int | None = None) -> PlacementPlan:
-    """The placement plan of a run with these flags (the one `inspect_gguf --placement-report` prints)."""
+             host_memory_bytes: int | None = None, plan_only: bool = False) -> PlacementPlan:
+    """The placement plan of a run with these flags (the one `inspect_gguf --placement-report` prints,
+    with plan_only: GPUs this machine lacks may be planned for)."""
     from pocketmoe.hostinfo import host_memory_bytes as host_total
 
     host = host_memory_bytes if host_memory_bytes is not None else max(host_total() or 0, 1 << 30)
-    kind = device_kind(rp.device)
-    devices = run_devices(rp, kind, host)
+    kind = device_kind(rp.device, plan_only, rp.gpu_memory_gib is not None)
+    devices = run_devices(rp, kind, host, plan_only)
     if not devices.gpus:
         return make_plan(spec, tensors, devices, options)
     mode = None if rp.mode == "auto" else rp.mode

@@ -3,6 +3,7 @@
     python -m pocketmoe.serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
         [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
         [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N]
+        [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 Without --model it serves the built-in demo model. The port opens at once (GET /health answers 503
 while the model loads); one line `ready on http://HOST:PORT (...)` follows when requests are taken.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import uvicorn
 
-from pocketmoe.cli_util import EXIT_USER_ERROR, error_line, run_cli
+from pocketmoe.cli_util import EXIT_USER_ERROR, add_placement_args, error_line, placement_from_args, run_cli
 from pocketmoe.errors import PocketMoEError
 
 log = logging.getLogger("pocketmoe.serve")
@@ -53,6 +54,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per step, over all sequences")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_placement_args(p)
     args = p.parse_args(argv)
     for name in ("max_num_seqs", "max_queue", "chunk_size", "threads", "max_model_len"):
         v = getattr(args, name)
@@ -112,7 +114,7 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     budget, max_len = kv_budget(bundle, spec, args)
     state.max_model_len = max_len
     cfg = RunnerConfig(n_ctx=max_len, chunk_size=args.chunk_size, threads=args.threads, backend=args.backend,
-                       kv_cache_bytes=budget, max_seqs=args.max_num_seqs)
+                       kv_cache_bytes=budget, max_seqs=args.max_num_seqs, placement=placement_from_args(args))
     bar = tqdm(total=spec.config.n_layer, desc="loading", unit="layer", file=sys.stderr, leave=False)
 
     def on_tensor(name: str) -> None:
@@ -126,6 +128,7 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
                     state.metrics)
     state.metrics.kv_pages.set(runner.cache.n_pages)
     state.metrics.kv_bytes.set(runner.cache.nbytes)
+    state.metrics.watch_experts(runner)
     engine.start()
     state.tokenizer, state.engine = tok, engine
     while not server.started and not server.should_exit:
@@ -134,7 +137,7 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     kv = runner.cache
     print(f"ready on http://{host}:{port} (model {state.model_name}, {bundle.architecture}, kernels {runner.describe}, "
           f"max-model-len {max_len}, KV pool {kv.nbytes / 2**30:.2f} GiB = {kv.n_pages * kv.page} positions, "
-          f"max-num-seqs {args.max_num_seqs})", flush=True)
+          f"max-num-seqs {args.max_num_seqs}, placement {runner.plan.mode})", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

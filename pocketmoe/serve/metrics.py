@@ -29,5 +29,29 @@ class Metrics:
         self.kv_pages = Gauge(p + "kv_cache_pages", "Pages in the KV pool", registry=r)
         self.kv_bytes = Gauge(p + "kv_cache_bytes", "Bytes of the KV pool", registry=r)
 
+    def watch_experts(self, runner) -> None:  # noqa: ANN001
+        """Gauges read at scrape time: the expert cache statistics and the predicted decode tok/s (the plan's
+        and the cost model's) beside the measured one (1 / the mean inter-token latency)."""
+        from pocketmoe.experts.report import expert_report
+
+        p, r = "pocketmoe_", self.registry
+        stats = ("hits", "misses", "staged", "cpu_experts", "bytes_copied", "hit_rate", "bytes_copied_per_token",
+                 "cpu_experts_per_token")
+        for name in stats:
+            g = Gauge(p + "expert_" + name, f"Routed experts: {name.replace('_', ' ')} since start", registry=r)
+            g.set_function(lambda n=name: float((expert_report(runner).get("stats") or {}).get(n, 0.0)))
+        for name in ("plan_decode_tok_s", "cost_model_decode_tok_s"):
+            g = Gauge(p + "predicted_" + name.removesuffix("_decode_tok_s") + "_decode_tok_s",
+                      f"Predicted decode tokens/s ({name.split('_decode')[0].replace('_', ' ')})", registry=r)
+            g.set_function(lambda n=name: float(expert_report(runner).get(n) or 0.0))
+
+        def measured() -> float:
+            total = r.get_sample_value(p + "inter_token_latency_seconds_sum") or 0.0
+            count = r.get_sample_value(p + "inter_token_latency_seconds_count") or 0.0
+            return count / total if total > 0 else 0.0
+
+        Gauge(p + "measured_decode_tok_s", "Measured decode tokens/s of one sequence (1 / mean inter-token "
+              "latency)", registry=r).set_function(measured)
+
     def text(self) -> bytes:
         return generate_latest(self.registry)
