@@ -1,0 +1,207 @@
+"""Placement modes, expert policies and cache sizes against the CPU-only path, with the CPU as the device.
+
+Every mode (all-device, heterogeneous), policy (auto, cache, stage, cpu) and cache size (cold, warm, one
+slot that forces evictions) runs the same kernels as the CPU plan on the CPU device, so logits are
+bitwise those of the CPU-only runner and greedy tokens the same; on both op backends (native kernels,
+torch reference), on deepseek2 and minimax-m2 fixtures. Plus the slowed-copy race test.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from pocketmoe import native
+from pocketmoe.engine.runner import ModelRunner, RunnerConfig
+from pocketmoe.experts import Rates, SlotInUseError, SlotPool
+from pocketmoe.experts.dispatch import DispatchExperts
+from pocketmoe.gguf import open_bundle
+from pocketmoe.placement.run import RunPlacement
+from pocketmoe.testing.synth import write_fixture
+
+PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
+GEN = 6
+BACKENDS = ["native", "reference"] if native.available() else ["reference"]
+# Staging pays off for experts with several tokens, the CPU wins single-token ones: with these rates a
+# prefill chunk mixes hits, staged and CPU experts in one layer, and so do decode steps with a warm cache.
+MIXED = Rates(copy_gbps=4.0, cpu_gbps=6.0, cpu_token_gbps=6.0, device_gbps=20.0, device_token_gbps=200.0)
+
+
+@pytest.fixture(scope="module", params=[("deepseek2", 3), ("minimax-m2", 4)], ids=lambda p: p[0])
+def bundle(request, tmp_path_factory):
+    arch, seed = request.param
+    path = tmp_path_factory.mktemp("experts") / f"{arch}.gguf"
+    write_fixture(arch, "tiny", "Q4_K_M", path, seed=seed)
+    with open_bundle(path) as b:
+        yield b
+
+
+_BASE: dict[tuple[int, str], tuple[torch.Tensor, list[int]]] = {}
+
+
+def baseline(bundle, backend: str) -> tuple[torch.Tensor, list[int]]:
+    """Prompt logits and greedy tokens of the CPU-only plan."""
+    key = (id(bundle), backend)
+    if key not in _BASE:
+        r = ModelRunner(bundle, RunnerConfig(n_ctx=128, backend=backend))
+        _BASE[key] = (r.forward(PROMPT, 0), r.generate_greedy(PROMPT, GEN))
+    return _BASE[key]
+
+
+def runner(bundle, backend: str, mode: str, policy: str = "auto", slots: int | None = None,
+           rates: Rates | None = MIXED, delay=None) -> ModelRunner:
+    rp = RunPlacement(device="cpu", mode=mode, expert_policy=policy, expert_cache_slots=slots)
+    return ModelRunner(bundle, RunnerConfig(n_ctx=128, backend=backend, placement=rp, expert_rates=rates,
+                                            copy_delay=delay))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_device_matches_cpu_bitwise(bundle, backend):
+    logits, tokens = baseline(bundle, backend)
+    r = runner(bundle, backend, "all-device")
+    assert r.plan.mode == "all-device" and r.plan.devices[0].name == "cpu:0"
+    assert torch.equal(r.forward(PROMPT, 0), logits)
+    assert r.generate_greedy(PROMPT, GEN) == tokens
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", ["auto", "cache", "stage", "cpu"])
+@pytest.mark.parametrize("slots", [None, 1], ids=["plan-slots", "one-slot"])
+def test_heterogeneous_matches_cpu_bitwise_cold_and_warm(bundle, backend, policy, slots):
+    logits, tokens = baseline(bundle, backend)
+    r = runner(bundle, backend, "heterogeneous", policy, slots)
+    assert r.plan.mode == "heterogeneous"
+    n_experts = bundle.metadata[f"{bundle.architecture}.expert_count"]
+    assert set(r.plan.slots_per_layer.values()) == {n_experts if slots is None else 1}
+    assert torch.equal(r.forward(PROMPT, 0), logits)          # cold cache
+    assert torch.equal(r.forward(PROMPT, 0), logits)          # warm: the cache holds what the first run left
+    assert r.generate_greedy(PROMPT, GEN) == tokens
+    st = r.experts.stats
+    assert st.hits + st.misses > 0
+    if policy == "cpu":
+        assert st.staged == 0 and st.hits == 0 and st.cpu_experts == st.misses
+    if policy in ("cache", "stage"):
+        assert st.cpu_experts == 0 and st.staged == st.misses
+    if policy == "stage":
+        assert st.hits == 0
+    if policy == "cache":
+        assert st.hits > 0
+        if slots == 1:  # one slot for every expert of a layer: staging evicts all the time
+            assert st.staged > n_experts * len(r.plan.slots_per_layer)
+    if policy == "auto" and slots is None:  # all three paths ran
+        assert st.hits > 0 and st.staged > 0 and st.cpu_experts > 0
+    assert (st.bytes_copied > 0) == (st.staged > 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_calibrated_rates_run_and_match(bundle, backend):
+    """No rates given: they are measured at start-up, positive and finite, and the run still matches."""
+    logits, tokens = baseline(bundle, backend)
+    r = runner(bundle, backend, "heterogeneous", rates=None)
+    rates = r.experts.rates
+    assert all(v > 0 for v in vars(rates).values())
+    assert torch.equal(r.forward(PROMPT, 0), logits)
+    assert r.generate_greedy(PROMPT, GEN) == tokens
+
+
+def test_slowed_copies_never_race(bundle):
+    """Each copy sleeps 3 ms on the copy thread before it writes: compute that did not wait for its
+    copy would read the slot's previous expert, and a copy into a slot still being read would change it
+    under the kernel. Two slots for 8 experts, every expert staged: logits stay bitwise the CPU path's,
+    copies overlap compute, and the pool's guard never fires."""
+    backend = BACKENDS[0]
+    logits, tokens = baseline(bundle, backend)
+    events: list[tuple[str, float]] = []
+    lock = threading.Lock()
+
+    def slow(slot: int, expert: int) -> None:
+        with lock:
+            events.append(("copy", time.perf_counter()))
+        time.sleep(0.003)
+
+    r = runner(bundle, backend, "heterogeneous", "stage", slots=2, delay=slow)
+    banks = [b for b in _banks(r) if isinstance(b, DispatchExperts)]
+    for bank in banks:
+        _trace_compute(bank, events, lock)
+    assert torch.equal(r.forward(PROMPT, 0), logits)
+    assert r.generate_greedy(PROMPT, GEN) == tokens
+    # some copy was in flight (its 3 ms sleep) while a kernel ran: the next copy overlaps the current compute
+    spans, start = [], None
+    for kind, t in events:
+        if kind == "start":
+            start = t
+        elif kind == "end":
+            spans.append((start, t))
+    copies = [t for kind, t in events if kind == "copy"]
+    assert any(t < e and t + 0.003 > s for s, e in spans for t in copies)
+
+
+def test_the_race_test_catches_a_compute_that_does_not_wait(bundle, monkeypatch):
+    """Mutation check: with acquire() not waiting for the copy, the slowed-copy run gives other logits."""
+    backend = BACKENDS[0]
+    logits, _ = baseline(bundle, backend)
+
+    def no_wait(self, slot):
+        self._pending.pop(slot, None)
+        self._readers[slot] += 1
+
+    monkeypatch.setattr(SlotPool, "acquire", no_wait)
+    r = runner(bundle, backend, "heterogeneous", "stage", slots=2, delay=lambda s, e: time.sleep(0.003))
+    assert not torch.equal(r.forward(PROMPT, 0), logits)
+
+
+def test_pool_refuses_to_overwrite_a_slot_in_use(bundle):
+    r = runner(bundle, BACKENDS[0], "heterogeneous", "stage", slots=2, delay=lambda s, e: time.sleep(0.01))
+    pool = next(b for b in _banks(r) if isinstance(b, DispatchExperts)).pool
+    pool.stage(0, 1)
+    with pytest.raises(SlotInUseError, match="copy into it"):
+        pool.stage(0, 2)  # the copy into slot 0 was not waited for
+    pool.acquire(0)
+    with pytest.raises(SlotInUseError, match="kernel reading it"):
+        pool.stage(0, 2)
+    pool.release(0)
+    pool.stage(0, 2)
+    pool.acquire(0)
+    pool.release(0)
+    assert torch.equal(pool.store.gate.raw[0], pool.host.gate.raw[2])
+
+
+def _banks(r: ModelRunner) -> list:
+    return [m.experts for m in _moe_blocks(r.model)]
+
+
+def _moe_blocks(model) -> list:
+    from pocketmoe.layers.moe import MoEBlock
+
+    found, seen, todo = [], set(), [model]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, MoEBlock):
+            found.append(obj)
+            continue
+        if isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("pocketmoe"):
+            todo.extend(vars(obj).values())
+    return found
+
+
+def _trace_compute(bank: DispatchExperts, events: list, lock: threading.Lock) -> None:
+    outputs = bank.device_kernels.outputs
+
+    def traced(store, x, which):
+        with lock:
+            events.append(("start", time.perf_counter()))
+        y = outputs(store, x, which)
+        with lock:
+            events.append(("end", time.perf_counter()))
+        return y
+
+    bank.device_kernels = type("Traced", (), {"outputs": staticmethod(traced), "name": "traced",
+                                              "combine": bank.device_kernels.combine})()
