@@ -133,3 +133,23 @@ def test_server_metrics_show_cache_statistics(model):
     assert _metric(text, "pocketmoe_predicted_plan_decode_tok_s") > 0
     assert _metric(text, "pocketmoe_predicted_cost_model_decode_tok_s") > 0
     assert _metric(text, "pocketmoe_measured_decode_tok_s") > 0
+
+
+def test_auto_mode_picks_heterogeneous_when_the_device_is_small(model):
+    from pocketmoe.placement import PlanOptions
+    from pocketmoe.placement.inventory import ROUTED
+    from pocketmoe.placement.run import run_plan
+
+    opts = PlanOptions(context_length=64, batch=1, kv_dtype="f32")
+    with open_bundle(model) as b:
+        runner = ModelRunner(b, RunnerConfig(n_ctx=64, placement=RunPlacement(device="cpu", mode="cpu")))
+        full = run_plan(runner.spec, b.tensors, RunPlacement(device="cpu", mode="all-device"), opts)
+        need = full.devices[0].used
+        routed = full.devices[0].weights[ROUTED]
+        roomy = RunPlacement(device="cpu", gpu_memory_gib=(need / 2**30 * 1.01,))
+        small = RunPlacement(device="cpu", gpu_memory_gib=((need - routed / 2) / 2**30,))
+        assert run_plan(runner.spec, b.tensors, roomy, opts).mode == "all-device"
+        plan = run_plan(runner.spec, b.tensors, small, opts)
+    assert plan.mode == "heterogeneous" and plan.devices[0].name == "cpu:0"
+    assert 0 < plan.cache_slots < sum(len(v) for v in full.resident.values())  # half the experts' room
+    assert "workspace" in plan.per_device_bytes["cpu:0"]

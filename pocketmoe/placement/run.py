@@ -9,7 +9,7 @@ with the CPU device and no `--gpu-memory-gib` is the CPU-only plan, as before th
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pocketmoe.cli_util import cuda_memory_bytes
@@ -100,5 +100,7 @@ def run_plan(spec: Any, tensors: Mapping[str, Any], rp: RunPlacement, options: P
     devices = run_devices(rp, kind, host, plan_only)
     if not devices.gpus:
         return make_plan(spec, tensors, devices, options)
+    if kind == "cpu":  # the CPU as device has no CUDA context to reserve
+        options = replace(options, cuda_context_gib=0.0)
     mode = None if rp.mode == "auto" else rp.mode
     return make_plan(spec, tensors, devices, options, mode=mode, cache_slots=rp.expert_cache_slots)
