@@ -3,7 +3,8 @@
 Every mode (all-device, heterogeneous), policy (auto, cache, stage, cpu) and cache size (cold, warm, one
 slot that forces evictions) runs the same kernels as the CPU plan on the CPU device, so logits are
 bitwise those of the CPU-only runner and greedy tokens the same; on both op backends (native kernels,
-torch reference), on deepseek2 and minimax-m2 fixtures. Plus the slowed-copy race test.
+torch reference), on deepseek2 and minimax-m2 fixtures and a DeepSeek-V3-routed one with fused gate_up
+experts. Plus the slowed-copy race test.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
+from deepseek2_fixture import Tiny, ds2_config, gguf_state_dict, hf_model, quantize_experts, write_gguf
+from gguf import GGMLQuantizationType as Q
 
 from pocketmoe import native
 from pocketmoe.engine.runner import ModelRunner, RunnerConfig
@@ -22,7 +26,7 @@ from pocketmoe.gguf import open_bundle
 from pocketmoe.placement.run import RunPlacement
 from pocketmoe.testing.synth import write_fixture
 
-PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
+PROMPT = [(7 * i + 3) % 300 + 5 for i in range(40)]  # ids below every fixture's vocabulary
 GEN = 6
 BACKENDS = ["native", "reference"] if native.available() else ["reference"]
 # Staging pays off for experts with several tokens, the CPU wins single-token ones: with these rates a
@@ -30,11 +34,33 @@ BACKENDS = ["native", "reference"] if native.available() else ["reference"]
 MIXED = Rates(copy_gbps=4.0, cpu_gbps=6.0, cpu_token_gbps=6.0, device_gbps=20.0, device_token_gbps=200.0)
 
 
-@pytest.fixture(scope="module", params=[("deepseek2", 3), ("minimax-m2", 4)], ids=lambda p: p[0])
+# DeepSeek-V3 routing (sigmoid, selection bias, expert groups, weight norm and scale) on the HF-derived
+# fixture, with gate and up stored as one fused tensor: the slots copy each half's strided experts.
+V3 = Tiny(v3=True, experts=8, top_k=3, groups=2, groups_used=1, norm_topk=True, scale=2.5)
+
+
+def write_v3_fused(path):
+    model = hf_model(V3, seed=2)
+    blocks, types = quantize_experts(model, V3, int(Q.Q8_0), seed=6)
+    sd = gguf_state_dict(model, V3)
+    for i in range(V3.dense_lead, V3.layers):
+        b = f"blk.{i}."
+        gate, up = (blocks.pop(b + f"ffn_{p}_exps.weight").reshape(V3.experts, V3.moe_ff, -1) for p in ("gate", "up"))
+        blocks[b + "ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
+        types[b + "ffn_gate_up_exps.weight"] = int(Q.Q8_0)
+        sd[b + "ffn_gate_up_exps.weight"] = torch.cat([sd.pop(b + "ffn_gate_exps.weight"),
+                                                       sd.pop(b + "ffn_up_exps.weight")], dim=1)
+    return write_gguf(path, ds2_config(V3), sd, blocks, types)
+
+
+@pytest.fixture(scope="module", params=["deepseek2", "minimax-m2", "deepseek2-v3-fused"])
 def bundle(request, tmp_path_factory):
-    arch, seed = request.param
-    path = tmp_path_factory.mktemp("experts") / f"{arch}.gguf"
-    write_fixture(arch, "tiny", "Q4_K_M", path, seed=seed)
+    name = request.param
+    path = tmp_path_factory.mktemp("experts") / f"{name}.gguf"
+    if name == "deepseek2-v3-fused":
+        write_v3_fused(path)
+    else:
+        write_fixture(name, "tiny", "Q4_K_M", path, seed=3 if name == "deepseek2" else 4)
     with open_bundle(path) as b:
         yield b
 

@@ -55,7 +55,7 @@ def _refuse_device(mb: ModelBytes, kv: KVReserve, ws: Workspace, devices: Device
         f"the non-expert weights ({size(mb.non_expert)}) plus the KV cache ({size(kv.total)} for "
         f"{opts.context_length} tokens x batch {opts.batch}) and workspace ({size(ws_total)}) need "
         f"{size(need)} on device but {where}; use more or larger GPUs, a shorter --context-length, a "
-        f"smaller --batch, or --num-gpus 0 for CPU only.")
+        f"smaller --batch, or --num-gpus 0 (--mode cpu) for CPU only.")
 
 
 def _slots(mb: ModelBytes, layer_device: Mapping[int, int], free: list[int]) -> dict[int, int]:
