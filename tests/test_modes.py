@@ -57,6 +57,9 @@ def test_generate_json_same_tokens_in_every_mode(model):
     tiny = runs["heterogeneous tiny cache"]["experts"]
     assert tiny["cache_slots"] == 3 and tiny["stats"]["staged"] > 0 and tiny["stats"]["cpu_experts"] == 0
     assert runs["heterogeneous cpu policy"]["experts"]["stats"]["staged"] == 0
+    resident = runs["all-device"]["experts"]["stats"]
+    assert resident["hit_rate"] == 1.0 and resident["bytes_copied_per_token"] == 0
+    assert "stats" not in runs["cpu"]["experts"] and runs["cpu"]["experts"]["plan_decode_tok_s"] > 0
 
 
 def test_device_cuda_without_a_gpu_is_one_clear_line(model):

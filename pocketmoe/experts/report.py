@@ -34,6 +34,8 @@ def expert_report(runner: Any, stats: Any = None) -> dict[str, Any]:
         return out
     stats = stats if stats is not None else rt.stats
     js = stats.to_json()
+    if plan.mode == "all-device":  # every expert resident (on the CPU device the host bank itself runs)
+        js.update(hit_rate=1.0, bytes_copied_per_token=0.0, cpu_experts_per_token=0.0)
     out["stats"] = js
     out["rates_gbps"] = None if rt.rates is None else rt.rates.to_json()
     out["cost_model_decode_tok_s"] = None
