@@ -113,3 +113,12 @@ def test_second_use_admission():
     assert not c.admits(3)
     c.touch([3])
     assert c.admits(3)
+
+
+def test_a_decode_step_uses_pcie_beside_dram():
+    """Six single-token misses on the laptop: each is cheaper on the CPU (0.136 ms vs 0.415 ms copy), but the
+    CPU queue grows, so the fourth (largest-first order, all equal) is staged while the CPU runs the rest:
+    the layer takes 5 x 0.136 ms instead of 6 x 0.136 ms."""
+    d = decide([Active(e, 1, MB, False) for e in range(6)], LAPTOP)
+    assert list(d.paths.values()).count(STAGE) == 1
+    assert d.seconds == pytest.approx(5 * MB / 38.4e9)
