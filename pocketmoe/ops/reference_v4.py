@@ -54,6 +54,12 @@ def mix_streams(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def rowwise(fn: Any, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) elementwise in float64, rounded to float32: torch's vector and scalar paths (which one an element
+    takes depends on the tensor's size) then agree, so a row's values do not depend on the other rows."""
+    return fn(x.double()).float()
+
+
 def _slice(cache: torch.Tensor, rows: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
     return cache[rows, span[0]:span[1]].float()
 
@@ -80,8 +86,8 @@ class DeepSeek4Ops:
         c, s, b = hc.cfg, hc.scale, hc.base
         t, n = x.shape[0], c.n
         m = self._hc_mixes(hc, x)
-        pre = torch.sigmoid(m[:, :n] * s[0] + b[:n]) + c.eps
-        post = 2.0 * torch.sigmoid(m[:, n:2 * n] * s[1] + b[n:2 * n])
+        pre = rowwise(torch.sigmoid, m[:, :n] * s[0] + b[:n]) + c.eps
+        post = 2.0 * rowwise(torch.sigmoid, m[:, n:2 * n] * s[1] + b[n:2 * n])
         comb = (m[:, 2 * n:] * s[2] + b[2 * n:]).view(t, n, n).softmax(-1) + c.eps
         comb = comb / (comb.sum(1, keepdim=True) + c.eps)
         for _ in range(c.sinkhorn_iters - 1):
@@ -101,7 +107,7 @@ class DeepSeek4Ops:
 
     def hc_head(self, head: HyperHead, x: torch.Tensor) -> torch.Tensor:
         """x [T, n, D] -> sum_i pre_i x_i [T, D], pre = sigmoid(fn . rmsnorm(x) * scale + base) + eps."""
-        pre = torch.sigmoid(self._hc_mixes(head, x) * head.scale[0] + head.base) + head.cfg.eps
+        pre = rowwise(torch.sigmoid, self._hc_mixes(head, x) * head.scale[0] + head.base) + head.cfg.eps
         return mix_streams(x, pre)
 
     # -- attention -------------------------------------------------------------------------------
@@ -135,8 +141,16 @@ class DeepSeek4Ops:
             keep = None if idx is None else self._indexer_select(idx, iq[a:b], iw[a:b], ctx, i, cache, start, end)
             out.append(self._attend(attn, q[a:b], ctx, i, cache, start, end, keep))
         o = rope_tail(out[0] if len(out) == 1 else torch.cat(out), cos2[:, None], sin2[:, None], inverse=True)
-        oa = attn.wo_a.batched(o.reshape(t, c.o_groups, -1).transpose(0, 1).contiguous())  # [G, T, o_lora]
-        return self.linear(attn.wo_b, oa.transpose(0, 1).reshape(t, -1))
+        return self.linear(attn.wo_b, self._grouped_output(attn, o.reshape(t, c.o_groups, -1)))
+
+    def _grouped_output(self, attn: DSV4Attention, o: torch.Tensor) -> torch.Tensor:
+        """o [T, G, H*d/G] -> concat_g wo_a[g] o_g [T, G*o_lora], in fixed row tiles (batch-invariant)."""
+        t, g = o.shape[0], o.shape[1]
+        tile = getattr(self, "tile_rows", None) or t
+        pad = -t % tile
+        x = torch.cat([o, o.new_zeros(pad, *o.shape[1:])]) if pad else o
+        parts = [attn.wo_a.batched(x[k:k + tile].transpose(0, 1).contiguous()) for k in range(0, t + pad, tile)]
+        return torch.cat(parts, dim=1)[:, :t].transpose(0, 1).reshape(t, -1)  # from [G, T, o_lora]
 
     def _compressor_state(self, k: Compressor, x: torch.Tensor, ctx: StepContext, cache: torch.Tensor,
                           rows: torch.Tensor) -> None:
@@ -213,7 +227,7 @@ class DeepSeek4Ops:
     def dsv4_moe(self, moe: DSV4MoE, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """x [T, D], tokens [T] -> routed + shared [T, D]. probs = sqrt(softplus(gate x)); ids from tid2eid or
         top-k of probs + bias; weights = probs[ids] (renormalised, scaled)."""
-        probs = F.softplus(self.linear(moe.gate, x.float())).sqrt()  # [T, E]
+        probs = rowwise(F.softplus, self.linear(moe.gate, x.float())).sqrt()  # [T, E]
         if moe.tid2eid is not None:
             ids = moe.tid2eid[tokens.long()].long()
         else:
