@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from pocketmoe.layers.experts import ExpertBank, ExpertWeights, ReferenceExperts
+from pocketmoe.layers.experts import ExpertBank, ExpertWeights, combine
 from pocketmoe.layers.linear import QuantLinear
 
 if TYPE_CHECKING:
@@ -28,28 +28,39 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     """silu(min(gate, limit)) * clamp(up, -limit, limit); plain SwiGLU when limit <= CLAMP_MIN."""
     if limit > CLAMP_MIN:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.silu(gate) * up
+    return F.silu(gate.double()).float() * up  # float64: the same for a row whatever the tensor's size
 
 
-class ClampedExperts(ReferenceExperts):
-    """The reference bank with the SwiGLU clamp (the native MoE op has no clamp: these layers run here)."""
+class ClampedExperts:
+    """Routed experts with the SwiGLU clamp, each expert's GEMMs run by the op backend's linears (the native ones
+    quantize activations as llama.cpp does; the native fused MoE op has no clamp). Per active expert: its tokens'
+    gate and up, the clamped SwiGLU, down; then the slot-order combine. Batch-invariant as the linears are."""
 
-    def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, limit: float,
-                 tile_rows: int | None = None) -> None:
-        super().__init__(gate, up, down, tile_rows=tile_rows)
-        self.limit = float(limit)
+    def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, limit: float, ops: Any) -> None:
+        self.weights, self.limit, self.ops = (gate, up, down), float(limit), ops
+        self._experts: dict[int, tuple[QuantLinear, ...]] = {}
 
-    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:  # x: [n, D] -> [n, D]
-        gate, up, down = self.gate.expert(e), self.up.expert(e), self.down.expert(e)
+    @property
+    def n_experts(self) -> int:
+        return self.weights[0].shape[0]
 
-        def run(t: torch.Tensor) -> torch.Tensor:
-            return F.linear(clamped_swiglu(F.linear(t, gate), F.linear(t, up), self.limit), down)
+    def expert(self, e: int) -> tuple[QuantLinear, ...]:
+        """gate, up, down of expert e as linears over its own blocks (views, made on first use)."""
+        if e not in self._experts:
+            self._experts[e] = tuple(QuantLinear(w.raw[e], w.ggml_type, w.shape[1:], backend=self.ops,
+                                                 name=f"expert {e}") for w in self.weights)
+        return self._experts[e]
 
-        if self.tile_rows is None:
-            return run(x)
-        n, tile = x.shape[0], self.tile_rows
-        padded = torch.cat([x, x.new_zeros(-n % tile, x.shape[1])])
-        return torch.cat([run(t) for t in padded.split(tile)])[:n]
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape
+        flat = ids.reshape(-1)  # [T*K], pair p = token p // K, slot p % K
+        contrib = x.new_zeros(t * k, x.shape[1])
+        for e in torch.unique(flat).tolist():
+            pairs = (flat == e).nonzero().squeeze(1)
+            gate, up, down = self.expert(e)
+            g, u = self.ops.linear_multi((gate, up), x[pairs // k].contiguous())
+            contrib[pairs] = self.ops.linear(down, clamped_swiglu(g, u, self.limit))
+        return combine(contrib.view(t, k, -1), weights)
 
 
 class DSV4MoE:

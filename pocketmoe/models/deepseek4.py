@@ -132,9 +132,8 @@ def _moe(bundle: GGUFBundle, cfg: DeepSeek4Config, ops: Any, i: int, lin: Linear
     limit = _limit(cfg.swiglu_clamp_exp, i)
     # llama.cpp: the shared experts' limits default to the routed ones when the file has none
     shared_limit = _limit(cfg.swiglu_clamp_shexp, i) if cfg.swiglu_clamp_shexp else limit
-    # the native MoE op has no SwiGLU clamp: clamped layers run the reference bank
-    bank = (ClampedExperts(gate, up, down, limit, tile_rows=getattr(ops, "tile_rows", None)) if limit > CLAMP_MIN
-            else make_experts(i, gate, up, down))
+    # the native fused MoE op has no SwiGLU clamp: clamped layers run each expert on the backend's linears
+    bank = ClampedExperts(gate, up, down, limit, ops) if limit > CLAMP_MIN else make_experts(i, gate, up, down)
     shared = GatedMLP(lin(b + "ffn_gate_shexp.weight"), lin(b + "ffn_up_shexp.weight"),
                       lin(b + "ffn_down_shexp.weight"), ops) if cfg.n_expert_shared else None
     route: dict[str, torch.Tensor] = {}

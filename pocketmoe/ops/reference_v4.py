@@ -60,6 +60,35 @@ def rowwise(fn: Any, x: torch.Tensor) -> torch.Tensor:
     return fn(x.double()).float()
 
 
+def heap_top_k(values: list[float], k: int) -> list[int]:
+    """The indices ggml's CPU top_k keeps: std::partial_sort (libstdc++: a heap of the first k, then each later
+    index that is strictly greater than the heap's least replaces it), which decides exact ties."""
+    heap = list(range(k))
+
+    def sift(hole: int, n: int, value: int) -> None:  # std::__adjust_heap with comp(a, b) = v[a] > v[b]
+        top, child = hole, hole
+        while child < (n - 1) // 2:
+            child = 2 * (child + 1)
+            if values[heap[child]] > values[heap[child - 1]]:
+                child -= 1
+            heap[hole], hole = heap[child], child
+        if n % 2 == 0 and child == (n - 2) // 2:
+            child = 2 * (child + 1)
+            heap[hole], hole = heap[child - 1], child - 1
+        parent = (hole - 1) // 2
+        while hole > top and values[heap[parent]] > values[value]:
+            heap[hole], hole = heap[parent], parent
+            parent = (hole - 1) // 2
+        heap[hole] = value
+
+    for parent in range((k - 2) // 2, -1, -1):
+        sift(parent, k, heap[parent])
+    for i in range(k, len(values)):
+        if values[i] > values[heap[0]]:
+            sift(0, k, i)
+    return heap
+
+
 def _slice(cache: torch.Tensor, rows: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
     return cache[rows, span[0]:span[1]].float()
 
@@ -145,7 +174,7 @@ class DeepSeek4Ops:
 
     def _grouped_output(self, attn: DSV4Attention, o: torch.Tensor) -> torch.Tensor:
         """o [T, G, H*d/G] -> concat_g wo_a[g] o_g [T, G*o_lora], in fixed row tiles (batch-invariant)."""
-        t, g = o.shape[0], o.shape[1]
+        t = o.shape[0]
         tile = getattr(self, "tile_rows", None) or t
         pad = -t % tile
         x = torch.cat([o, o.new_zeros(pad, *o.shape[1:])]) if pad else o
@@ -197,8 +226,14 @@ class DeepSeek4Ops:
         score = (torch.relu(torch.einsum("thd,sd->ths", q, keys)) * w[..., None]).sum(dim=1)  # [t, S]
         visible = torch.arange(n_ent)[None, :] < (torch.arange(start, end)[:, None] + 1) // r
         score = score.masked_fill(~visible, NEG_INF)
-        top = score.topk(min(idx.top_k, n_ent), dim=-1).indices
-        return torch.zeros_like(visible).scatter_(1, top, True) & visible
+        k = min(idx.top_k, n_ent)
+        keep = torch.zeros_like(visible).scatter_(1, score.topk(k, dim=-1).indices, True)
+        if k < n_ent:  # exact ties at the boundary (scores of 0: every head's relu 0) go as llama.cpp's do
+            ranked = score.sort(dim=-1, descending=True).values
+            for row in (ranked[:, k - 1] == ranked[:, k]).nonzero().flatten().tolist():
+                keep[row] = False
+                keep[row, heap_top_k(score[row].tolist(), k)] = True
+        return keep & visible
 
     def _attend(self, attn: DSV4Attention, q: torch.Tensor, ctx: StepContext, i: int, cache: torch.Tensor,
                 start: int, end: int, keep: torch.Tensor | None) -> torch.Tensor:
