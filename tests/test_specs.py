@@ -367,4 +367,4 @@ def test_structure_helpers():
     cap = spec_from_metadata(metadata_from_config("minimax-m2", PRESETS["minimax-m2"])).capability()
     assert cap["generate"] is True and cap["attention"] == "gqa"
     cap = spec_from_metadata(metadata_from_config("deepseek4", PRESETS["deepseek4"])).capability()
-    assert cap["generate"] is False and cap["inspect"] is True
+    assert cap["generate"] is True and cap["inspect"] is True

@@ -6,9 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 from pocketmoe.errors import PocketMoEError
-from pocketmoe.models import deepseek2, minimax_m2
+from pocketmoe.models import deepseek2, deepseek4, minimax_m2
 
-MODELS: dict[str, Callable[..., Any]] = {"deepseek2": deepseek2.build, "minimax-m2": minimax_m2.build}
+MODELS: dict[str, Callable[..., Any]] = {"deepseek2": deepseek2.build, "minimax-m2": minimax_m2.build,
+                                         "deepseek4": deepseek4.build}
 
 
 def model_builder(architecture: str) -> Callable[..., Any]:

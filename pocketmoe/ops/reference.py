@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear, ReferenceBackend
 from pocketmoe.layers.moe import GATING_SOFTMAX, WEIGHT_SUM_MIN
+from pocketmoe.ops.reference_v4 import DeepSeek4Ops
 from pocketmoe.specs.base import Role
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def sequence_rows(ctx: StepContext, i: int, n_keys: int) -> np.ndarray:
     return (ctx.page_table[i][pos // page].astype(np.int64) * page + pos % page).astype(np.int32)
 
 
-class ReferenceOps(ReferenceBackend):
+class ReferenceOps(DeepSeek4Ops, ReferenceBackend):
     name = "reference"
     absorbs_legacy_mla = False  # runs attn_kv_b files by expanding the cache (the layout's own math)
     # weights whose dequantized float32 copy is worth keeping (within the runner's budget)

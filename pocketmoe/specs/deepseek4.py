@@ -236,6 +236,14 @@ class DeepSeek4Spec(ModelSpec):
     def moe_layers(self) -> list[int]:
         return list(range(self.config.n_layer))
 
+    def kv_values_per_token(self) -> int:
+        """The engine's cache row per position and layer (layers/dsv4_attention.py RowLayout): the token's kv, its
+        compressor states and, in a block's last row, the block's entries; the widest layer's row."""
+        from pocketmoe.layers.dsv4_attention import cache_width
+
+        c = self.config
+        return cache_width(c.compress_ratios[:c.n_layer], c.head_dim, c.indexer_head_dim)
+
     def _tensors(self, present: frozenset[str] | None) -> list[TensorSpec]:
         c, D, hc = self.config, self.config.n_embd, self.config.hc_count
         out = [TensorSpec("token_embd.weight", (c.n_vocab, D), Role.EMBEDDING, None),
@@ -308,7 +316,7 @@ class DeepSeek4Spec(ModelSpec):
     def capability_details(self) -> dict[str, Any]:
         c = self.config
         kinds = {0: "sliding", 4: "csa", 128: "hca"}
-        return {"generate": False, "reason": "deepseek4 is inspect-only for now (no model implementation yet)",
-                "attention": "swa+csa+hca", "gating": "sqrtsoftplus", "hash_layers": c.n_hash_layers,
+        return {"generate": True, "reason": "", "attention": "swa+csa+hca", "gating": "sqrtsoftplus",
+                "hash_layers": c.n_hash_layers,
                 "layer_kinds": [kinds[c.compress_ratio(i)] for i in range(c.n_layer)],
                 "hyper_connections": c.hc_count, "mtp_layers": c.n_nextn}
