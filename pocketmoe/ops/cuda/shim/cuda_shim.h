@@ -34,7 +34,7 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
-#define __shared__ __attribute__((section("pm_shim_shared"), aligned(16))) static
+#define __shared__ __attribute__((section("pm_shim_shared"), aligned(16), used)) static
 
 namespace pm_shim {
 
