@@ -243,3 +243,80 @@ def test_print_q8_0_gemv_shim_time(mod: ShimModule) -> None:
     print(f"\nshim: 1024x1024 Q8_0 GEMV, 1 token: {time.perf_counter() - start:.3f} s")
     w = reference_weight(raw, "q8_0")
     assert (np.abs(y - xd @ w.T) <= tolerance("q8_0", raw, w, xd)).all()
+
+
+# ---- grouped expert GEMM ----
+
+def routing(rng: np.random.Generator, t: int) -> np.ndarray:
+    """ids [T, 2] over 5 experts: token 0 alone uses expert 4, expert 1 gets no token, and 0, 2, 3 share the rest
+    (2T - 1 pairs over three experts, so one of them has more than a tile of 8)."""
+    ids = np.stack([rng.choice([0, 2, 3], size=2, replace=False) for _ in range(t)]).astype(np.int32)
+    ids[0] = (4, 0)
+    return ids
+
+
+def grouped(ids: np.ndarray, n_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """offsets [G + 1], tokens [P], slots [P]: the pairs of each expert, in token order."""
+    t_idx, k_idx = np.indices(ids.shape).reshape(2, -1)
+    order = np.lexsort((t_idx, ids.reshape(-1)))
+    counts = np.bincount(ids.reshape(-1), minlength=n_groups)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+    return as_t(offsets), as_t(t_idx[order]), as_t(k_idx[order])
+
+
+def moe_gemm(mod: ShimModule, name: str, experts: list[torch.Tensor], route: tuple, acts: list, rows: int, cols: int,
+             out_rows: int, top_k: int, act_by_pair: int, grid_y: int = 2) -> np.ndarray:
+    y = torch.full((out_rows, rows), float("nan"))
+    grid = (math.ceil(rows / (4 * WARPS)), grid_y, len(experts))
+    mod.launch(f"moe_gemm_{name}", grid=grid, block=THREADS,
+               args=[experts, *route, *acts, y, rows, cols, top_k, act_by_pair])
+    return y.numpy()
+
+
+def select_acts(acts: list, idx: np.ndarray, bv: int) -> list:
+    if bv == 1:
+        return [acts[0][idx].contiguous()]
+    return [acts[0][idx].contiguous(), acts[1][idx].contiguous(), acts[2][idx].contiguous() if bv == 256 else acts[2]]
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("act_by_pair", [0, 1])
+def test_moe_gemm_matches_reference_and_gemv(mod: ShimModule, name: str, act_by_pair: int) -> None:
+    ggml_type, bv = TYPES[name]
+    rows, cols, t, k = 40, 1280 if bv > 1 else 300, 14, 2
+    rng = np.random.default_rng([ggml_type, act_by_pair])
+    # Experts 0, 2 from a resident bank, 1, 3, 4 staged into their own buffers: one pointer array.
+    bank = torch.from_numpy(random_blocks(ggml_type, (3, rows, cols), rng))
+    staged = [torch.from_numpy(random_blocks(ggml_type, (rows, cols), rng)) for _ in range(3)]
+    experts = [bank[0], staged[0], bank[2], staged[1], staged[2]]
+    ids = routing(rng, t)
+    route = grouped(ids, len(experts))
+    offsets, tokens, slots = (a.numpy() for a in route)
+    assert offsets[2] == offsets[1] and max(np.diff(offsets)) > 8 and offsets[5] - offsets[4] == 1
+    x = random_acts(rng, t * k if act_by_pair else t, cols)
+    acts, xd = act_inputs(x, bv)
+    y = moe_gemm(mod, name, experts, route, acts, rows, cols, t * k, k, act_by_pair)
+    assert np.isfinite(y).all(), "every (token, slot) row is written"
+    for g, e in enumerate(experts):
+        p = np.arange(offsets[g], offsets[g + 1])
+        if len(p) == 0:
+            continue
+        src = tokens[p] * k + slots[p] if act_by_pair else tokens[p]
+        raw = e.numpy()
+        w = reference_weight(raw, name)
+        out = y[tokens[p] * k + slots[p]]
+        err = np.abs(out - xd[src] @ w.T)
+        assert (err <= tolerance(name, raw, w, xd[src])).all(), f"{name} expert {g}: max err {err.max():.3g}"
+        # The same lane sequence as the GEMV: bitwise the same values.
+        np.testing.assert_array_equal(out, gemv(mod, name, raw, select_acts(acts, src, bv), rows, cols, len(p)))
+    # The tiles a block takes do not change a value.
+    np.testing.assert_array_equal(moe_gemm(mod, name, experts, route, acts, rows, cols, t * k, k, act_by_pair, 1), y)
+
+
+def test_moe_gemm_with_no_pairs_writes_nothing(mod: ShimModule) -> None:
+    rng = np.random.default_rng(1)
+    experts = [torch.from_numpy(random_blocks(12, (40, 256), rng)) for _ in range(2)]
+    route = (torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    acts, _ = act_inputs(random_acts(rng, 1, 256), 256)
+    assert np.isnan(moe_gemm(mod, "q4_k", experts, route, acts, 40, 256, 2, 2, 0)).all()
