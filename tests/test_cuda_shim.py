@@ -18,6 +18,7 @@ from pocketmoe.testing.cuda_shim import (
     ShimDeadlockError,
     ShimDivergenceError,
     ShimError,
+    ShimFaultError,
     ShimLaunchError,
     ShimModule,
     asan_runtime,
@@ -55,6 +56,19 @@ def test_block_reduction_through_shared_memory(order: str) -> None:
     mod.launch("block_tree_sum", grid=4, block=256, args=[x, out, 1000], order=order)
     ref = np.pad(x.numpy().astype(np.float64), (0, 24)).reshape(4, 256).sum(1)
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_ucontext_switch_gives_the_same_results() -> None:
+    """The portable swapcontext path (the default elsewhere than x86-64) on the reduction and the shuffles."""
+    mod = ShimModule([KERNELS / "shim_reduce.cu", KERNELS / "shim_basics.cu"], defines=["PM_SHIM_UCONTEXT"])
+    x = torch.randn(512, generator=torch.Generator().manual_seed(8))
+    out = torch.zeros(2)
+    mod.launch("block_tree_sum", grid=2, block=256, args=[x, out, 512])
+    np.testing.assert_allclose(out.numpy(), x.view(2, 256).double().sum(1).numpy(), rtol=1e-5, atol=1e-4)
+    xor_sum, down, bcast = torch.empty(64), torch.empty(64), torch.empty(64)
+    mod.launch("warp_shuffles", grid=1, block=64, args=[x[:64].contiguous(), xor_sum, down, bcast, 3, 9, 32])
+    np.testing.assert_array_equal(down[:32].numpy(), _shfl_down(x[:32].numpy(), 3, 32))
+    np.testing.assert_array_equal(bcast[32:].numpy(), _shfl_idx(x[32:64].numpy(), 9, 32))
 
 
 @pytest.mark.parametrize("which", [0, 1])
@@ -186,6 +200,19 @@ def test_module_runs_again_after_an_error(errors: ShimModule) -> None:
     y = torch.zeros(128)
     errors.launch("write_past_end", grid=2, block=64, args=[y, 127])
     assert (y == 2).all()
+
+
+@pytest.mark.parametrize(("kernel", "args", "match"), [
+    ("write_past_end", [None, 10], r"thread \(0,0,0\) accessed invalid memory at address 0x0"),
+    ("huge_locals", [torch.zeros(64), 32768], r"thread \(0,0,0\) overflowed its 64 KiB stack"),
+    ("divide", [torch.zeros(64, dtype=torch.int32), 0], r"thread \(0,0,0\) raised an arithmetic exception"),
+])
+def test_faults_are_errors_not_crashes(errors: ShimModule, kernel: str, args: list, match: str) -> None:
+    with pytest.raises(ShimFaultError, match=rf"kernel '{kernel}' block \(0,0,0\): {match}"):
+        errors.launch(kernel, grid=1, block=64, args=args)
+    y = torch.zeros(64, dtype=torch.int32)
+    errors.launch("divide", grid=1, block=64, args=[y, 7])  # the module still runs
+    assert (y == 1000 // 7).all()
 
 
 @pytest.mark.parametrize(("grid", "block", "shared", "match"), [

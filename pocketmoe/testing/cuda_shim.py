@@ -32,7 +32,8 @@ from pocketmoe.errors import PocketMoEError
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "ops" / "cuda"
 SRC_DIR, SHIM_DIR = CUDA_DIR / "src", CUDA_DIR / "shim"
-_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-Wno-attributes")
+_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fstack-clash-protection",
+          "-Wno-attributes")
 _ASAN_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1", "-DPM_SHIM_ASAN")
 _LOCK = threading.Lock()
 
@@ -57,7 +58,11 @@ class ShimDeadlockError(ShimError):
     """No thread of a block can proceed."""
 
 
-_RESULTS = {1: ShimLaunchError, 2: ShimDivergenceError, 3: ShimDeadlockError, 4: ShimError}
+class ShimFaultError(ShimError):
+    """A kernel thread accessed invalid memory, overflowed its stack, or divided an integer by zero."""
+
+
+_RESULTS = {1: ShimLaunchError, 2: ShimDivergenceError, 3: ShimDeadlockError, 4: ShimError, 5: ShimFaultError}
 _SCALARS = {
     "int": ("int", ctypes.c_int32), "int32_t": ("int", ctypes.c_int32),
     "unsigned": ("int", ctypes.c_uint32), "unsigned int": ("int", ctypes.c_uint32),
@@ -222,7 +227,8 @@ def _build(units: dict[str, str], include_dirs: list[Path], flags: tuple[str, ..
 class ShimModule:
     """CUDA sources built for the host with the execution shim; `launch` runs one kernel over a grid."""
 
-    def __init__(self, sources: Sequence[str | os.PathLike], sanitize: bool = False) -> None:
+    def __init__(self, sources: Sequence[str | os.PathLike], sanitize: bool = False,
+                 defines: Sequence[str] = ()) -> None:
         paths = [_resolve(s) for s in sources]
         self.kernels: dict[str, Kernel] = {}
         units = {}
@@ -242,8 +248,9 @@ class ShimModule:
         if sanitize and not hasattr(ctypes.CDLL(None), "__asan_init"):
             raise ShimError("sanitize=True needs the AddressSanitizer runtime in this process: run Python with "
                             f"LD_PRELOAD={asan_runtime()} ASAN_OPTIONS=detect_leaks=0")
-        dirs = list(dict.fromkeys(p.parent for p in paths))
-        self.path = _build(units, dirs, _FLAGS + (_ASAN_FLAGS if sanitize else ()))
+        dirs = list(dict.fromkeys([*(p.parent for p in paths), SRC_DIR]))
+        flags = _FLAGS + (_ASAN_FLAGS if sanitize else ()) + tuple(f"-D{d}" for d in defines)
+        self.path = _build(units, dirs, flags)
         self._lib = ctypes.CDLL(str(self.path))
 
     def launch(self, name: str, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[Any],

@@ -41,3 +41,13 @@ extern "C" __global__ void write_past_end(float* y, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i <= n) y[i] = 2.0f;
 }
+
+// 128 KiB of locals per thread: more than a fiber's stack (and than a CUDA thread should use).
+extern "C" __global__ void huge_locals(float* y, int n) {
+  volatile float big[32768];
+  for (int i = 0; i < n; ++i) big[i] = (float)i;
+  y[threadIdx.x] = big[n - 1];
+}
+
+// Integer division by `d` (the device returns garbage for d == 0; the host traps).
+extern "C" __global__ void divide(int32_t* y, int d) { y[threadIdx.x] = 1000 / d; }

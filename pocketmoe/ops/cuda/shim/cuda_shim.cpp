@@ -4,10 +4,7 @@
 // block whose live threads all wait at the same __syncthreads() is released. Anything else is an error.
 #include "cuda_shim.h"
 
-#include <signal.h>
-#include <sys/mman.h>
-#include <ucontext.h>
-#include <unistd.h>
+#include <stdio.h>
 
 #include <algorithm>
 #include <map>
@@ -15,6 +12,9 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "fault.h"
+#include "fiber.h"
 
 #ifdef PM_SHIM_ASAN
 #include <sanitizer/asan_interface.h>
@@ -35,7 +35,7 @@ __attribute__((section("pm_shim_shared"), aligned(16))) unsigned char g_shared_a
 namespace {
 
 enum State { RUNNABLE, AT_BARRIER, AT_SHUFFLE, DONE };
-enum Result { OK = 0, BAD_LAUNCH = 1, DIVERGENCE = 2, DEADLOCK = 3, BAD_CALL = 4 };
+enum Result { OK = 0, BAD_LAUNCH = 1, DIVERGENCE = 2, DEADLOCK = 3, BAD_CALL = 4, FAULT = 5 };
 
 #ifdef PM_SHIM_ASAN
 constexpr size_t kStackBytes = 512 * 1024;
@@ -44,7 +44,7 @@ constexpr size_t kStackBytes = 64 * 1024;
 #endif
 
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   char* stack = nullptr;  // usable stack, above one guard page
   bool started = false;   // its context is inside the kernel loop (else it needs makecontext)
   State state = DONE;
@@ -62,7 +62,7 @@ struct Run {
   void* const* args = nullptr;
   std::vector<Fiber> fibers;
   int nthreads = 0, current = -1;
-  ucontext_t sched;
+  Context sched;
   const void* sched_stack_bottom = nullptr;
   size_t sched_stack_size = 0;
   int code = OK;
@@ -72,19 +72,21 @@ struct Run {
 Run g_run;
 std::mutex g_mutex;
 
+void fiber_main();
+
 void switch_to_scheduler(Fiber& f, bool exiting) {
 #ifdef PM_SHIM_ASAN
   __sanitizer_start_switch_fiber(exiting ? nullptr : &f.fake_stack, g_run.sched_stack_bottom, g_run.sched_stack_size);
 #else
   (void)exiting;
 #endif
-  swapcontext(&f.ctx, &g_run.sched);
+  switch_context(f.ctx, g_run.sched);
 #ifdef PM_SHIM_ASAN
   __sanitizer_finish_switch_fiber(f.fake_stack, &g_run.sched_stack_bottom, &g_run.sched_stack_size);
 #endif
 }
 
-void fiber_main() {
+void fiber_main() {  // never returns
 #ifdef PM_SHIM_ASAN
   __sanitizer_finish_switch_fiber(nullptr, &g_run.sched_stack_bottom, &g_run.sched_stack_size);
 #endif
@@ -101,31 +103,24 @@ void resume(int i) {
   g_run.current = i;
   g_thread_idx = f.tid;
   if (!f.started) {
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack;
-    f.ctx.uc_stack.ss_size = kStackBytes;
-    f.ctx.uc_link = nullptr;
-    makecontext(&f.ctx, fiber_main, 0);
+    init_context(f.ctx, f.stack, kStackBytes, fiber_main);
     f.started = true;
   }
 #ifdef PM_SHIM_ASAN
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(&fake, f.stack, kStackBytes);
 #endif
-  swapcontext(&g_run.sched, &f.ctx);
+  switch_context(g_run.sched, f.ctx);
 #ifdef PM_SHIM_ASAN
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
+  g_run.current = -1;
 }
 
 void ensure_fibers(int n) {
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   while (static_cast<int>(g_run.fibers.size()) < n) {
-    void* p = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
-    mprotect(p, page, PROT_NONE);  // an overflowing fiber faults instead of writing into its neighbour
     g_run.fibers.emplace_back();
-    g_run.fibers.back().stack = static_cast<char*>(p) + page;
+    g_run.fibers.back().stack = map_stack(kStackBytes);
   }
 }
 
@@ -259,9 +254,28 @@ bool resolve_barrier() {
   return false;
 }
 
+std::string fault_description() {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(g_trap.addr);
+  std::string who = g_run.current >= 0 ? "thread " + dims(g_run.fibers[g_run.current].tid) : "the shim";
+  for (const Fiber& f : g_run.fibers)
+    if (addr + page_bytes() >= reinterpret_cast<uintptr_t>(f.stack) && addr < reinterpret_cast<uintptr_t>(f.stack))
+      return who + " overflowed its " + std::to_string(kStackBytes / 1024) +
+             " KiB stack (local arrays too large for a CUDA thread?)";
+  char hex[32];
+  snprintf(hex, sizeof hex, "0x%lx", static_cast<unsigned long>(addr));
+  if (g_trap.sig == SIGFPE) return who + " raised an arithmetic exception (integer division by zero?)";
+  return who + (g_trap.sig == SIGBUS ? " got SIGBUS" : " accessed invalid memory") + " at address " + hex +
+         " (a null or out-of-bounds pointer?); ShimModule(..., sanitize=True) shows where";
+}
+
 void poison_shared(long long dynamic_bytes) {
   memset(__start_pm_shim_shared, 0xff, static_cast<size_t>(__stop_pm_shim_shared - __start_pm_shim_shared));
   memset(g_dynamic_shared, 0xff, static_cast<size_t>(dynamic_bytes));
+#ifdef PM_SHIM_ASAN
+  // Past the launch's dynamic size is out of bounds, as on the device.
+  ASAN_UNPOISON_MEMORY_REGION(g_dynamic_shared, kMaxDynamicShared);
+  ASAN_POISON_MEMORY_REGION(g_dynamic_shared + dynamic_bytes, kMaxDynamicShared - dynamic_bytes);
+#endif
 }
 
 void run_block(int order) {
@@ -361,13 +375,23 @@ extern "C" int pm_shim_launch(const char* kernel, void (*entry)(void* const*), c
     ensure_fibers(g_run.nthreads);
     g_grid_dim = dim3(grid[0], grid[1], grid[2]);
     g_block_dim = dim3(block[0], block[1], block[2]);
-    for (long long z = 0; z < grid[2] && g_run.code == OK; ++z)
-      for (long long y = 0; y < grid[1] && g_run.code == OK; ++y)
-        for (long long x = 0; x < grid[0] && g_run.code == OK; ++x) {
-          g_block_idx = make_uint3(x, y, z);
-          poison_shared(shared_bytes);
-          run_block(order);
-        }
+    g_run.current = -1;
+#ifndef PM_SHIM_ASAN
+    arm_fault_trap();
+    if (sigsetjmp(g_trap.jump, 1) != 0)
+      fail(FAULT, fault_description());
+    else
+#endif
+      for (long long z = 0; z < grid[2] && g_run.code == OK; ++z)
+        for (long long y = 0; y < grid[1] && g_run.code == OK; ++y)
+          for (long long x = 0; x < grid[0] && g_run.code == OK; ++x) {
+            g_block_idx = make_uint3(x, y, z);
+            poison_shared(shared_bytes);
+            run_block(order);
+          }
+#ifndef PM_SHIM_ASAN
+    disarm_fault_trap();
+#endif
     if (g_run.code != OK)  // the block's fibers stopped mid-kernel: start them afresh next time
       for (Fiber& f : g_run.fibers) f.started = false;
   }
