@@ -320,3 +320,31 @@ def test_moe_gemm_with_no_pairs_writes_nothing(mod: ShimModule) -> None:
     route = (torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
     acts, _ = act_inputs(random_acts(rng, 1, 256), 256)
     assert np.isnan(moe_gemm(mod, "q4_k", experts, route, acts, 40, 256, 2, 2, 0)).all()
+
+
+# ---- host wrappers (pocketmoe.ops.cuda.matmul) ----
+
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "f16"])
+def test_host_wrappers_match_the_kernels(mod: ShimModule, name: str) -> None:
+    from pocketmoe.ops.cuda import matmul
+
+    def launch(source, kernel, grid, block, args, shared_mem):  # noqa: ANN001, ANN202 - backend.Launcher
+        assert source == "matmul.cu"
+        mod.launch(kernel, grid=grid, block=block, args=args, shared_mem=shared_mem)
+
+    ggml_type, bv = TYPES[name]
+    rng = np.random.default_rng(21)
+    rows, cols, t, k = 40, 512, 5, 2
+    x = random_acts(rng, t, cols)
+    acts = matmul.quantize_activations(launch, torch.from_numpy(x), matmul.activation_block(ggml_type))
+    raw = random_blocks(ggml_type, (rows, cols), rng)
+    y = matmul.gemv(launch, torch.from_numpy(raw), ggml_type, cols, acts)
+    direct, _ = act_inputs(x, bv)
+    np.testing.assert_array_equal(y.numpy(), gemv(mod, name, raw, direct, rows, cols, t))
+    experts = [torch.from_numpy(random_blocks(ggml_type, (rows, cols), rng)) for _ in range(5)]
+    route = grouped(routing(rng, t), 5)
+    out = torch.full((t * k, rows), float("nan"))
+    matmul.moe_gemm(launch, experts, ggml_type, rows, cols, *route, acts, k, out)
+    np.testing.assert_array_equal(out.numpy(), moe_gemm(mod, name, experts, route, direct, rows, cols, t * k, k, 0))
+    with pytest.raises(matmul.CudaMatmulError, match="multiple of"):
+        matmul.gemv(launch, torch.from_numpy(raw), ggml_type, cols + bv // 2 if bv > 1 else 0, acts)
