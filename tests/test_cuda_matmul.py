@@ -145,6 +145,19 @@ def test_gemv_float_cols_not_a_multiple_of_32(mod: ShimModule) -> None:
         assert (np.abs(y - xd @ w.T) <= tolerance(name, raw, w, xd)).all(), name
 
 
+def test_mxfp4_smallest_exponents(mod: ShimModule) -> None:
+    """E8M0 exponents 0 and 1 give subnormal scales 2^-128 and 2^-127 (the decoder's other branch); large
+    activations keep every product normal."""
+    rng = np.random.default_rng(39)
+    raw = random_blocks(39, (32, 256), rng)
+    raw.reshape(32, 8, 17)[:, :, 0] = rng.integers(0, 4, (32, 8))
+    acts, xd = act_inputs(random_acts(rng, 2, 256) * np.float32(1e6), 32)
+    w = reference_weight(raw, "mxfp4")
+    y = gemv(mod, "mxfp4", raw, acts, 32, 256, 2)
+    assert (np.abs(y - xd @ w.T) <= tolerance("mxfp4", raw, w, xd)).all()
+    assert 0 < np.abs(y).max() < 1e-25
+
+
 @pytest.mark.parametrize("name", list(TYPES))
 def test_gemv_matches_native_cpu_kernels(mod: ShimModule, name: str) -> None:
     native = pytest.importorskip("pocketmoe.native")
