@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from pocketmoe.testing.cuda_shim import (
+    SANITIZE_ENV,
     ShimDeadlockError,
     ShimDivergenceError,
     ShimError,
     ShimFaultError,
     ShimLaunchError,
     ShimModule,
-    asan_runtime,
+    ShimSanitizerError,
     parse_kernels,
     shim_unavailable_reason,
 )
@@ -29,6 +30,7 @@ from pocketmoe.testing.cuda_shim import (
 pytestmark = pytest.mark.skipif(shim_unavailable_reason() is not None, reason=str(shim_unavailable_reason()))
 
 KERNELS = Path(__file__).parent / "cuda_kernels"
+SANITIZED = os.environ.get(SANITIZE_ENV) == "1"  # inside test_address_sanitizer_run
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def test_ucontext_switch_gives_the_same_results() -> None:
 
 
 @pytest.mark.parametrize("which", [0, 1])
-def test_removing_a_barrier_breaks_the_reduction(tmp_path: Path, which: int) -> None:
+def test_mutation_removing_a_barrier_breaks_the_reduction(tmp_path: Path, which: int) -> None:
     """Mutation check: the reduction with its first (or its loop's) __syncthreads() removed goes wrong."""
     text = (KERNELS / "shim_reduce.cu").read_text()
     at = [i for i in range(len(text)) if text.startswith("__syncthreads();", i)][which]
@@ -207,6 +209,7 @@ def test_module_runs_again_after_an_error(errors: ShimModule) -> None:
     ("huge_locals", [torch.zeros(64), 32768], r"thread \(0,0,0\) overflowed its 64 KiB stack"),
     ("divide", [torch.zeros(64, dtype=torch.int32), 0], r"thread \(0,0,0\) raised an arithmetic exception"),
 ])
+@pytest.mark.skipif(SANITIZED, reason="AddressSanitizer reports faults itself")
 def test_faults_are_errors_not_crashes(errors: ShimModule, kernel: str, args: list, match: str) -> None:
     with pytest.raises(ShimFaultError, match=rf"kernel '{kernel}' block \(0,0,0\): {match}"):
         errors.launch(kernel, grid=1, block=64, args=args)
@@ -270,31 +273,33 @@ def test_q8_0_gemv_1024_matches_gguf_and_is_fast() -> None:
     np.testing.assert_allclose(y.numpy(), ref, rtol=1e-4, atol=1e-3)
 
 
-_ASAN_SCRIPT = """
-import numpy as np, torch
-from pocketmoe.testing.cuda_shim import ShimModule
-k = {kernels!r}
-red = ShimModule([k + "/shim_reduce.cu"], sanitize=True)
-x = torch.randn(512); out = torch.zeros(2)
-red.launch("block_tree_sum", grid=2, block=256, args=[x, out, 512])
-assert np.allclose(out.numpy(), x.view(2, 256).double().sum(1).numpy(), atol=1e-3)
-bad = ShimModule([k + "/shim_errors.cu"], sanitize=True)
-y = torch.zeros(100)
-bad.launch("write_past_end", grid=4, block=32, args=[y, 99])
-assert (y == 2).all()
-print("CLEAN", flush=True)
-bad.launch("write_past_end", grid=4, block=32, args=[y, 100])
-print("NOT CAUGHT", flush=True)
-"""
+@pytest.mark.skipif(not SANITIZED, reason="runs inside the AddressSanitizer run (test_address_sanitizer_run)")
+def test_sanitizer_reports_an_out_of_bounds_write(errors: ShimModule) -> None:
+    y = torch.zeros(100)
+    errors.launch("write_past_end", grid=4, block=32, args=[y, 99])  # in bounds: clean
+    with pytest.raises(ShimSanitizerError, match=r"kernel 'write_past_end' block \(3,0,0\): thread \(4,0,0\): "
+                                                 r"AddressSanitizer: heap-buffer-overflow .*shim_errors\.cu:\d+"):
+        errors.launch("write_past_end", grid=4, block=32, args=[y, 100])
 
 
-def test_address_sanitizer_catches_an_out_of_bounds_write() -> None:
-    """The shim and kernels built with -fsanitize=address, run in a python with libasan preloaded: in-bounds
-    kernels run clean, a store one float past a tensor aborts with ASan's report."""
-    env = dict(os.environ, LD_PRELOAD=asan_runtime(), ASAN_OPTIONS="detect_leaks=0",
-               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    r = subprocess.run([sys.executable, "-c", _ASAN_SCRIPT.format(kernels=str(KERNELS))], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert "CLEAN" in r.stdout, r.stderr[-4000:]
-    assert "NOT CAUGHT" not in r.stdout and r.returncode != 0
-    assert "AddressSanitizer: heap-buffer-overflow" in r.stderr and "write_past_end" in r.stderr
+@pytest.mark.skipif(not SANITIZED, reason="runs inside the AddressSanitizer run (test_address_sanitizer_run)")
+def test_sanitizer_reports_dynamic_shared_memory_past_the_launch_size(errors: ShimModule) -> None:
+    y = torch.zeros(64)
+    errors.launch("shared_past_end", grid=1, block=64, args=[y, 0], shared_mem=64 * 4)
+    assert (y == 1).all()
+    with pytest.raises(ShimSanitizerError, match=r"thread \(0,0,0\): AddressSanitizer: use-after-poison"):
+        errors.launch("shared_past_end", grid=1, block=64, args=[y, 64], shared_mem=64 * 4)
+
+
+@pytest.mark.skipif(SANITIZED, reason="this is the outer run")
+def test_address_sanitizer_run() -> None:
+    """This file again, every kernel built with -fsanitize=address, in a Python with libasan preloaded: the
+    kernels run clean, and the two deliberate out-of-bounds accesses above are caught."""
+    r = subprocess.run([sys.executable, "-m", "pocketmoe.testing.cuda_shim", "--asan", __file__, "-q", "-rA",
+                        "-p", "no:cacheprovider", "-k", "not mutation and not ucontext"],
+                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    for name in ("test_sanitizer_reports_an_out_of_bounds_write",
+                 "test_sanitizer_reports_dynamic_shared_memory_past_the_launch_size", "test_dp4a_matches_numpy"):
+        assert f"PASSED tests/test_cuda_shim.py::{name}" in r.stdout, r.stdout[-4000:]

@@ -51,3 +51,12 @@ extern "C" __global__ void huge_locals(float* y, int n) {
 
 // Integer division by `d` (the device returns garbage for d == 0; the host traps).
 extern "C" __global__ void divide(int32_t* y, int d) { y[threadIdx.x] = 1000 / d; }
+
+// Reads dynamic shared memory `n` floats past each thread's own value (past the launch's size for n >= 1
+// when shared_mem = blockDim.x * 4); only AddressSanitizer sees it.
+extern "C" __global__ void shared_past_end(float* y, int n) {
+  extern __shared__ float dyn[];
+  dyn[threadIdx.x] = 1.0f;
+  __syncthreads();
+  y[threadIdx.x] = dyn[threadIdx.x + n];
+}

@@ -35,7 +35,7 @@ __attribute__((section("pm_shim_shared"), aligned(16))) unsigned char g_shared_a
 namespace {
 
 enum State { RUNNABLE, AT_BARRIER, AT_SHUFFLE, DONE };
-enum Result { OK = 0, BAD_LAUNCH = 1, DIVERGENCE = 2, DEADLOCK = 3, BAD_CALL = 4, FAULT = 5 };
+enum Result { OK = 0, BAD_LAUNCH = 1, DIVERGENCE = 2, DEADLOCK = 3, BAD_CALL = 4, FAULT = 5, SANITIZER = 6 };
 
 #ifdef PM_SHIM_ASAN
 constexpr size_t kStackBytes = 512 * 1024;
@@ -60,7 +60,8 @@ struct Run {
   const char* kernel = "";
   void (*entry)(void* const*) = nullptr;
   void* const* args = nullptr;
-  std::vector<Fiber> fibers;
+  Fiber fibers[1024];  // fixed: a suspended fiber's frames hold references to its own entry
+  int mapped = 0;      // fibers[0, mapped) have stacks
   int nthreads = 0, current = -1;
   Context sched;
   const void* sched_stack_bottom = nullptr;
@@ -118,10 +119,7 @@ void resume(int i) {
 }
 
 void ensure_fibers(int n) {
-  while (static_cast<int>(g_run.fibers.size()) < n) {
-    g_run.fibers.emplace_back();
-    g_run.fibers.back().stack = map_stack(kStackBytes);
-  }
+  for (; g_run.mapped < n; ++g_run.mapped) g_run.fibers[g_run.mapped].stack = map_stack(kStackBytes);
 }
 
 const char* sync_name(const Fiber& f) {
@@ -268,14 +266,28 @@ std::string fault_description() {
          " (a null or out-of-bounds pointer?); ShimModule(..., sanitize=True) shows where";
 }
 
+#ifdef PM_SHIM_ASAN
+// With -fsanitize-recover=address and ASAN_OPTIONS=halt_on_error=0 a report does not end the process: the
+// launch finishes and fails with the first report, naming the thread that made it.
+void on_asan_report(const char* report) {
+  if (g_run.code != OK) return;
+  std::string who = g_run.current >= 0 ? "thread " + dims(g_run.fibers[g_run.current].tid) : "the shim";
+  std::string text(report);
+  const size_t summary = text.find("SUMMARY:");
+  const size_t from = summary == std::string::npos ? 0 : summary + 9;  // past "SUMMARY: "
+  fail(SANITIZER, who + ": " + text.substr(from, std::min(text.find('\n', from), from + 2000) - from) +
+                      " (the full report is on stderr)");
+}
+#endif
+
 void poison_shared(long long dynamic_bytes) {
   memset(__start_pm_shim_shared, 0xff, static_cast<size_t>(__stop_pm_shim_shared - __start_pm_shim_shared));
-  memset(g_dynamic_shared, 0xff, static_cast<size_t>(dynamic_bytes));
 #ifdef PM_SHIM_ASAN
   // Past the launch's dynamic size is out of bounds, as on the device.
   ASAN_UNPOISON_MEMORY_REGION(g_dynamic_shared, kMaxDynamicShared);
   ASAN_POISON_MEMORY_REGION(g_dynamic_shared + dynamic_bytes, kMaxDynamicShared - dynamic_bytes);
 #endif
+  memset(g_dynamic_shared, 0xff, static_cast<size_t>(dynamic_bytes));
 }
 
 void run_block(int order) {
@@ -376,7 +388,9 @@ extern "C" int pm_shim_launch(const char* kernel, void (*entry)(void* const*), c
     g_grid_dim = dim3(grid[0], grid[1], grid[2]);
     g_block_dim = dim3(block[0], block[1], block[2]);
     g_run.current = -1;
-#ifndef PM_SHIM_ASAN
+#ifdef PM_SHIM_ASAN
+    __asan_set_error_report_callback(on_asan_report);
+#else
     arm_fault_trap();
     if (sigsetjmp(g_trap.jump, 1) != 0)
       fail(FAULT, fault_description());

@@ -50,7 +50,7 @@ uint64_t shuffle(int kind, unsigned mask, uint64_t value, int arg, int width, co
 
 template <class T>
 inline T shuffle_value(int kind, unsigned mask, T value, int arg, int width, const char* file, int line) {
-  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffles move values of at most 8 bytes");
+  static_assert(sizeof(T) <= 8, "shuffles move values of at most 8 bytes");
   uint64_t bits = 0;
   memcpy(&bits, &value, sizeof(T));
   asm volatile("" ::: "memory");
