@@ -59,7 +59,8 @@ setup(
     version="0.1.0",
     description="Run huge Mixture-of-Experts GGUF models on small GPUs plus host RAM",
     packages=find_packages(include=["pocketmoe", "pocketmoe.*"]),
-    package_data={"pocketmoe": ["quant/cuda/*.cu", "data/*"]},
+    package_data={"pocketmoe": ["quant/cuda/*.cu", "data/*", "ops/cuda/src/*.cu", "ops/cuda/src/*.cuh",
+                              "ops/cuda/shim/*.h", "ops/cuda/shim/*.cpp"]},
     python_requires=">=3.10",
     install_requires=install_requires,
     extras_require={

@@ -13,7 +13,8 @@ Ops (each a method of a backend object; a model calls them through the layers it
 
 Backends: `reference` (plain torch, ops/reference.py) and `native` (the C++ CPU ops, ops/cpu.py, which
 fall back to the reference per op for what they cannot take). A CUDA backend is one more subclass
-registered in BACKENDS, with the same methods on device tensors.
+registered in BACKENDS, with the same methods on device tensors: `cuda` (ops/cuda, CuPy; only
+selectable where CuPy and a CUDA device are present).
 """
 
 from __future__ import annotations
@@ -21,13 +22,19 @@ from __future__ import annotations
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.ops.reference import ReferenceOps
 
-BACKENDS = ("auto", "native", "reference")
+BACKENDS = ("auto", "native", "reference", "cuda")
 
 
 def make_ops(name: str = "auto", threads: int | None = None, tile_rows: int | None = 8) -> ReferenceOps:
     """The op backend: "auto" takes native when it is built and this CPU can run it."""
     if name not in BACKENDS:
         raise PocketMoEError(f"backend {name!r} is not one of {', '.join(BACKENDS)}.")
+    if name == "cuda":  # only when asked for: "auto" stays on the CPU backends
+        from pocketmoe.ops import cuda
+
+        if not cuda.available():
+            raise PocketMoEError(f"--backend cuda was asked for but {cuda.unavailable_reason()}; use native.")
+        return cuda.make_cuda_ops(tile_rows)
     from pocketmoe import native
 
     if name == "reference" or (name == "auto" and not native.available()):

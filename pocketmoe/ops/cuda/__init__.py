@@ -1,0 +1,42 @@
+"""The CUDA op backend: CUDA C sources in src/ on raw GGUF blocks and float activations, loaded with CuPy
+RawModule and launched on torch's current stream (backend.CudaOps).
+
+Checked without a GPU by two gates: compile.py (every source through NVRTC for sm_75/86/89/90, nvcc's
+register / shared memory / spill report) and the CPU execution shim (pocketmoe.testing.cuda_shim) that runs
+the same sources against the torch reference. Importing this package imports no CuPy.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+
+@cache
+def unavailable_reason() -> str | None:
+    """Why the CUDA backend cannot run here (None when CuPy and a CUDA device are present)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to torch"
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError or a broken CUDA install
+        return f"CuPy is not importable ({exc}); pip install cupy-cuda12x"
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def make_cuda_ops(tile_rows: int | None = 8):  # -> backend.CudaOps
+    import torch
+
+    from pocketmoe.ops.cuda.backend import CudaOps
+
+    ops = CudaOps(tile_rows)
+    ops.detail = f"CUDA kernels on {torch.cuda.get_device_name()} (CuPy RawModule)"
+    return ops
+
+
+__all__ = ["available", "make_cuda_ops", "unavailable_reason"]

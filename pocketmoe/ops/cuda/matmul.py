@@ -1,0 +1,104 @@
+"""Host side of src/matmul.cu: the kernel names, argument lists and launch geometry of the activation
+quantization, the GEMV and the grouped expert GEMM, on any launcher (backend.Launcher: CuPy on a GPU, the CPU
+shim in tests). Torch tensors in and out, on the launcher's device.
+
+Legend: T tokens, O output rows, I input columns, P (token, slot) pairs, G expert groups of one launch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from pocketmoe.errors import PocketMoEError
+
+Launcher = Callable[[str, str, tuple[int, int, int], tuple[int, int, int], Sequence[Any], int], None]
+
+SOURCE = "matmul.cu"
+THREADS = 128        # 4 warps: GEMV one row per warp, GEMM 4 rows per warp
+GEMV_TOKENS = 8      # tokens per blockIdx.y of a GEMV
+GEMM_ROWS = 4 * (THREADS // 32)
+# ggml type -> (kernel suffix, activation block: 32 = Q8_0 rows, 256 = Q8_K rows, 1 = float rows)
+KERNELS: dict[int, tuple[str, int]] = {
+    0: ("f32", 1), 1: ("f16", 1), 30: ("bf16", 1),
+    2: ("q4_0", 32), 6: ("q5_0", 32), 8: ("q8_0", 32), 39: ("mxfp4", 32),
+    10: ("q2_k", 256), 11: ("q3_k", 256), 12: ("q4_k", 256), 13: ("q5_k", 256), 14: ("q6_k", 256),
+    16: ("iq2_xxs", 256), 29: ("iq1_m", 256), 23: ("iq4_xs", 256),
+}
+
+
+class CudaMatmulError(PocketMoEError, ValueError):
+    """A weight type or shape the CUDA matmul kernels do not take."""
+
+
+def _kernel(ggml_type: int, cols: int) -> tuple[str, int]:
+    if ggml_type not in KERNELS:
+        raise CudaMatmulError(f"ggml type {ggml_type} has no CUDA matmul kernel; the types with one are "
+                              f"{sorted(KERNELS)}")
+    name, bv = KERNELS[ggml_type]
+    if cols <= 0 or cols % bv != 0:
+        raise CudaMatmulError(f"{name} rows need a positive multiple of {max(bv, 1)} columns, got {cols}")
+    return name, bv
+
+
+def quantize_activations(launch: Launcher, x: torch.Tensor, block: int) -> list[torch.Tensor]:
+    """x float32 [R, I] -> the activation arguments of a `block`-value weight type: [q, d, sums] (Q8_K, 256),
+    [q, d, unused] (Q8_0, 32) or [x] (float weights, 1). One quantization per row, reused by every matmul."""
+    x = x.contiguous().float()
+    if block == 1:
+        return [x]
+    r, n = x.shape
+    if n % block != 0:
+        raise CudaMatmulError(f"activation rows of {n} values do not split into blocks of {block}; "
+                              f"pad the row to a multiple of {block}")
+    q = torch.empty((r, n), dtype=torch.int8, device=x.device)
+    d = torch.empty((r, n // block), dtype=torch.float32, device=x.device)
+    if block == 32:
+        unused = torch.zeros(1, dtype=torch.int16, device=x.device)
+        launch(SOURCE, "quantize_q8_0", (math.ceil(n // 32 / (THREADS // 32)), r, 1), (THREADS, 1, 1), [x, q, d, n], 0)
+        return [q, d, unused]
+    sums = torch.empty((r, n // 16), dtype=torch.int16, device=x.device)
+    launch(SOURCE, "quantize_q8_k", (math.ceil(n // 256 / (THREADS // 32)), r, 1), (THREADS, 1, 1),
+           [x, q, d, sums, n], 0)
+    return [q, d, sums]
+
+
+def activation_block(ggml_type: int) -> int:
+    """Values per activation scale the type's kernels read (1 for float weights)."""
+    return KERNELS[ggml_type][1] if ggml_type in KERNELS else 0
+
+
+def gemv(launch: Launcher, weight: torch.Tensor, ggml_type: int, cols: int, acts: list[torch.Tensor],
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, O] = x [T, I] W^T; weight uint8 [O, row_bytes] (contiguous rows); acts from quantize_activations."""
+    name, _ = _kernel(ggml_type, cols)
+    rows, t = weight.shape[0], acts[0].shape[0]
+    y = out if out is not None else torch.empty((t, rows), dtype=torch.float32, device=weight.device)
+    if t == 0 or rows == 0:
+        return y
+    grid = (math.ceil(rows / (THREADS // 32)), math.ceil(t / GEMV_TOKENS), 1)
+    launch(SOURCE, f"gemv_{name}", grid, (THREADS, 1, 1), [weight, *acts, y, rows, cols, t], 0)
+    return y
+
+
+def moe_gemm(launch: Launcher, experts: Sequence[torch.Tensor], ggml_type: int, rows: int, cols: int,
+             offsets: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, acts: list[torch.Tensor],
+             top_k: int, out: torch.Tensor, act_by_pair: bool = False, max_pairs: int | None = None) -> torch.Tensor:
+    """out [T * K, O]: row tokens[p] * top_k + slots[p] = W_g x_p for the pairs p of group g (offsets [G + 1]).
+
+    experts[g]: uint8 [O, row_bytes] (a cached slot, a freshly staged one or a resident expert: any mix);
+    x_p is activation row tokens[p] (act_by_pair False: gate / up) or tokens[p] * top_k + slots[p] (down).
+    max_pairs (the largest group) sizes blockIdx.y; without it, offsets are read back (a device sync)."""
+    name, _ = _kernel(ggml_type, cols)
+    if len(experts) == 0 or rows == 0:
+        return out
+    if max_pairs is None:
+        max_pairs = int((offsets[1:] - offsets[:-1]).max())
+    tiles = max(1, math.ceil(max_pairs / 8))
+    grid = (math.ceil(rows / GEMM_ROWS), tiles, len(experts))
+    launch(SOURCE, f"moe_gemm_{name}", grid, (THREADS, 1, 1),
+           [list(experts), offsets, tokens, slots, *acts, out, rows, cols, top_k, int(act_by_pair)], 0)
+    return out

@@ -1,0 +1,50 @@
+// Activation quantization as the CPU does it (cpp_engine/src/act_quant.cpp); see matmul.cu.
+#pragma once
+
+#include "common.cuh"
+
+namespace pmq {
+
+// The fp32 scale of one block from its max |x|, and the int8 of x (|x * inv| <= 127; ties to even).
+__device__ __forceinline__ int round_q8(float x, float inv) { return __float2int_rn(x * inv); }
+
+__device__ __forceinline__ void quantize_q8_0_block(const float* x, int8_t* q, float* d, int cols) {
+  const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  if (b >= cols / 32) return;
+  const long long row = blockIdx.y;
+  const float v = x[row * cols + 32 * b + lane];
+  const float amax = warp_max(fabsf(v));
+  const bool zero = !(amax > 0.0f);
+  q[row * cols + 32 * b + lane] = static_cast<int8_t>(zero ? 0 : round_q8(v, 127.0f / amax));
+  // llama.cpp's block_q8_0 keeps its scale as fp16; the values were rounded with the fp32 one.
+  if (lane == 0) d[row * (cols / 32) + b] = zero ? 0.0f : __half2float(__float2half(amax / 127.0f));
+}
+
+__device__ __forceinline__ void quantize_q8_k_block(const float* x, int8_t* q, float* d, int16_t* sums, int cols) {
+  const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  if (b >= cols / 256) return;
+  const long long row = blockIdx.y;
+  const float* xb = x + row * cols + 256 * b + 8 * lane;
+  float m = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(xb[j]));
+  const float amax = warp_max(m);
+  const bool zero = !(amax > 0.0f);
+  const float inv = zero ? 0.0f : 127.0f / amax;
+  uint32_t packed[2] = {0, 0};
+  int s = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int v = zero ? 0 : round_q8(xb[j], inv);
+    s += v;
+    packed[j / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(v)) << (8 * (j % 4));
+  }
+  uint32_t* qo = reinterpret_cast<uint32_t*>(q + row * cols + 256 * b + 8 * lane);
+  qo[0] = packed[0];
+  qo[1] = packed[1];
+  s += __shfl_xor_sync(FULL_MASK, s, 1);
+  if (lane % 2 == 0) sums[row * (cols / 16) + 16 * b + lane / 2] = static_cast<int16_t>(s);
+  if (lane == 0) d[row * (cols / 256) + b] = zero ? 0.0f : amax / 127.0f;
+}
+
+}  // namespace pmq

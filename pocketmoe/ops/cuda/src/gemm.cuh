@@ -1,0 +1,313 @@
+// The GEMV and grouped GEMM bodies of every weight type (templates on a quant.cuh decoder); see matmul.cu.
+#pragma once
+
+#include "quant.cuh"
+
+namespace pmq {
+
+constexpr int kGemvTokens = 8;     // tokens per blockIdx.y of a GEMV
+constexpr int kTileRows = 4;       // rows per warp of a GEMM tile
+constexpr int kTilePairs = 8;      // pairs per GEMM tile
+constexpr int kChunk = 1024;       // quantized activation values per chunk: one warp step of every type
+constexpr int kFloatChunk = 256;   // float activation values per chunk
+
+// A few tokens' activation rows; block indices count from the rows' first block.
+struct ActRows {
+  const int8_t* q;
+  const float* d;
+  const int16_t* s;
+  int q_stride, d_stride, s_stride;   // elements from one token's row to the next
+};
+
+// One warp step of a 32-value type: lane l takes block b0 + l (index ab0 + l in a).
+template <class D, int NT>
+__device__ __forceinline__ void step_l(const uint8_t* wrow, int nb, int b0, const ActRows& a, int ab0, int nt,
+                                       float (&acc)[NT]) {
+  const int lane = threadIdx.x % WARP;
+  if (b0 + lane >= nb) return;
+  const uint8_t* blk = wrow + static_cast<long long>(b0 + lane) * D::kBytes;
+  int q[8];
+  D::quants(blk, q);
+  const float dw = D::scale(blk);
+  const int ab = ab0 + lane;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t < nt) {
+      const int* x = reinterpret_cast<const int*>(a.q + t * a.q_stride + 32 * ab);
+      int dot = 0;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) dot = __dp4a(q[k], x[k], dot);
+      acc[t] = fmaf(static_cast<float>(dot), dw * a.d[t * a.d_stride + ab], acc[t]);
+    }
+  }
+}
+
+// One warp step of a 256-value type: lanes 8j..8j+7 take groups 0..7 of super-block b0 + j.
+template <class D, int NT>
+__device__ __forceinline__ void step_k(const uint8_t* wrow, int nb, int b0, const ActRows& a, int ab0, int nt,
+                                       float (&acc)[NT]) {
+  const int lane = threadIdx.x % WARP, g = lane % 8;
+  const bool valid = b0 + lane / 8 < nb;
+  int q[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sc[2] = {0, 0}, mn[2] = {0, 0};
+  float d = 0.0f, dmin = 0.0f;
+  if (valid) {
+    const uint8_t* blk = wrow + static_cast<long long>(b0 + lane / 8) * D::kBytes;
+    D::head(blk, d, dmin);
+    D::group(blk, g, q, sc, mn);
+  }
+  const int ab = ab0 + lane / 8;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t < nt) {
+      int is = 0, ms = 0;
+      if (valid) {
+        const int* x = reinterpret_cast<const int*>(a.q + t * a.q_stride + 256 * ab + 32 * g);
+        int d0 = 0, d1 = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          d0 = __dp4a(q[k], x[k], d0);
+          d1 = __dp4a(q[k + 4], x[k + 4], d1);
+        }
+        is = sc[0] * d0 + sc[1] * d1;
+        if constexpr (D::kMin) {
+          const int16_t* s = a.s + t * a.s_stride + 16 * ab + 2 * g;
+          ms = mn[0] * s[0] + mn[1] * s[1];
+        }
+      }
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) {
+        is += __shfl_xor_sync(FULL_MASK, is, o);
+        if constexpr (D::kMin) ms += __shfl_xor_sync(FULL_MASK, ms, o);
+      }
+      if (valid && g == 0) {
+        const float da = a.d[t * a.d_stride + ab];
+        acc[t] = fmaf(static_cast<float>(is), d * da, acc[t]);
+        if constexpr (D::kMin) acc[t] = fmaf(static_cast<float>(ms), dmin * da, acc[t]);
+      }
+    }
+  }
+}
+
+template <class D, int NT>
+__device__ __forceinline__ void step(const uint8_t* wrow, int nb, int b0, const ActRows& a, int ab0, int nt,
+                                     float (&acc)[NT]) {
+  if constexpr (D::kValues == 32) {
+    step_l<D, NT>(wrow, nb, b0, a, ab0, nt, acc);
+  } else {
+    step_k<D, NT>(wrow, nb, b0, a, ab0, nt, acc);
+  }
+}
+
+// ---- GEMV ----
+
+template <class D, int NT>
+__device__ __forceinline__ void gemv_row(const uint8_t* wrow, const ActRows& a, float* y, int rows, int cols, int row,
+                                         int nt) {
+  const int nb = cols / D::kValues;
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  for (int b0 = 0; b0 < nb; b0 += kChunk / D::kValues) step<D, NT>(wrow, nb, b0, a, b0, nt, acc);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t < nt) {
+      const float v = warp_sum(acc[t]);
+      if (threadIdx.x % WARP == 0) y[static_cast<long long>(t) * rows + row] = v;
+    }
+  }
+}
+
+template <class D>
+__device__ __forceinline__ void gemv_q(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                       float* y, int rows, int cols, int n_tokens) {
+  const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  const int t0 = blockIdx.y * kGemvTokens;
+  if (row >= rows || t0 >= n_tokens) return;
+  const int nt = min(n_tokens - t0, kGemvTokens);
+  const int nd = cols / D::kValues, ns = D::kValues == 256 ? cols / 16 : 0;
+  const ActRows a{xq + static_cast<long long>(t0) * cols, xd + static_cast<long long>(t0) * nd,
+                  xs + static_cast<long long>(t0) * ns, cols, nd, ns};
+  const uint8_t* wrow = w + static_cast<long long>(row) * nd * D::kBytes;
+  float* yt = y + static_cast<long long>(t0) * rows;
+  if (nt == 1) {
+    gemv_row<D, 1>(wrow, a, yt, rows, cols, row, 1);
+  } else {
+    gemv_row<D, kGemvTokens>(wrow, a, yt, rows, cols, row, nt);
+  }
+}
+
+template <class D, int NT>
+__device__ __forceinline__ void gemv_row_f(const uint8_t* wrow, const float* x, float* y, int rows, int cols, int row,
+                                           int nt) {
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  for (int i = threadIdx.x % WARP; i < cols; i += WARP) {
+    const float wv = D::load(wrow, i);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (t < nt) acc[t] = fmaf(wv, x[static_cast<long long>(t) * cols + i], acc[t]);
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t < nt) {
+      const float v = warp_sum(acc[t]);
+      if (threadIdx.x % WARP == 0) y[static_cast<long long>(t) * rows + row] = v;
+    }
+  }
+}
+
+template <class D>
+__device__ __forceinline__ void gemv_f(const uint8_t* w, const float* x, float* y, int rows, int cols, int n_tokens) {
+  const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  const int t0 = blockIdx.y * kGemvTokens;
+  if (row >= rows || t0 >= n_tokens) return;
+  const int nt = min(n_tokens - t0, kGemvTokens);
+  const uint8_t* wrow = w + static_cast<long long>(row) * cols * D::kBytes;
+  const float* xt = x + static_cast<long long>(t0) * cols;
+  float* yt = y + static_cast<long long>(t0) * rows;
+  if (nt == 1) {
+    gemv_row_f<D, 1>(wrow, xt, yt, rows, cols, row, 1);
+  } else {
+    gemv_row_f<D, kGemvTokens>(wrow, xt, yt, rows, cols, row, nt);
+  }
+}
+
+// ---- grouped expert GEMM ----
+
+// Where the pairs of this block's group and tile live; false when the block has nothing to do.
+struct Tile {
+  int begin, count, row0;
+};
+
+__device__ __forceinline__ bool gemm_tile(const int32_t* offsets, int rows, Tile& t) {
+  t.begin = offsets[blockIdx.z];
+  t.count = offsets[blockIdx.z + 1] - t.begin;
+  t.row0 = blockIdx.x * (blockDim.x / WARP) * kTileRows;
+  return t.row0 < rows && t.count > 0;
+}
+
+// Activation row of each pair of the tile (-1 past its end), written by the first kTilePairs threads.
+__device__ __forceinline__ void tile_rows(int* srow, const int32_t* tokens, const int32_t* slots, int p0, int np,
+                                          int top_k, int act_by_pair) {
+  const int j = threadIdx.x;
+  if (j < kTilePairs) srow[j] = j >= np ? -1 : act_by_pair ? tokens[p0 + j] * top_k + slots[p0 + j] : tokens[p0 + j];
+}
+
+template <int NT>
+__device__ __forceinline__ void store_tile(float (&acc)[kTileRows][NT], const int32_t* tokens, const int32_t* slots,
+                                           int p0, int np, float* y, int rows, int row0, int top_k) {
+  const int warps = blockDim.x / WARP, warp = threadIdx.x / WARP;
+#pragma unroll
+  for (int i = 0; i < kTileRows; ++i) {
+    const int r = row0 + warp + warps * i;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t < np) {
+        const float v = warp_sum(acc[i][t]);
+        const long long out = static_cast<long long>(tokens[p0 + t]) * top_k + slots[p0 + t];
+        if (threadIdx.x % WARP == 0) y[out * rows + r] = v;
+      }
+    }
+  }
+}
+
+template <class D>
+__device__ __forceinline__ void moe_gemm_q(const uint8_t* const* experts, const int32_t* offsets,
+                                           const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                           const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                           int top_k, int act_by_pair) {
+  constexpr int kD = kChunk / D::kValues, kS = kChunk / 16;
+  __shared__ int sq[kTilePairs * kChunk / 4];
+  __shared__ float sd[kTilePairs * kD];
+  __shared__ int16_t ss[kTilePairs * kS];
+  __shared__ int srow[kTilePairs];
+  Tile tl;
+  if (!gemm_tile(offsets, rows, tl)) return;
+  const int warps = blockDim.x / WARP, warp = threadIdx.x / WARP;
+  const int nb = cols / D::kValues;
+  const uint8_t* w = experts[blockIdx.z];
+  const long long row_bytes = static_cast<long long>(nb) * D::kBytes;
+  for (int tile = blockIdx.y; tile * kTilePairs < tl.count; tile += gridDim.y) {
+    const int p0 = tl.begin + tile * kTilePairs, np = min(kTilePairs, tl.count - tile * kTilePairs);
+    tile_rows(srow, tokens, slots, p0, np, top_k, act_by_pair);
+    float acc[kTileRows][kTilePairs];
+#pragma unroll
+    for (int i = 0; i < kTileRows; ++i)
+#pragma unroll
+      for (int t = 0; t < kTilePairs; ++t) acc[i][t] = 0.0f;
+    for (int c0 = 0; c0 < cols; c0 += kChunk) {
+      const int cn = min(kChunk, cols - c0);
+      __syncthreads();   // the previous chunk's readers are done (and srow is written)
+      for (int i = threadIdx.x; i < kTilePairs * kChunk / 4; i += blockDim.x) {
+        const int r = srow[i / (kChunk / 4)], k = i % (kChunk / 4);
+        sq[i] = r >= 0 && 4 * k < cn ? reinterpret_cast<const int*>(xq + static_cast<long long>(r) * cols + c0)[k] : 0;
+      }
+      for (int i = threadIdx.x; i < kTilePairs * kD; i += blockDim.x) {
+        const int r = srow[i / kD], k = i % kD;
+        sd[i] = r >= 0 && k * D::kValues < cn ? xd[static_cast<long long>(r) * nb + c0 / D::kValues + k] : 0.0f;
+      }
+      if constexpr (D::kValues == 256) {
+        for (int i = threadIdx.x; i < kTilePairs * kS; i += blockDim.x) {
+          const int r = srow[i / kS], k = i % kS;
+          ss[i] = r >= 0 && 16 * k < cn ? xs[static_cast<long long>(r) * (cols / 16) + c0 / 16 + k] : int16_t(0);
+        }
+      }
+      __syncthreads();
+      const ActRows a{reinterpret_cast<const int8_t*>(sq), sd, ss, kChunk, kD, kS};
+#pragma unroll
+      for (int i = 0; i < kTileRows; ++i) {
+        const int r = tl.row0 + warp + warps * i;
+        if (r < rows) step<D, kTilePairs>(w + r * row_bytes, nb, c0 / D::kValues, a, 0, np, acc[i]);
+      }
+    }
+    store_tile<kTilePairs>(acc, tokens, slots, p0, np, y, rows, tl.row0, top_k);
+  }
+}
+
+template <class D>
+__device__ __forceinline__ void moe_gemm_f(const uint8_t* const* experts, const int32_t* offsets,
+                                           const int32_t* tokens, const int32_t* slots, const float* x, float* y,
+                                           int rows, int cols, int top_k, int act_by_pair) {
+  __shared__ float sx[kTilePairs * kFloatChunk];
+  __shared__ int srow[kTilePairs];
+  Tile tl;
+  if (!gemm_tile(offsets, rows, tl)) return;
+  const int warps = blockDim.x / WARP, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const uint8_t* w = experts[blockIdx.z];
+  const long long row_bytes = static_cast<long long>(cols) * D::kBytes;
+  for (int tile = blockIdx.y; tile * kTilePairs < tl.count; tile += gridDim.y) {
+    const int p0 = tl.begin + tile * kTilePairs, np = min(kTilePairs, tl.count - tile * kTilePairs);
+    tile_rows(srow, tokens, slots, p0, np, top_k, act_by_pair);
+    float acc[kTileRows][kTilePairs];
+#pragma unroll
+    for (int i = 0; i < kTileRows; ++i)
+#pragma unroll
+      for (int t = 0; t < kTilePairs; ++t) acc[i][t] = 0.0f;
+    for (int c0 = 0; c0 < cols; c0 += kFloatChunk) {
+      const int cn = min(kFloatChunk, cols - c0);
+      __syncthreads();
+      for (int i = threadIdx.x; i < kTilePairs * kFloatChunk; i += blockDim.x) {
+        const int r = srow[i / kFloatChunk], k = i % kFloatChunk;
+        sx[i] = r >= 0 && k < cn ? x[static_cast<long long>(r) * cols + c0 + k] : 0.0f;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < kTileRows; ++i) {
+        const int r = tl.row0 + warp + warps * i;
+        if (r >= rows) continue;
+        const uint8_t* wrow = w + r * row_bytes;
+        for (int k = lane; k < cn; k += WARP) {
+          const float wv = D::load(wrow, c0 + k);
+#pragma unroll
+          for (int t = 0; t < kTilePairs; ++t)
+            if (t < np) acc[i][t] = fmaf(wv, sx[t * kFloatChunk + k], acc[i][t]);
+        }
+      }
+    }
+    store_tile<kTilePairs>(acc, tokens, slots, p0, np, y, rows, tl.row0, top_k);
+  }
+}
+
+}  // namespace pmq

@@ -1,0 +1,215 @@
+// Matmuls straight from raw GGUF blocks: activation quantization (once per row), GEMV for a few tokens, and
+// the grouped expert GEMM of prefill. Legend: T tokens, O output rows, I input columns, P (token, slot) pairs.
+//
+// Activations, as the CPU kernels take them (cpp_engine/src/act_quant.cpp): 32-value weight types read Q8_0
+// rows (int8 q [T, I], float d [T, I/32] rounded to fp16 after q is rounded with the fp32 scale), 256-value
+// types read Q8_K rows (q [T, I], fp32 d [T, I/256], int16 sums of 16 [T, I/16]); d = max|x| / 127 and
+// q = round-to-nearest-even(x * (127 / max|x|)). Float weights take the float rows x [T, I].
+//
+// Each output is one lane-level sequence over the blocks of its row (lane l takes blocks l, l + 32, ... of
+// a 32-value type; lanes 8j..8j+7 share super-block j, j + 4, ..., one group of 32 each, their integer sums
+// added exactly before the float step), then a xor butterfly over the warp: no atomics, and the GEMV and
+// the GEMM give bitwise the same value for the same row and activation row. Per block the float steps are
+// those of the CPU kernels: acc = fma(float(int dot), dw * da, acc) (k-quants: d * da, then dmin * da for
+// the min sum).
+//
+// Launch geometry (block = (B, 1, 1), B a multiple of 32, W = B / 32 warps):
+//   quantize_q8_0 / quantize_q8_k: grid (ceil(I / 32 / W) or ceil(I / 256 / W), T); one warp per block.
+//   gemv_<type>: grid (ceil(O / W), ceil(T / 8)); one warp per output row, up to 8 tokens per blockIdx.y.
+//     y [T, O]; weight [O, row_bytes] contiguous.
+//   moe_gemm_<type>: grid (ceil(O / (4 W)), any n >= 1, G); group g = blockIdx.z reads expert weight
+//     experts[g] ([O, row_bytes]) and pairs offsets[g] .. offsets[g + 1] - 1 of tokens[] / slots[], in tiles
+//     of 8 pairs (blockIdx.y, + n, ...); the activation row of pair p is tokens[p] (act_by_pair = 0) or
+//     tokens[p] * top_k + slots[p] (act_by_pair = 1); its output is y[tokens[p] * top_k + slots[p], :O].
+//     Each warp takes 4 rows of the block's 4 W; a chunk of 1024 activation values of the tile's pairs is
+//     staged in shared memory and read by every row.
+#include "act_quant.cuh"
+#include "gemm.cuh"
+
+// ---- activation quantization ----
+
+extern "C" __global__ void quantize_q8_0(const float* x, int8_t* q, float* d, int cols) {
+  pmq::quantize_q8_0_block(x, q, d, cols);
+}
+
+extern "C" __global__ void quantize_q8_k(const float* x, int8_t* q, float* d, int16_t* sums, int cols) {
+  pmq::quantize_q8_k_block(x, q, d, sums, cols);
+}
+
+// ---- GEMV: y [T, O] = x [T, I] W^T; xs (the Q8_K sums) is read by the 256-value types only ----
+
+extern "C" __global__ void gemv_q4_0(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                    float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::Q4_0>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_q5_0(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                    float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::Q5_0>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_q8_0(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                    float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::Q8_0>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_mxfp4(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                     float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::MXFP4>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_q2_k(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                    float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::Q2K>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_q3_k(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                    float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::Q3K>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_q4_k(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                    float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::Q4K>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_q5_k(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                    float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::Q5K>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_q6_k(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                    float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::Q6K>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_iq2_xxs(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                       float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::IQ2XXS>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_iq1_m(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                     float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::IQ1M>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_iq4_xs(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                      float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::IQ4XS>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_f32(const uint8_t* w, const float* x, float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_f<pmq::F32>(w, x, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_f16(const uint8_t* w, const float* x, float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_f<pmq::F16>(w, x, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_bf16(const uint8_t* w, const float* x, float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_f<pmq::BF16>(w, x, y, rows, cols, n_tokens);
+}
+
+// ---- grouped expert GEMM: y [P, O], one row per (token, slot) ----
+
+extern "C" __global__ void moe_gemm_q4_0(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::Q4_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_q5_0(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::Q5_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_q8_0(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::Q8_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_mxfp4(const uint8_t* const* experts, const int32_t* offsets,
+                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                         int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::MXFP4>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_q2_k(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::Q2K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_q3_k(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::Q3K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_q4_k(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::Q4K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_q5_k(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::Q5K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_q6_k(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::Q6K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_iq2_xxs(const uint8_t* const* experts, const int32_t* offsets,
+                                           const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                           const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                           int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::IQ2XXS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_iq1_m(const uint8_t* const* experts, const int32_t* offsets,
+                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                         int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::IQ1M>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_iq4_xs(const uint8_t* const* experts, const int32_t* offsets,
+                                          const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                          const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                          int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::IQ4XS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_f32(const uint8_t* const* experts, const int32_t* offsets,
+                                       const int32_t* tokens, const int32_t* slots, const float* x, float* y, int rows,
+                                       int cols, int top_k, int act_by_pair) {
+  pmq::moe_gemm_f<pmq::F32>(experts, offsets, tokens, slots, x, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_f16(const uint8_t* const* experts, const int32_t* offsets,
+                                       const int32_t* tokens, const int32_t* slots, const float* x, float* y, int rows,
+                                       int cols, int top_k, int act_by_pair) {
+  pmq::moe_gemm_f<pmq::F16>(experts, offsets, tokens, slots, x, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_bf16(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const float* x, float* y, int rows,
+                                        int cols, int top_k, int act_by_pair) {
+  pmq::moe_gemm_f<pmq::BF16>(experts, offsets, tokens, slots, x, y, rows, cols, top_k, act_by_pair);
+}

@@ -1,0 +1,103 @@
+// Expert routing after the router GEMM (ops.reference.route): gating, selection bias, group-limited top-k,
+// weight normalisation and scale.
+//
+// One warp per token (grid.x = T, blockDim.x = 32); dynamic shared memory holds 2 * n_experts + n_groups
+// floats. gating 1: softmax, 2: sigmoid (layers.moe GATING_*). select = probs (+ bias when has_bias). With
+// n_groups > 1 a group scores the sum of its two best selection scores (its best one when it holds one
+// expert) and only the groups_used best groups keep their experts. The top_k ids come out in descending
+// selection score; ties go to the smaller index (groups and experts alike), as the native route does.
+// weights = probs[ids], divided by max(their sum, weight_sum_min) when norm, times scale unless it is 0 or 1.
+#include "common.cuh"
+
+extern "C" __global__ void route_f32(const float* __restrict__ logits, const float* __restrict__ bias,
+                                     int has_bias, int32_t* __restrict__ ids, float* __restrict__ weights,
+                                     int n_experts, int top_k, int gating, int n_groups, int groups_used,
+                                     int norm, float scale, float weight_sum_min) {
+  extern __shared__ float smem[];
+  float* probs = smem;
+  float* select = smem + n_experts;
+  float* group_score = select + n_experts;
+  const int lane = threadIdx.x, ne = n_experts;
+  const float* lg = logits + (long long)blockIdx.x * ne;
+  if (gating == 2) {
+    for (int i = lane; i < ne; i += WARP) probs[i] = 1.0f / (1.0f + expf(-lg[i]));
+  } else {
+    float mx = NEG_INF;
+    for (int i = lane; i < ne; i += WARP) mx = fmaxf(mx, lg[i]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int i = lane; i < ne; i += WARP) {
+      const float e = expf(lg[i] - mx);
+      probs[i] = e;
+      sum += e;
+    }
+    sum = warp_sum(sum);
+    for (int i = lane; i < ne; i += WARP) probs[i] = probs[i] / sum;
+  }
+  for (int i = lane; i < ne; i += WARP) select[i] = has_bias ? probs[i] + bias[i] : probs[i];
+  __syncthreads();
+  if (n_groups > 1) {
+    const int per = ne / n_groups;
+    for (int g = lane; g < n_groups; g += WARP) {
+      float a = NEG_INF, b = NEG_INF;
+      for (int i = g * per; i < (g + 1) * per; ++i) {
+        const float v = select[i];
+        if (v > a) {
+          b = a;
+          a = v;
+        } else if (v > b) {
+          b = v;
+        }
+      }
+      group_score[g] = per >= 2 ? a + b : a;
+    }
+    __syncthreads();
+    for (int kept = 0; kept < groups_used; ++kept) {  // the best groups' scores become +inf
+      float v = NEG_INF;
+      int best = -1;
+      for (int g = lane; g < n_groups; g += WARP)
+        if (group_score[g] != POS_INF && (best < 0 || group_score[g] > v)) {
+          v = group_score[g];
+          best = g;
+        }
+      warp_argmax(v, best);
+      __syncthreads();
+      if (lane == 0) group_score[best] = POS_INF;
+      __syncthreads();
+    }
+    for (int i = lane; i < ne; i += WARP)
+      if (group_score[i / per] != POS_INF) select[i] = NEG_INF;
+    __syncthreads();
+  }
+  int32_t* id = ids + (long long)blockIdx.x * top_k;
+  float* wt = weights + (long long)blockIdx.x * top_k;
+  float wsum = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    float v = NEG_INF;
+    int best = -1;
+    for (int i = lane; i < ne; i += WARP) {
+      bool taken = false;
+      for (int m = 0; m < j; ++m) taken |= id[m] == i;
+      if (!taken && (best < 0 || select[i] > v)) {
+        v = select[i];
+        best = i;
+      }
+    }
+    warp_argmax(v, best);
+    const float p = probs[best];
+    if (lane == 0) {
+      id[j] = best;
+      wt[j] = p;
+    }
+    wsum += p;
+    __syncthreads();
+  }
+  if (lane == 0) {
+    const float div = norm ? fmaxf(wsum, weight_sum_min) : 1.0f;
+    for (int j = 0; j < top_k; ++j) {
+      float w = norm ? wt[j] / div : wt[j];
+      if (scale != 0.0f && scale != 1.0f) w *= scale;
+      wt[j] = w;
+    }
+  }
+}

@@ -1,0 +1,52 @@
+"""The CUDA compile gate: every source through NVRTC for four architectures (no GPU needed), and nvcc's
+resource report: no register spills on the hot kernels (matmul and attention)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pocketmoe.ops.cuda import compile as cc
+
+REASON = cc.nvrtc_unavailable_reason()
+SOURCES = cc.sources()
+HOT = ("matmul.cu", "attention.cu")
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@pytest.mark.parametrize("arch", cc.ARCHS)
+@pytest.mark.parametrize("path", SOURCES, ids=[p.name for p in SOURCES])
+def test_nvrtc_compiles(path: Path, arch: str) -> None:
+    cubin = cc.nvrtc_compile(path, arch)
+    assert cubin[:4] == b"\x7fELF"  # a cubin is an ELF image
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_nvrtc_error_carries_the_log(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.cu"
+    bad.write_text('#include "common.cuh"\nextern "C" __global__ void k(float* y) { y[0] = undeclared_name; }\n')
+    with pytest.raises(cc.CompileError, match="undeclared_name"):
+        cc.nvrtc_compile(bad, "sm_86")
+
+
+def test_sources_cover_the_contract() -> None:
+    names = {p.name for p in SOURCES}
+    assert {"norm_rope.cu", "route.cu", "attention.cu", "finalize.cu"} <= names
+    assert (cc.SRC / "common.cuh").is_file()
+
+
+@pytest.mark.skipif(cc.nvcc_path() is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("arch", cc.ARCHS)
+def test_hot_kernels_do_not_spill(arch: str) -> None:
+    hot = [p for p in SOURCES if p.name in HOT]
+    assert hot, "no hot kernel sources found"
+    for path in hot:
+        usage = cc.nvcc_usage(path, arch)
+        # every kernel of the source is in the report, or the spill check would pass by missing one
+        assert {u.kernel for u in usage} == set(_KERNEL.findall(path.read_text())), path.name
+        spilled = [u for u in usage if u.spill_stores or u.spill_loads]
+        assert not spilled, f"{path.name} {arch}: kernels spill registers: {spilled}"
+        assert all(0 < u.registers <= 255 for u in usage)

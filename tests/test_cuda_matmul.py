@@ -1,0 +1,272 @@
+"""The CUDA matmul kernels (pocketmoe/ops/cuda/src/matmul.cu) under the CPU execution shim.
+
+References: weights through gguf.quants.dequantize and a float64 matmul; activations through a numpy model of
+the CPU's quantization (cpp_engine/src/act_quant.cpp), itself checked bit for bit against the kernels and
+against pocketmoe.native. Tolerances are float-rounding bounds derived in pocketmoe.testing.cuda_matmul.tolerance, never fitted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pocketmoe.quant.quantize import random_blocks
+from pocketmoe.testing.cuda_matmul import (
+    TYPES,
+    act_inputs,
+    cpu_chain,
+    grouped,
+    quantize_model,
+    random_acts,
+    reference_weight,
+    routing,
+    select_acts,
+    tolerance,
+)
+from pocketmoe.testing.cuda_shim import ShimModule, shim_unavailable_reason
+
+pytestmark = pytest.mark.skipif(shim_unavailable_reason() is not None, reason=str(shim_unavailable_reason()))
+
+THREADS = 128    # 4 warps per block in every launch below
+WARPS = THREADS // 32
+
+
+@pytest.fixture(scope="module")
+def mod() -> ShimModule:
+    # PM_SHIM_SANITIZE=1 (with libasan preloaded, see cuda_shim.asan_runtime) runs every test under ASan.
+    return ShimModule(["matmul.cu"], sanitize=os.environ.get("PM_SHIM_SANITIZE") == "1")
+
+
+def quantize_kernel(mod: ShimModule, x: np.ndarray, bv: int) -> tuple[torch.Tensor, ...]:
+    t, n = x.shape
+    q = torch.empty((t, n), dtype=torch.int8)
+    d = torch.empty((t, n // bv), dtype=torch.float32)
+    s = torch.zeros((t, n // 16), dtype=torch.int16)
+    grid = (math.ceil(n // bv / WARPS), t, 1)
+    args = [torch.from_numpy(x), q, d] + ([s] if bv == 256 else []) + [n]
+    mod.launch("quantize_q8_0" if bv == 32 else "quantize_q8_k", grid=grid, block=THREADS, args=args)
+    return q, d, s
+
+
+def gemv(mod: ShimModule, name: str, raw: np.ndarray, acts: list, rows: int, cols: int, t: int) -> np.ndarray:
+    y = torch.full((t, rows), float("nan"))
+    grid = (math.ceil(rows / WARPS), math.ceil(t / 8), 1)
+    mod.launch(f"gemv_{name}", grid=grid, block=THREADS, args=[torch.from_numpy(raw), *acts, y, rows, cols, t])
+    return y.numpy()
+
+
+# ---- activation quantization ----
+
+def tie_rows(cols: int) -> np.ndarray:
+    """Rows with exact .5 products (max 127, so 127 / max is 1), an all-zero block and a huge-range block."""
+    x = np.zeros((3, cols), dtype=np.float32)
+    x[0] = (np.arange(cols) % 255 - 127) * np.float32(0.5)
+    x[0, ::32] = 127.0
+    x[1, 256:] = np.linspace(-3, 3, cols - 256, dtype=np.float32)
+    x[2] = np.float32(1e-3)
+    x[2, 5] = np.float32(3e4)
+    return x
+
+
+@pytest.mark.parametrize("bv", [32, 256])
+def test_activation_quantization_matches_the_cpu_model(mod: ShimModule, bv: int) -> None:
+    rng = np.random.default_rng(bv)
+    x = np.concatenate([random_acts(rng, 3, 512) * 3, tie_rows(512)])
+    q, d, s = quantize_kernel(mod, x, bv)
+    mq, md, ms = quantize_model(x, bv)
+    np.testing.assert_array_equal(q.numpy(), mq)
+    np.testing.assert_array_equal(d.numpy(), md)
+    if bv == 256:
+        np.testing.assert_array_equal(s.numpy(), ms)
+    assert (np.abs(x[3] - np.round(x[3])) == 0.5).sum() > 100   # the tie row really has .5 products
+    assert (md[4] == 0).any()                                     # and a zero block
+
+
+@pytest.mark.parametrize("bv", [32, 256])
+def test_activation_model_matches_native(bv: int) -> None:
+    native = pytest.importorskip("pocketmoe.native")
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    rng = np.random.default_rng(7)
+    x = np.concatenate([random_acts(rng, 3, 512), tie_rows(512)])
+    q, d, _ = quantize_model(x, bv)
+    values = q.astype(np.float32) * np.repeat(d, bv, axis=1)
+    np.testing.assert_array_equal(native.activation_roundtrip(x, 8 if bv == 32 else 12), values)
+
+
+# ---- GEMV ----
+
+SHAPES = [(32, 256, 1), (96, 512, 3), (256, 1024, 8)]
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("rows,cols,t", SHAPES)
+def test_gemv_matches_dequantize_reference(mod: ShimModule, name: str, rows: int, cols: int, t: int) -> None:
+    ggml_type, bv = TYPES[name]
+    rng = np.random.default_rng([ggml_type, rows, cols, t])
+    raw = random_blocks(ggml_type, (rows, cols), rng)
+    acts, xd = act_inputs(random_acts(rng, t, cols), bv)
+    y = gemv(mod, name, raw, acts, rows, cols, t)
+    w = reference_weight(raw, name)
+    ref = xd @ w.T
+    err = np.abs(y - ref)
+    tol = tolerance(name, raw, w, xd)
+    assert np.isfinite(y).all()
+    assert (err <= tol).all(), f"{name}: max err {err.max():.3g}, worst err/tol {(err / tol).max():.3g}"
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "bf16"])
+def test_gemv_more_than_eight_tokens(mod: ShimModule, name: str) -> None:
+    ggml_type, bv = TYPES[name]
+    rng = np.random.default_rng(11)
+    raw = random_blocks(ggml_type, (37, 512), rng)   # 37 rows: the last block of 4 warps has one row
+    x = random_acts(rng, 11, 512)
+    acts, xd = act_inputs(x, bv)
+    y = gemv(mod, name, raw, acts, 37, 512, 11)
+    w = reference_weight(raw, name)
+    assert (np.abs(y - xd @ w.T) <= tolerance(name, raw, w, xd)).all()
+    # Token 9 alone gives bitwise the value it got in the second group of eight.
+    acts9, _ = act_inputs(x[9:10], bv)
+    np.testing.assert_array_equal(gemv(mod, name, raw, acts9, 37, 512, 1)[0], y[9])
+
+
+def test_gemv_float_cols_not_a_multiple_of_32(mod: ShimModule) -> None:
+    rng = np.random.default_rng(3)
+    for name in ("f32", "f16", "bf16"):
+        raw = random_blocks(TYPES[name][0], (33, 300), rng)
+        acts, xd = act_inputs(random_acts(rng, 2, 300), 1)
+        w = reference_weight(raw, name)
+        y = gemv(mod, name, raw, acts, 33, 300, 2)
+        assert (np.abs(y - xd @ w.T) <= tolerance(name, raw, w, xd)).all(), name
+
+
+def test_mxfp4_smallest_exponents(mod: ShimModule) -> None:
+    """E8M0 exponents 0 and 1 give subnormal scales 2^-128 and 2^-127 (the decoder's other branch); large
+    activations keep every product normal."""
+    rng = np.random.default_rng(39)
+    raw = random_blocks(39, (32, 256), rng)
+    raw.reshape(32, 8, 17)[:, :, 0] = rng.integers(0, 4, (32, 8))
+    acts, xd = act_inputs(random_acts(rng, 2, 256) * np.float32(1e6), 32)
+    w = reference_weight(raw, "mxfp4")
+    y = gemv(mod, "mxfp4", raw, acts, 32, 256, 2)
+    assert (np.abs(y - xd @ w.T) <= tolerance("mxfp4", raw, w, xd)).all()
+    assert 0 < np.abs(y).max() < 1e-25
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_gemv_matches_native_cpu_kernels(mod: ShimModule, name: str) -> None:
+    native = pytest.importorskip("pocketmoe.native")
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    ggml_type, bv = TYPES[name]
+    if ggml_type not in native.supported_types():
+        pytest.skip(f"no native kernel for {name}")
+    rng = np.random.default_rng([ggml_type, 5])
+    rows, cols, t = 96, 1024, 3
+    raw = random_blocks(ggml_type, (rows, cols), rng)
+    x = random_acts(rng, t, cols)
+    acts, xd = act_inputs(x, bv)
+    y = gemv(mod, name, raw, acts, rows, cols, t)
+    cpu = native.gemm(raw, ggml_type, x)
+    w = reference_weight(raw, name)
+    # Both lie within their own rounding bound of the exact value (the CPU's sum is a longer chain).
+    tol = tolerance(name, raw, w, xd) + tolerance(name, raw, w, xd, cpu_chain(name, cols))
+    assert (np.abs(y - cpu) <= tol).all(), f"{name}: max |gpu - cpu| {np.abs(y - cpu).max():.3g}"
+
+
+def test_print_q8_0_gemv_shim_time(mod: ShimModule) -> None:
+    rng = np.random.default_rng(0)
+    raw = random_blocks(8, (1024, 1024), rng)
+    acts, xd = act_inputs(random_acts(rng, 1, 1024), 32)
+    gemv(mod, "q8_0", raw, acts, 1024, 1024, 1)  # warm the module
+    start = time.perf_counter()
+    y = gemv(mod, "q8_0", raw, acts, 1024, 1024, 1)
+    print(f"\nshim: 1024x1024 Q8_0 GEMV, 1 token: {time.perf_counter() - start:.3f} s")
+    w = reference_weight(raw, "q8_0")
+    assert (np.abs(y - xd @ w.T) <= tolerance("q8_0", raw, w, xd)).all()
+
+
+# ---- grouped expert GEMM ----
+
+def moe_gemm(mod: ShimModule, name: str, experts: list[torch.Tensor], route: tuple, acts: list, rows: int, cols: int,
+             out_rows: int, top_k: int, act_by_pair: int, grid_y: int = 2) -> np.ndarray:
+    y = torch.full((out_rows, rows), float("nan"))
+    grid = (math.ceil(rows / (4 * WARPS)), grid_y, len(experts))
+    mod.launch(f"moe_gemm_{name}", grid=grid, block=THREADS,
+               args=[experts, *route, *acts, y, rows, cols, top_k, act_by_pair])
+    return y.numpy()
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("act_by_pair", [0, 1])
+def test_moe_gemm_matches_reference_and_gemv(mod: ShimModule, name: str, act_by_pair: int) -> None:
+    ggml_type, bv = TYPES[name]
+    rows, cols, t, k = 40, 1280 if bv > 1 else 300, 14, 2
+    rng = np.random.default_rng([ggml_type, act_by_pair])
+    # Experts 0, 2 from a resident bank, 1, 3, 4 staged into their own buffers: one pointer array.
+    bank = torch.from_numpy(random_blocks(ggml_type, (3, rows, cols), rng))
+    staged = [torch.from_numpy(random_blocks(ggml_type, (rows, cols), rng)) for _ in range(3)]
+    experts = [bank[0], staged[0], bank[2], staged[1], staged[2]]
+    ids = routing(rng, t)
+    route = grouped(ids, len(experts))
+    offsets, tokens, slots = (a.numpy() for a in route)
+    assert offsets[2] == offsets[1] and max(np.diff(offsets)) > 8 and offsets[5] - offsets[4] == 1
+    x = random_acts(rng, t * k if act_by_pair else t, cols)
+    acts, xd = act_inputs(x, bv)
+    y = moe_gemm(mod, name, experts, route, acts, rows, cols, t * k, k, act_by_pair)
+    assert np.isfinite(y).all(), "every (token, slot) row is written"
+    for g, e in enumerate(experts):
+        p = np.arange(offsets[g], offsets[g + 1])
+        if len(p) == 0:
+            continue
+        src = tokens[p] * k + slots[p] if act_by_pair else tokens[p]
+        raw = e.numpy()
+        w = reference_weight(raw, name)
+        out = y[tokens[p] * k + slots[p]]
+        err = np.abs(out - xd[src] @ w.T)
+        assert (err <= tolerance(name, raw, w, xd[src])).all(), f"{name} expert {g}: max err {err.max():.3g}"
+        # The same lane sequence as the GEMV: bitwise the same values.
+        np.testing.assert_array_equal(out, gemv(mod, name, raw, select_acts(acts, src, bv), rows, cols, len(p)))
+    # The tiles a block takes do not change a value.
+    np.testing.assert_array_equal(moe_gemm(mod, name, experts, route, acts, rows, cols, t * k, k, act_by_pair, 1), y)
+
+
+def test_moe_gemm_with_no_pairs_writes_nothing(mod: ShimModule) -> None:
+    rng = np.random.default_rng(1)
+    experts = [torch.from_numpy(random_blocks(12, (40, 256), rng)) for _ in range(2)]
+    route = (torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    acts, _ = act_inputs(random_acts(rng, 1, 256), 256)
+    assert np.isnan(moe_gemm(mod, "q4_k", experts, route, acts, 40, 256, 2, 2, 0)).all()
+
+
+# ---- host wrappers (pocketmoe.ops.cuda.matmul) ----
+
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "f16"])
+def test_host_wrappers_match_the_kernels(mod: ShimModule, name: str) -> None:
+    from pocketmoe.ops.cuda import matmul
+
+    def launch(source, kernel, grid, block, args, shared_mem):  # noqa: ANN001, ANN202 - backend.Launcher
+        assert source == "matmul.cu"
+        mod.launch(kernel, grid=grid, block=block, args=args, shared_mem=shared_mem)
+
+    ggml_type, bv = TYPES[name]
+    rng = np.random.default_rng(21)
+    rows, cols, t, k = 40, 512, 5, 2
+    x = random_acts(rng, t, cols)
+    acts = matmul.quantize_activations(launch, torch.from_numpy(x), matmul.activation_block(ggml_type))
+    raw = random_blocks(ggml_type, (rows, cols), rng)
+    y = matmul.gemv(launch, torch.from_numpy(raw), ggml_type, cols, acts)
+    direct, _ = act_inputs(x, bv)
+    np.testing.assert_array_equal(y.numpy(), gemv(mod, name, raw, direct, rows, cols, t))
+    experts = [torch.from_numpy(random_blocks(ggml_type, (rows, cols), rng)) for _ in range(5)]
+    route = grouped(routing(rng, t), 5)
+    out = torch.full((t * k, rows), float("nan"))
+    matmul.moe_gemm(launch, experts, ggml_type, rows, cols, *route, acts, k, out)
+    np.testing.assert_array_equal(out.numpy(), moe_gemm(mod, name, experts, route, direct, rows, cols, t * k, k, 0))
+    with pytest.raises(matmul.CudaMatmulError, match="multiple of"):
+        matmul.gemv(launch, torch.from_numpy(raw), ggml_type, cols + bv // 2 if bv > 1 else 0, acts)

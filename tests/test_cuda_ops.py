@@ -1,0 +1,256 @@
+"""The non-matmul CUDA ops (CudaOps over src/norm_rope.cu, finalize.cu, route.cu, attention.cu) against the torch
+reference (ops/reference.py), over the dims the engine runs: DeepSeek-V2 tiny / bench / V2-Lite, MiniMax-M2 tiny.
+
+"shim": the kernels run on the CPU under the CUDA execution shim (pocketmoe.testing.cuda_shim), launched by
+the same CudaOps glue the GPU runs. "gpu": CudaOps with CuPy on torch's CUDA device (skipped without one).
+The reference always runs on the CPU on copies of the same inputs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from pocketmoe.engine import PagedKVCache, SeqChunk, Step, StepContext
+from pocketmoe.errors import PocketMoEError
+from pocketmoe.layers import MLAConfig, MLAttention, QuantLinear
+from pocketmoe.layers.gqa import GQAConfig, GQAttention
+from pocketmoe.layers.moe import GATING_SIGMOID, GATING_SOFTMAX, Router, RouterConfig
+from pocketmoe.layers.rotary import RopeConfig, Rotary
+from pocketmoe.ops import cuda, make_ops
+from pocketmoe.ops.cuda.backend import CudaOps, kernel_params
+from pocketmoe.ops.cuda.compile import SRC
+from pocketmoe.ops.reference import ReferenceOps, rms_norm_rows
+from pocketmoe.testing.cuda_shim import ShimModule, parse_kernels, shim_unavailable_reason
+
+REASON = shim_unavailable_reason()
+REF = ReferenceOps(tile_rows=None)
+
+
+class ShimLauncher:
+    """CudaOps' launcher on the CPU shim: one ShimModule per source, threads run in `order`."""
+
+    def __init__(self, order: str = "forward") -> None:
+        self.order = order
+        self.modules: dict[str, ShimModule] = {}
+
+    def __call__(self, source, kernel, grid, block, args, shared_mem=0) -> None:
+        if source not in self.modules:
+            self.modules[source] = ShimModule([source])
+        self.modules[source].launch(kernel, grid=grid, block=block, args=args, shared_mem=shared_mem,
+                                    order=self.order)
+
+
+@pytest.fixture(scope="module", params=["shim", "gpu"])
+def sub(request) -> tuple[CudaOps, torch.device]:
+    """The backend under test and the device its tensors live on."""
+    if request.param == "gpu":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        return CudaOps(tile_rows=None), torch.device("cuda")
+    if REASON is not None:
+        pytest.skip(REASON)
+    return CudaOps(tile_rows=None, launcher=ShimLauncher()), torch.device("cpu")
+
+
+def g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-5) -> None:
+    torch.testing.assert_close(a.cpu(), b.cpu(), atol=tol, rtol=tol)
+
+
+def f32_linear(out: int, inp: int, seed: int, dev: torch.device, heads: int | None = None) -> QuantLinear:
+    shape = (out, inp) if heads is None else (heads, out, inp)
+    w = (torch.randn(*shape, generator=g(seed)) / inp ** 0.5).to(dev)
+    return QuantLinear(w.contiguous().view(torch.uint8).view(*shape[:-1], -1), 0, shape)
+
+
+def test_cuda_backend_only_when_asked_for_and_present() -> None:
+    assert make_ops("auto").name in ("native", "reference")
+    if cuda.available():
+        assert make_ops("cuda").name == "cuda"
+    else:
+        with pytest.raises(PocketMoEError, match="--backend cuda was asked for but"):
+            make_ops("cuda")
+    code = "import sys, pocketmoe.ops.cuda.backend, pocketmoe.ops.cuda.compile; assert 'cupy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)  # import-safe without CuPy or a GPU
+
+
+def test_kernel_signatures_match_the_shim_parser() -> None:
+    """CupyLauncher's argument packing reads the same parameter kinds as the shim's independent parser."""
+    for path in sorted(SRC.glob("*.cu")):
+        ours = kernel_params(path.read_text())
+        theirs = {k.name: [("ptr" if p.kind in ("ptr", "ptrs") else "float" if p.kind == "float" else
+                            "long long" if "long long" in p.ctype or "int64" in p.ctype else "int") for p in k.params]
+                  for k in parse_kernels(path.read_text(), path.name)}
+        assert ours == theirs, path.name
+
+
+@pytest.mark.parametrize("d", [256, 1024, 2048], ids=["tiny", "bench", "v2lite"])
+def test_norms_and_finalize(sub, d: int) -> None:
+    ops, dev = sub
+    x = torch.randn(7, d, generator=g(1)) * 3
+    w = torch.rand(d, generator=g(2)) + 0.5
+    a, b = torch.randn(7, d, generator=g(3)), torch.randn(7, d, generator=g(4))
+    xd, wd, ad, bd = x.to(dev), w.to(dev), a.to(dev), b.to(dev)
+    close(ops.rms_norm(xd, wd, 1e-6), REF.rms_norm(x, w, 1e-6), 1e-5)
+    close(ops.rms_norm(xd.view(7, 1, d), wd, 1e-6), REF.rms_norm(x.view(7, 1, d), w, 1e-6), 1e-5)
+    xr = x.clone()
+    close(ops.add_rms_norm(xd, ad, wd, 1e-6), REF.add_rms_norm(xr, a, w, 1e-6), 1e-5)
+    assert torch.equal(xd.cpu(), xr)  # the residual stream: one fp32 add, the same bits
+    close(ops.finalize(xd, ad, bd, wd, 1e-5), REF.finalize(xr, a, b, w, 1e-5), 1e-5)
+    assert torch.equal(xd.cpu(), xr)
+    close(ops.finalize(xd, ad, None, wd, 1e-6), REF.finalize(xr, a, None, w, 1e-6), 1e-5)
+    assert ops.finalize(xd, ad, bd) is None and REF.finalize(xr, a, b) is None
+    assert ops.finalize(xd, bd) is None and REF.finalize(xr, b) is None
+    assert torch.equal(xd.cpu(), xr)
+
+
+def test_rms_norm_kernel_row_strides() -> None:
+    """rms_norm_f32 on the first C values of [T, C+R] rows (the latent's c_kv), into rows of another width."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    mod = ShimModule(["norm_rope.cu"])
+    x = torch.randn(5, 288, generator=g(5))
+    w = torch.rand(256, generator=g(6)) + 0.5
+    y = torch.full((5, 300), 7.0)
+    mod.launch("rms_norm_f32", grid=(5, 1, 1), block=(64, 1, 1), args=[x, 288, w, y, 300, 256, 1e-6])
+    close(y[:, :256], rms_norm_rows(x[:, :256], w, 1e-6), 1e-5)
+    assert torch.equal(y[:, 256:], torch.full((5, 44), 7.0))
+
+
+@pytest.mark.parametrize("shape", [(4, 96, 32, False), (16, 192, 64, False), (4, 64, 32, True), (2, 64, 64, True)],
+                         ids=["mla-tiny", "mla-v2lite", "gqa-partial-neox", "full-neox"])
+def test_rope(sub, shape: tuple[int, int, int, bool]) -> None:
+    ops, dev = sub
+    heads, head_dim, rot, neox = shape
+    rotary = Rotary(RopeConfig(dim=rot, base=10000.0, scaling="yarn", factor=4.0, original_context=32, neox=neox))
+    pos = np.array([0, 5, 6, 7, 40, 3, 1000], dtype=np.int32)
+    cos2, sin2 = rotary.at(pos)
+    x = torch.randn(7, heads, head_dim, generator=g(7))
+    got = ops.rope(x.to(dev), cos2.to(dev), sin2.to(dev), neox)
+    close(got, REF.rope(x, cos2, sin2, neox), 1e-5)
+    assert torch.equal(got[..., rot:].cpu(), x[..., rot:])
+
+
+ROUTES = {  # RouterConfig, bias scale: the engine's routing kinds at their real widths
+    "v2-tiny-softmax": (RouterConfig(8, 2, GATING_SOFTMAX), 0.0),
+    "v2lite-softmax": (RouterConfig(64, 6, GATING_SOFTMAX), 0.0),
+    "v2-groups-scale": (RouterConfig(160, 6, GATING_SOFTMAX, n_groups=8, groups_used=3, scale=16.0), 0.0),
+    "v3-sigmoid-bias-groups-norm": (RouterConfig(256, 8, GATING_SIGMOID, n_groups=8, groups_used=4, norm=True,
+                                                 scale=2.5), 0.3),
+    "mm2-sigmoid-bias-norm": (RouterConfig(32, 4, GATING_SIGMOID, norm=True), 0.3),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTES))
+def test_route(sub, case: str) -> None:
+    ops, dev = sub
+    cfg, bias_scale = ROUTES[case]
+    bias = bias_scale * torch.randn(cfg.n_experts, generator=g(8)) if bias_scale else None
+    x = torch.randn(9, 64, generator=g(9))
+    gate = f32_linear(cfg.n_experts, 64, 10, torch.device("cpu"))
+    w_r, ids_r = REF.route(Router(gate, cfg, bias, REF), x)
+    gate_d = f32_linear(cfg.n_experts, 64, 10, dev)
+    w_c, ids_c = ops.route(Router(gate_d, cfg, None if bias is None else bias.to(dev), ops), x.to(dev))
+    assert ids_c.dtype == ids_r.dtype and torch.equal(ids_c.cpu(), ids_r)
+    close(w_c, w_r, 1e-5)
+
+
+MLA_DIMS = {  # n_head, qk_nope, qk_rope, v_head, kv_lora
+    "tiny": (4, 64, 32, 64, 256),
+    "v2lite": (16, 128, 64, 128, 512),
+}
+
+
+def mla_layer(dims: tuple[int, ...], dev: torch.device, ops: object) -> MLAttention:
+    h, n, r, v, c = dims
+    cfg = MLAConfig(n_head=h, qk_nope=n, qk_rope=r, v_head=v, kv_lora=c, scale=(n + r) ** -0.5)
+    return MLAttention(cfg, ops, wkv_a=f32_linear(c + r, 8, 1, dev), kv_a_norm=(torch.rand(c, generator=g(9)) + 0.5).to(dev),
+                       eps=1e-6, wo=f32_linear(8, h * v, 2, dev), wq=f32_linear(h * (n + r), 8, 3, dev),
+                       k_b=f32_linear(c, n, 4, dev, heads=h), v_b=f32_linear(v, c, 5, dev, heads=h))
+
+
+def _steps() -> list[Step]:
+    """A fresh prompt beside a prefill chunk after 66 cached positions (two key tiles of 64), then decode
+    tokens beside a second chunk: every sequence its own rows, lengths and causal mask."""
+    return [Step([SeqChunk("a", list(range(5)), 0), SeqChunk("long", [3, 4], 66), SeqChunk("b", [1, 2, 3], 0)]),
+            Step([SeqChunk("a", [7], 5), SeqChunk("b", list(range(4)), 3), SeqChunk("long", [9], 68)])]
+
+
+def _run_attention(kind: str, ops: object, dev: torch.device, dims: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    if kind == "mla":
+        attn = mla_layer(dims, dev, ops)
+        width, rot = dims[4] + dims[2], dims[2]
+    else:
+        attn = gqa_layer(dims, dev, ops)
+        width, rot = attn.cfg.kv_width, attn.cfg.n_rot
+    rotary = Rotary(RopeConfig(dim=rot, base=10000.0, neox=kind == "gqa"))
+    cache = PagedKVCache(n_layer=2, width=width, n_pages=16, max_seq_len=128, page=16, device=dev)
+    cache.reserve("long", 66)  # 66 positions already cached (rows not at the start of the pool: "a" comes first)
+    prior = torch.randn(66, width, generator=g(30))
+    cache.data[1, torch.from_numpy(cache.rows("long", 0, 66)).long().to(dev)] = prior.to(dev)
+    outs = []
+    for i, step in enumerate(_steps()):
+        ctx = StepContext.build(step, cache, 100)
+        cos2, sin2 = rotary.at(ctx.positions)
+        ctx.cos2, ctx.sin2 = cos2.to(dev), sin2.to(dev)
+        t = ctx.n_tokens
+        if kind == "mla":
+            h, n, r = dims[:3]
+            q = torch.randn(t, h * (n + r), generator=g(10 + i)).to(dev)
+            kv = torch.randn(t, width, generator=g(20 + i)).to(dev)
+            outs.append(ops.mla_attention(attn, q, kv, ctx, 1))
+        else:
+            c = attn.cfg
+            q = torch.randn(t, c.n_head * c.head_dim, generator=g(10 + i)).to(dev)
+            k = torch.randn(t, c.n_head_kv * c.head_dim, generator=g(20 + i)).to(dev)
+            v = torch.randn(t, c.n_head_kv * c.v_dim, generator=g(40 + i)).to(dev)
+            outs.append(ops.gqa_attention(attn, q, k, v, ctx, 1))
+    return torch.cat(outs).cpu(), cache.data.cpu()
+
+
+@pytest.mark.parametrize("dims", list(MLA_DIMS))
+def test_mla_attention_over_several_sequences(sub, dims: str) -> None:
+    ops, dev = sub
+    out_c, cache_c = _run_attention("mla", ops, dev, MLA_DIMS[dims])
+    out_r, cache_r = _run_attention("mla", REF, torch.device("cpu"), MLA_DIMS[dims])
+    close(out_c, out_r, 5e-5)
+    close(cache_c, cache_r, 1e-5)  # the latent rows: normed c_kv, roped k_pe
+
+
+def gqa_layer(dims: tuple[int, ...], dev: torch.device, ops: object) -> GQAttention:
+    h, kvh, hd, vd, rot = dims
+    cfg = GQAConfig(n_head=h, n_head_kv=kvh, head_dim=hd, v_dim=vd, n_rot=rot, neox=True, scale=hd ** -0.5)
+    return GQAttention(cfg, ops, wq=f32_linear(h * hd, 8, 1, dev), wk=f32_linear(kvh * hd, 8, 2, dev),
+                       wv=f32_linear(kvh * vd, 8, 3, dev), wo=f32_linear(8, h * vd, 4, dev))
+
+
+@pytest.mark.parametrize("dims", [(4, 2, 64, 64, 32), (12, 2, 128, 128, 64)], ids=["mm2-tiny", "mm2-bench"])
+def test_gqa_attention_over_several_sequences(sub, dims: tuple[int, ...]) -> None:
+    ops, dev = sub
+    out_c, cache_c = _run_attention("gqa", ops, dev, dims)
+    out_r, cache_r = _run_attention("gqa", REF, torch.device("cpu"), dims)
+    close(out_c, out_r, 5e-5)
+    close(cache_c, cache_r, 1e-5)
+
+
+def test_results_do_not_depend_on_thread_order() -> None:
+    """Threads run lowest id first or highest id first: bitwise the same (no race, fixed reduction order)."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    cpu = torch.device("cpu")
+    fwd = _run_attention("mla", CudaOps(None, ShimLauncher("forward")), cpu, MLA_DIMS["tiny"])
+    rev = _run_attention("mla", CudaOps(None, ShimLauncher("reverse")), cpu, MLA_DIMS["tiny"])
+    assert all(torch.equal(a, b) for a, b in zip(fwd, rev, strict=True))
+    cfg, x = ROUTES["v3-sigmoid-bias-groups-norm"][0], torch.randn(5, 64, generator=g(11))
+    bias = 0.3 * torch.randn(cfg.n_experts, generator=g(8))
+    routed = [CudaOps(None, ShimLauncher(o)).route(Router(f32_linear(256, 64, 10, cpu), cfg, bias), x)
+              for o in ("forward", "reverse")]
+    assert torch.equal(routed[0][0], routed[1][0]) and torch.equal(routed[0][1], routed[1][1])
