@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import llama_parity
 import numpy as np
 import pytest
 import torch
@@ -38,21 +39,7 @@ def fixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def llama_run(path: Path, prompt: list[int], gen: int) -> tuple[np.ndarray, list[int]]:
-    """llama.cpp's logits at every prompt position (F32 KV cache, flash attention off) and its greedy tokens."""
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=2,
-                          n_threads_batch=2, logits_all=True, type_k=0, type_v=0, flash_attn=False, verbose=False)
-    try:
-        llm.eval(prompt)
-        logits = np.array(llm.scores[:len(prompt)], dtype=np.float32)
-        out: list[int] = []
-        while len(out) < gen:
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-            if len(out) < gen:
-                llm.eval(out[-1:])
-        return logits, out
-    finally:
-        llm.close()
+    return llama_parity.llama_run(path, prompt, gen, N_CTX)
 
 
 def runner(path: Path, backend: str, **kw: object) -> ModelRunner:
