@@ -115,6 +115,29 @@ def test_same_seed_same_bytes(tmp_path: Path) -> None:
     assert _digest(a) == _digest(b) != _digest(c)
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_sparse_fixture_is_the_same_file_with_zero_data(tmp_path: Path, shards: int) -> None:
+    dense = write_fixture("deepseek4", "tiny", "Q4_K_M", tmp_path / "d.gguf", shards=shards, seed=1)
+    sparse = write_fixture("deepseek4", "tiny", "Q4_K_M", tmp_path / "s.gguf", shards=shards, sparse=True)
+    for d, s in zip(dense, sparse, strict=True):
+        assert d.stat().st_size == s.stat().st_size
+        rd, rs = GGUFReader(d), GGUFReader(s)
+        assert [(t.name, t.tensor_type, t.data_offset) for t in rd.tensors] == \
+               [(t.name, t.tensor_type, t.data_offset) for t in rs.tensors]
+        assert all(not np.asarray(t.data).any() for t in rs.tensors)
+        assert s.read_bytes()[:rs.tensors[0].data_offset] == d.read_bytes()[:rd.tensors[0].data_offset]
+
+
+@pytest.mark.parametrize("arch", ["minimax-m2", "deepseek4"])
+def test_sparse_full_preset_takes_no_disk_and_validates(tmp_path: Path, arch: str) -> None:
+    plan = plan_fixture(arch, "full", "Q4_K_M")
+    (path,) = write_fixture(arch, "full", "Q4_K_M", tmp_path / "full.gguf", sparse=True)
+    assert path.stat().st_size >= plan.nbytes > 100e9
+    assert path.stat().st_blocks * 512 < 64e6  # the header only; tensor data is holes
+    bundle = open_bundle(path)
+    assert spec_from_bundle(bundle).validate(bundle).ok
+
+
 def test_full_deepseek2_q4_k_m_plan_matches_the_real_file_size() -> None:
     plan = plan_fixture("deepseek2", "full", "Q4_K_M")
     assert len(plan.tensors) == 404  # SPECS 1.3, current format

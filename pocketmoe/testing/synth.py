@@ -91,8 +91,9 @@ def plan_fixture(arch: str, preset: str, quant: str, **overrides: Any) -> Fixtur
 
 
 def write_fixture(arch: str, preset: str, quant: str, out: Path, shards: int = 1, seed: int = 0,
-                  progress: bool = False, **overrides: Any) -> list[Path]:
-    """Write a fixture GGUF (or `shards` shards); returns the written paths.
+                  progress: bool = False, sparse: bool = False, **overrides: Any) -> list[Path]:
+    """Write a fixture GGUF (or `shards` shards); returns the written paths. `sparse` leaves every
+    tensor's data a hole of zero bytes (full-size presets in no disk space, for inspect_gguf).
 
     Contents depend only on (arch, preset, quant, overrides, seed): each tensor has its own
     generator keyed by (seed, name), so sharding does not change a byte of tensor data.
@@ -102,7 +103,8 @@ def write_fixture(arch: str, preset: str, quant: str, out: Path, shards: int = 1
     plan = plan_fixture(arch, preset, quant, **overrides)
     n_expert = plan.spec.n_experts
     return write_gguf(Path(out), arch, plan.metadata(), plan.tensors,
-                      lambda p: tensor_chunks(p, seed, n_expert), shards=shards, progress=progress)
+                      None if sparse else (lambda p: tensor_chunks(p, seed, n_expert)),
+                      shards=shards, progress=progress)
 
 
 def _list_presets() -> str:
@@ -126,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list-presets", action="store_true", help="list presets with sizes and exit")
     p.add_argument("--dry-run", action="store_true", help="print the plan (tensors, bytes) and exit")
+    p.add_argument("--sparse", action="store_true",
+                   help="leave tensor data as file holes (all-zero weights, no disk space): a full-size file "
+                        "for inspect_gguf and placement reports, not for generation or benchmarks")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             raise PocketMoEError("--out is required to write a fixture (or use --dry-run / --list-presets).")
         paths = write_fixture(args.arch, args.preset, args.quant, args.out, shards=args.shards,
-                              seed=args.seed, progress=not args.quiet)
+                              seed=args.seed, progress=not args.quiet, sparse=args.sparse)
     except PocketMoEError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -89,7 +89,7 @@ def _split(writer: GGUFWriter, shards: int) -> None:
     writer.tensors = [dict(names[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _write_tensor(writer: GGUFWriter, plan: TensorPlan, chunks: Iterable[np.ndarray], bar: tqdm) -> None:
+def _write_tensor(writer: GGUFWriter, plan: TensorPlan, chunks: Iterable[np.ndarray] | None, bar: tqdm) -> None:
     assert writer.fout is not None
     file_id = next(i for i, t in enumerate(writer.tensors) if t)
     fout = writer.fout[file_id]
@@ -98,7 +98,12 @@ def _write_tensor(writer: GGUFWriter, plan: TensorPlan, chunks: Iterable[np.ndar
     assert name == plan.name
     writer.write_padding(fout, fout.tell())
     written = 0
-    for chunk in chunks:
+    if chunks is None:  # sparse: the data is a hole in the file, read back as zero bytes
+        fout.seek(info.nbytes, 1)
+        fout.truncate()
+        written = info.nbytes
+        bar.update(written)
+    for chunk in chunks or ():
         data = np.ascontiguousarray(chunk)
         fout.write(data.data.cast("B"))
         written += data.nbytes
@@ -110,11 +115,13 @@ def _write_tensor(writer: GGUFWriter, plan: TensorPlan, chunks: Iterable[np.ndar
 
 
 def write_gguf(out: Path, arch: str, metadata: Mapping[str, object], plans: Sequence[TensorPlan],
-               chunks: Callable[[TensorPlan], Iterable[np.ndarray]], shards: int = 1,
+               chunks: Callable[[TensorPlan], Iterable[np.ndarray]] | None, shards: int = 1,
                progress: bool = False) -> list[Path]:
     """Write a GGUF file (or `shards` shards) tensor by tensor; returns the paths written.
 
-    `chunks(plan)` yields the tensor's raw bytes (any dtype, C order) in pieces, in file order.
+    `chunks(plan)` yields the tensor's raw bytes (any dtype, C order) in pieces, in file order. With
+    `chunks=None` the file is sparse: every tensor's data is a hole (zero bytes, no disk space), which
+    is a valid file for inspection and placement reports at any size, not a model worth running.
     Shard 0 carries all metadata; every shard carries split.no / split.count / split.tensors.count.
     """
     if shards < 1:
@@ -140,7 +147,7 @@ def write_gguf(out: Path, arch: str, metadata: Mapping[str, object], plans: Sequ
         with tqdm(total=planned_bytes(plans), unit="B", unit_scale=True, file=sys.stderr,
                   disable=not progress, desc=paths[0].name) as bar:
             for p in plans:
-                _write_tensor(writer, p, chunks(p), bar)
+                _write_tensor(writer, p, None if chunks is None else chunks(p), bar)
         ok = True
     finally:
         writer.close()
