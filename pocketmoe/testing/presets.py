@@ -65,6 +65,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "deepseek4": {
         "tiny": _DS4_TINY,
+        # DeepSeek-V4-Flash's layer pattern (two window-only layers, then CSA/HCA pairs; 512-dim heads) at
+        # bench size: hidden 1024, 8 layers, 32 experts top-4 (about 0.3 GB as MXFP4_MOE)
+        "bench": replace(_DS4_TINY, n_vocab=32000, n_embd=1024, n_layer=8, n_head=8, head_dim=512,
+                         q_lora_rank=512, o_groups=4, o_lora_rank=512, sliding_window=128,
+                         compress_ratios=(0, 0, 4, 128, 4, 128, 4, 0), n_indexer_head=8, indexer_head_dim=128,
+                         indexer_top_k=64, n_expert=32, n_expert_used=4, n_ff_exp=512,
+                         swiglu_clamp_exp=(10.0,) * 8, swiglu_clamp_shexp=(10.0,) * 8, n_hash_layers=2),
         "full": DeepSeek4Config.flash(),  # ~160 GB as MXFP4_MOE: writable, never written by tests
     },
 }
