@@ -158,12 +158,14 @@ def gemm_batched(weight: Any, ggml_type: int, x: Any, out: np.ndarray | None = N
 
 
 def moe_forward(x: Any, expert_ids: Any, expert_weights: Any, gate: Any, gate_type: int, up: Any, up_type: int,
-                down: Any, down_type: int, n_experts: int, ffn: int, out: np.ndarray | None = None) -> np.ndarray:
+                down: Any, down_type: int, n_experts: int, ffn: int, out: np.ndarray | None = None,
+                swiglu_limit: float = 0.0) -> np.ndarray:
     """Routed experts of one MoE layer, summed per token in slot order in fp32.
 
     x: float32 [T, D]; expert_ids: int [T, K]; expert_weights: float [T, K];
     gate, up: uint8 [E, ffn, row_bytes(D)] (or flat); down: uint8 [E, D, row_bytes(ffn)] (or flat).
-    Returns float32 [T, D] = sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k].
+    Returns float32 [T, D] = sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k];
+    with swiglu_limit L > 0 the SwiGLU is silu(min(gate, L)) * clamp(up, -L, L) (DeepSeek-V4).
     """
     lib = _NATIVE if _NATIVE is not None else _lib()
     # The extension converts x / ids / weights to float32 / int32 C order only when they are not already.
@@ -181,6 +183,7 @@ def moe_forward(x: Any, expert_ids: Any, expert_weights: Any, gate: Any, gate_ty
         int(n_experts),
         int(ffn),
         out,
+        float(swiglu_limit),
     )
 
 

@@ -198,3 +198,21 @@ def test_paged_cache() -> None:
         cache.check_fits(6, 35)
     with pytest.raises(ContextLengthError, match="position 40 is past the context of 40"):
         cache.reserve("a", 41)
+
+
+@pytest.mark.parametrize("t", [0, 1, 5, 130])
+def test_sinkhorn_is_the_torch_formula_bitwise(t: int) -> None:
+    """DeepSeek-V4's mHC Sinkhorn (numpy, for speed on 4 x 4 blocks) against the same steps in torch."""
+    from pocketmoe.ops.reference_v4 import sinkhorn
+
+    eps, iters = 1e-6, 20
+    logits = torch.randn(t, 4, 4, generator=torch.Generator().manual_seed(t)) * 4
+    want = logits.softmax(-1) + eps
+    want = want / (want.sum(1, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        want = want / (want.sum(2, keepdim=True) + eps)
+        want = want / (want.sum(1, keepdim=True) + eps)
+    got = torch.from_numpy(sinkhorn(logits.softmax(-1).numpy(), iters, eps))
+    assert torch.equal(got, want)
+    if t:
+        assert torch.allclose(got.sum(1), torch.ones(t, 4), atol=1e-5)  # columns sum to one after the last step

@@ -243,8 +243,9 @@ def moe_case(rng: np.random.Generator, gate_type: int, down_type: int, n_experts
     return gate, up, down
 
 
-def moe_reference(x, ids, weights, gate, up, down, gate_type, down_type, n_experts):
-    """float64 numpy MoE on gguf-dequantized experts, with the kernels' activation rounding."""
+def moe_reference(x, ids, weights, gate, up, down, gate_type, down_type, n_experts, limit=0.0):
+    """float64 numpy MoE on gguf-dequantized experts, with the kernels' activation rounding; limit > 0:
+    DeepSeek-V4's clamped SwiGLU silu(min(g, L)) * clip(u, -L, L)."""
     wg = [dequant(gate[e], gate_type) for e in range(n_experts)]
     wu = [dequant(up[e], gate_type) for e in range(n_experts)]
     wd = [dequant(down[e], down_type) for e in range(n_experts)]
@@ -254,7 +255,10 @@ def moe_reference(x, ids, weights, gate, up, down, gate_type, down_type, n_exper
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = ids[t, k]
-            h = (silu(wg[e] @ xq[t]) * (wu[e] @ xq[t])).astype(np.float32)
+            g, u = wg[e] @ xq[t], wu[e] @ xq[t]
+            if limit > 0:
+                g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+            h = (silu(g) * u).astype(np.float32)
             hq = round_activations(h[None, :], ACT_BLOCK.get(down_type))[0]
             y[t] += weights[t, k] * (wd[e] @ hq)
             scale[t] += abs(weights[t, k]) * np.linalg.norm(wd[e], axis=1) * np.linalg.norm(hq)
@@ -279,6 +283,26 @@ def test_moe_forward_matches_reference(gate_name: str, down_name: str, hidden: i
         ref, scale = moe_reference(x, ids, weights, gate, up, down, gate_type, down_type, n_experts)
         # Left over: fp32 vs float64 sums, and the odd hidden value rounded to the other int8 step.
         assert np.all(np.abs(y - ref) <= 2e-3 * scale), f"T={n_tokens}"
+
+
+@pytest.mark.parametrize("gate_name,down_name", [("MXFP4", "MXFP4"), ("Q8_0", "Q4_K")])
+def test_moe_forward_swiglu_clamp(gate_name: str, down_name: str) -> None:
+    """swiglu_limit (DeepSeek-V4): the clamp bites on a good share of the values and matches the float64
+    reference; with the limit 0 the op is the plain SwiGLU, bitwise."""
+    gate_type, down_type = TYPES[gate_name], TYPES[down_name]
+    rng = np.random.default_rng(11)
+    n_experts, hidden, ffn, top_k, limit = 6, 256, 256, 2, 0.5
+    gate, up, down = moe_case(rng, gate_type, down_type, n_experts, hidden, ffn)
+    x = 4 * rng.standard_normal((5, hidden)).astype(np.float32)
+    ids = np.stack([rng.permutation(n_experts)[:top_k] for _ in range(5)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (5, top_k)).astype(np.float32)
+    args = (x, ids, weights, gate, gate_type, up, gate_type, down, down_type, n_experts, ffn)
+    y = native.moe_forward(*args, swiglu_limit=limit)
+    ref, scale = moe_reference(x, ids, weights, gate, up, down, gate_type, down_type, n_experts, limit)
+    plain, _ = moe_reference(x, ids, weights, gate, up, down, gate_type, down_type, n_experts)
+    assert np.all(np.abs(y - ref) <= 2e-3 * scale)
+    assert np.abs(plain - ref).max() > 100 * np.abs(y - ref).max()  # the clamp changed the result
+    assert np.array_equal(native.moe_forward(*args, swiglu_limit=0.0), native.moe_forward(*args))
 
 
 def test_moe_forward_float_weights_exact(restore_threads) -> None:

@@ -151,7 +151,7 @@ MoEWeights expert_weights(const py::array& a, const char* name, int ggml_type) {
 py::array_t<float> moe_forward_py(const py::handle& x, const py::handle& expert_ids, const py::handle& expert_weights_,
                                   const py::array& gate, int gate_type, const py::array& up, int up_type,
                                   const py::array& down, int down_type, int n_experts, int ffn,
-                                  const py::object& out) {
+                                  const py::object& out, float swiglu_limit) {
   auto xa = as_array<float>(x, "x");
   auto ids = as_array<int32_t>(expert_ids, "expert_ids");
   auto wts = as_array<float>(expert_weights_, "expert_weights");
@@ -172,7 +172,7 @@ py::array_t<float> moe_forward_py(const py::handle& x, const py::handle& expert_
   {
     py::gil_scoped_release release;
     moe_forward(xp, static_cast<int>(n_tokens), static_cast<int>(hidden), ip, wp, static_cast<int>(top_k), g, u, d,
-                n_experts, ffn, yp);
+                n_experts, ffn, yp, swiglu_limit);
   }
   return y;
 }
@@ -801,7 +801,9 @@ PYBIND11_MODULE(_native, m) {
   m.def("moe_forward", &moe_forward_py, py::arg("x"), py::arg("expert_ids"), py::arg("expert_weights"),
         py::arg("gate"), py::arg("gate_type"), py::arg("up"), py::arg("up_type"), py::arg("down"),
         py::arg("down_type"), py::arg("n_experts"), py::arg("ffn"), py::arg("out") = py::none(),
-        "y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t,k], fp32, slot order.");
+        py::arg("swiglu_limit") = 0.0f,
+        "y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t,k], fp32, slot order; "
+        "swiglu_limit L > 0: silu(min(gate, L)) * clamp(up, -L, L).");
   m.def("moe_combine", &moe_combine_py, py::arg("contrib"), py::arg("weights"),
         "y[t] = sum_k w[t,k] * contrib[t,k] in fp32 with fma in slot order, bitwise moe_forward's combine.");
   m.def("dequantize", &dequantize_py, py::arg("raw"), py::arg("ggml_type"), py::arg("n"),

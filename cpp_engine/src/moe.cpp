@@ -84,14 +84,15 @@ ExpertLayout checked_layout(const char* what, const MoEWeights& w, int n_experts
 
 void moe_forward(const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights, int top_k,
                  const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down, int n_experts, int ffn,
-                 float* y) {
+                 float* y, float swiglu_limit) {
   std::unique_lock<std::mutex> lock;
-  moe_forward(acquire_runtime(lock), x, n_tokens, hidden, ids, weights, top_k, gate, up, down, n_experts, ffn, y);
+  moe_forward(acquire_runtime(lock), x, n_tokens, hidden, ids, weights, top_k, gate, up, down, n_experts, ffn, y,
+              swiglu_limit);
 }
 
 void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
                  int top_k, const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down, int n_experts,
-                 int ffn, float* y) {
+                 int ffn, float* y, float swiglu_limit) {
   if (n_experts <= 0 || top_k <= 0 || hidden <= 0 || ffn <= 0)
     throw std::invalid_argument("moe_forward: n_experts, top_k, hidden and ffn must be positive");
   const ExpertLayout gl = checked_layout("gate", gate, n_experts, ffn, hidden);
@@ -180,7 +181,13 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
     const int block = act_block_values(hfmt);
     for (int i = 0; i < count; ++i) {
       float* gi = g + static_cast<size_t>(i) * rows_a;
-      const float* ui = u + static_cast<size_t>(i) * rows_a;
+      float* ui = u + static_cast<size_t>(i) * rows_a;
+      if (swiglu_limit > 0.0f) {
+        for (int j = 0; j < r1 - r0; ++j) {
+          gi[j] = std::min(gi[j], swiglu_limit);
+          ui[j] = std::clamp(ui[j], -swiglu_limit, swiglu_limit);
+        }
+      }
       silu_mul(gi, ui, r1 - r0);
       quantize_act_blocks(hfmt, gi, ffn, r0 / block, r1 / block, hbuf + harb * (first + i));
     }

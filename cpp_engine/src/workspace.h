@@ -74,6 +74,6 @@ void gemm_batched(Runtime& e, const uint8_t* weight, int heads, int rows, size_t
                   const float* x, int n_tokens, int cols, float* y);
 void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
                  int top_k, const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down, int n_experts,
-                 int ffn, float* y);
+                 int ffn, float* y, float swiglu_limit = 0.0f);
 
 }  // namespace pocketmoe

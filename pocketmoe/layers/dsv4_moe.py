@@ -32,9 +32,9 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class ClampedExperts:
-    """Routed experts with the SwiGLU clamp, each expert's GEMMs run by the op backend's linears (the native ones
-    quantize activations as llama.cpp does; the native fused MoE op has no clamp). Per active expert: its tokens'
-    gate and up, the clamped SwiGLU, down; then the slot-order combine. Batch-invariant as the linears are."""
+    """Routed experts with the SwiGLU clamp for banks other than the native host one (which clamps in its fused
+    op, NativeExperts.clamped): each expert's GEMMs run by the op backend's linears. Per active expert: its
+    tokens' gate and up, the clamped SwiGLU, down; then the slot-order combine. Batch-invariant as the linears are."""
 
     def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, limit: float, ops: Any) -> None:
         self.weights, self.limit, self.ops = (gate, up, down), float(limit), ops

@@ -97,20 +97,25 @@ class NativeExperts:
     """Routed experts of one MoE layer in host memory, computed by the native fused MoE op
     (pocketmoe._native.moe_forward: raw blocks, slot-order fp32 combine, batch-invariant)."""
 
-    def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) -> None:
+    def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, swiglu_limit: float = 0.0) -> None:
         from pocketmoe import native
 
         self.native = native
         self.gate, self.up, self.down = gate, up, down
         self.n_experts, self.ffn = gate.shape[0], gate.shape[1]
         self.raw = tuple(w.raw.numpy() for w in (gate, up, down))  # uint8 blocks, no copy
+        self.swiglu_limit = float(swiglu_limit)  # > 0: silu(min(gate, L)) * clamp(up, -L, L) (DeepSeek-V4)
+
+    def clamped(self, limit: float) -> NativeExperts:
+        """The same experts with the SwiGLU clamped at `limit`."""
+        return NativeExperts(self.gate, self.up, self.down, limit)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.raw
         y = self.native.moe_forward(
             x.float().contiguous().numpy(), ids.to(torch.int32).contiguous().numpy(),
             weights.float().contiguous().numpy(), gate, self.gate.ggml_type, up, self.up.ggml_type,
-            down, self.down.ggml_type, self.n_experts, self.ffn)
+            down, self.down.ggml_type, self.n_experts, self.ffn, swiglu_limit=self.swiglu_limit)
         return torch.from_numpy(y)
 
 

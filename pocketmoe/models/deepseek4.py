@@ -22,7 +22,7 @@ from pocketmoe.layers.dsv4_attention import (
     RowLayout,
 )
 from pocketmoe.layers.dsv4_moe import CLAMP_MIN, ClampedExperts, DSV4MoE
-from pocketmoe.layers.experts import ExpertsFactory, ExpertWeights
+from pocketmoe.layers.experts import ExpertsFactory, ExpertWeights, NativeExperts
 from pocketmoe.layers.hyper import HyperConfig, HyperConnection, HyperHead
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear, load_float
 from pocketmoe.layers.mlp import GatedMLP
@@ -132,8 +132,9 @@ def _moe(bundle: GGUFBundle, cfg: DeepSeek4Config, ops: Any, i: int, lin: Linear
     limit = _limit(cfg.swiglu_clamp_exp, i)
     # llama.cpp: the shared experts' limits default to the routed ones when the file has none
     shared_limit = _limit(cfg.swiglu_clamp_shexp, i) if cfg.swiglu_clamp_shexp else limit
-    # the native fused MoE op has no SwiGLU clamp: clamped layers run each expert on the backend's linears
-    bank = ClampedExperts(gate, up, down, limit, ops) if limit > CLAMP_MIN else make_experts(i, gate, up, down)
+    bank = make_experts(i, gate, up, down)
+    if limit > CLAMP_MIN:  # the native fused MoE op clamps; any other bank runs each expert on the backend's linears
+        bank = bank.clamped(limit) if isinstance(bank, NativeExperts) else ClampedExperts(gate, up, down, limit, ops)
     shared = GatedMLP(lin(b + "ffn_gate_shexp.weight"), lin(b + "ffn_up_shexp.weight"),
                       lin(b + "ffn_down_shexp.weight"), ops) if cfg.n_expert_shared else None
     route: dict[str, torch.Tensor] = {}

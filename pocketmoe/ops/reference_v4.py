@@ -54,6 +54,19 @@ def mix_streams(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def sinkhorn(p: np.ndarray, iters: int, eps: float) -> np.ndarray:
+    """comb [T, n src, n dst] from the row softmax p: + eps, columns (over src) normalised, then iters - 1 times
+    rows and columns. numpy float32 (a few us an op where torch takes ten on these 4 x 4 blocks); the sums run in
+    index order, bitwise torch's."""
+    e = np.float32(eps)
+    comb = p + e
+    comb /= comb.sum(1, keepdims=True) + e
+    for _ in range(iters - 1):
+        comb /= comb.sum(2, keepdims=True) + e
+        comb /= comb.sum(1, keepdims=True) + e
+    return comb
+
+
 def rowwise(fn: Any, x: torch.Tensor) -> torch.Tensor:
     """fn(x) elementwise in float64, rounded to float32: torch's vector and scalar paths (which one an element
     takes depends on the tensor's size) then agree, so a row's values do not depend on the other rows."""
@@ -117,12 +130,8 @@ class DeepSeek4Ops:
         m = self._hc_mixes(hc, x)
         pre = rowwise(torch.sigmoid, m[:, :n] * s[0] + b[:n]) + c.eps
         post = 2.0 * rowwise(torch.sigmoid, m[:, n:2 * n] * s[1] + b[n:2 * n])
-        comb = (m[:, 2 * n:] * s[2] + b[2 * n:]).view(t, n, n).softmax(-1) + c.eps
-        comb = comb / (comb.sum(1, keepdim=True) + c.eps)
-        for _ in range(c.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(2, keepdim=True) + c.eps)
-            comb = comb / (comb.sum(1, keepdim=True) + c.eps)
-        return mix_streams(x, pre), post, comb
+        comb = sinkhorn((m[:, 2 * n:] * s[2] + b[2 * n:]).view(t, n, n).softmax(-1).numpy(), c.sinkhorn_iters, c.eps)
+        return mix_streams(x, pre), post, torch.from_numpy(comb)
 
     def hc_post(self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """New streams [T, n, D]: stream j = post_j * out + sum_i comb[i, j] * x_i."""

@@ -26,10 +26,11 @@ struct MoEWeights {
 };
 
 // y[t] = sum over k = 0..K-1 of weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k],
-// accumulated in fp32 in slot order. x, y: [T, hidden]; ids, weights: [T, K].
+// accumulated in fp32 in slot order. x, y: [T, hidden]; ids, weights: [T, K]. With swiglu_limit L > 0
+// the SwiGLU is clamped (DeepSeek-V4, as llama.cpp does): silu(min(gate, L)) * clamp(up, -L, L).
 void moe_forward(const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
                  int top_k, const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down,
-                 int n_experts, int ffn, float* y);
+                 int n_experts, int ffn, float* y, float swiglu_limit = 0.0f);
 
 void set_num_threads(int n);
 int get_num_threads();
