@@ -22,7 +22,7 @@ from pocketmoe.layers.dsv4_attention import (
     RowLayout,
 )
 from pocketmoe.layers.dsv4_moe import CLAMP_MIN, ClampedExperts, DSV4MoE
-from pocketmoe.layers.experts import ExpertsFactory, ExpertWeights, NativeExperts
+from pocketmoe.layers.experts import ExpertsFactory, ExpertWeights, NativeExperts, host_experts_factory
 from pocketmoe.layers.hyper import HyperConfig, HyperConnection, HyperHead
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear, load_float
 from pocketmoe.layers.mlp import GatedMLP
@@ -132,9 +132,13 @@ def _moe(bundle: GGUFBundle, cfg: DeepSeek4Config, ops: Any, i: int, lin: Linear
     limit = _limit(cfg.swiglu_clamp_exp, i)
     # llama.cpp: the shared experts' limits default to the routed ones when the file has none
     shared_limit = _limit(cfg.swiglu_clamp_shexp, i) if cfg.swiglu_clamp_shexp else limit
-    bank = make_experts(i, gate, up, down)
-    if limit > CLAMP_MIN:  # the native fused MoE op clamps; any other bank runs each expert on the backend's linears
-        bank = bank.clamped(limit) if isinstance(bank, NativeExperts) else ClampedExperts(gate, up, down, limit, ops)
+    if limit > CLAMP_MIN:
+        # The placement's banks have no SwiGLU clamp: a clamped layer's experts stay in host memory, on the native
+        # fused MoE op (which clamps) where the kernels read them, else each expert on the backend's linears.
+        host = host_experts_factory(getattr(ops, "types", None), None)(i, gate, up, down)
+        bank = host.clamped(limit) if isinstance(host, NativeExperts) else ClampedExperts(gate, up, down, limit, ops)
+    else:
+        bank = make_experts(i, gate, up, down)
     shared = GatedMLP(lin(b + "ffn_gate_shexp.weight"), lin(b + "ffn_up_shexp.weight"),
                       lin(b + "ffn_down_shexp.weight"), ops) if cfg.n_expert_shared else None
     route: dict[str, torch.Tensor] = {}
