@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from pocketmoe.layers.experts import ExpertBank, ExpertWeights, combine
+from pocketmoe.layers.experts import ExpertBank, ExpertWeights, per_expert
 from pocketmoe.layers.linear import QuantLinear
 
 if TYPE_CHECKING:
@@ -51,16 +51,13 @@ class ClampedExperts:
                                                  name=f"expert {e}") for w in self.weights)
         return self._experts[e]
 
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:  # x: [n, D] -> [n, D]
+        gate, up, down = self.expert(e)
+        g, u = self.ops.linear_multi((gate, up), x)
+        return self.ops.linear(down, clamped_swiglu(g, u, self.limit))
+
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        t, k = ids.shape
-        flat = ids.reshape(-1)  # [T*K], pair p = token p // K, slot p % K
-        contrib = x.new_zeros(t * k, x.shape[1])
-        for e in torch.unique(flat).tolist():
-            pairs = (flat == e).nonzero().squeeze(1)
-            gate, up, down = self.expert(e)
-            g, u = self.ops.linear_multi((gate, up), x[pairs // k].contiguous())
-            contrib[pairs] = self.ops.linear(down, clamped_swiglu(g, u, self.limit))
-        return combine(contrib.view(t, k, -1), weights)
+        return per_expert(x, ids, weights, self.expert_forward)
 
 
 class DSV4MoE:

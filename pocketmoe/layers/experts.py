@@ -57,6 +57,19 @@ def combine(contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def per_expert(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               expert_forward: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [T, D], ids / weights [T, K] -> [T, D]: each active expert on the rows routed to it
+    (expert_forward(e, rows [n, D]) -> [n, D]), then the slot-order combine."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)  # [T*K], pair p = token p // K, slot p % K
+    contrib = x.new_zeros(t * k, x.shape[1])
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        contrib[pairs] = expert_forward(e, x[pairs // k].contiguous())
+    return combine(contrib.view(t, k, -1), weights)
+
+
 class ReferenceExperts:
     """Per call, each active expert's blocks are dequantized and run on the tokens routed to it.
 
@@ -84,13 +97,7 @@ class ReferenceExperts:
         return torch.cat(out)[:n]
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        t, k = ids.shape
-        flat = ids.reshape(-1)  # [T*K], pair p = token p // K, slot p % K
-        contrib = x.new_zeros(t * k, x.shape[1])
-        for e in torch.unique(flat).tolist():
-            pairs = (flat == e).nonzero().squeeze(1)
-            contrib[pairs] = self.expert_forward(e, x[pairs // k])
-        return combine(contrib.view(t, k, -1), weights)
+        return per_expert(x, ids, weights, self.expert_forward)
 
 
 class NativeExperts:

@@ -30,11 +30,11 @@ class DecoderBlock:
         self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
 
 
-class DecoderModel:
-    def __init__(self, cfg: Any, ops: Any, embed: QuantEmbedding, blocks: list[DecoderBlock],
-                 norm: torch.Tensor, head: QuantLinear, rotary: Rotary) -> None:
-        self.cfg, self.ops = cfg, ops
-        self.embed, self.blocks, self.norm, self.head, self.rotary = embed, blocks, norm, head, rotary
+class LayeredModel:
+    """What the runner reads of any model: its blocks and its head."""
+
+    blocks: list[Any]
+    head: QuantLinear
 
     @property
     def n_layer(self) -> int:
@@ -43,6 +43,13 @@ class DecoderModel:
     @property
     def vocab_size(self) -> int:
         return self.head.out_features
+
+
+class DecoderModel(LayeredModel):
+    def __init__(self, cfg: Any, ops: Any, embed: QuantEmbedding, blocks: list[DecoderBlock],
+                 norm: torch.Tensor, head: QuantLinear, rotary: Rotary) -> None:
+        self.cfg, self.ops = cfg, ops
+        self.embed, self.blocks, self.norm, self.head, self.rotary = embed, blocks, norm, head, rotary
 
     def prepare(self, ctx: StepContext) -> None:
         """What the step's ops read besides the weights: the rope tables of its positions."""

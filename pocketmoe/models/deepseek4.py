@@ -27,7 +27,7 @@ from pocketmoe.layers.hyper import HyperConfig, HyperConnection, HyperHead
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear, load_float
 from pocketmoe.layers.mlp import GatedMLP
 from pocketmoe.layers.rotary import RopeConfig, Rotary
-from pocketmoe.models.decoder import LinearFactory
+from pocketmoe.models.decoder import LayeredModel, LinearFactory
 
 if TYPE_CHECKING:
     from pocketmoe.engine.step import StepContext
@@ -52,19 +52,11 @@ class DSV4Block:
         self.hc_ffn, self.ffn_norm, self.moe = hc_ffn, ffn_norm, moe
 
 
-class DeepSeek4Model:
+class DeepSeek4Model(LayeredModel):
     def __init__(self, cfg: DeepSeek4Config, ops: Any, embed: QuantEmbedding, blocks: list[DSV4Block],
                  head_hc: HyperHead, norm: torch.Tensor, head: QuantLinear, rope: DSV4Rope) -> None:
         self.cfg, self.ops, self.embed, self.blocks = cfg, ops, embed, blocks
         self.head_hc, self.norm, self.head, self.rope = head_hc, norm, head, rope
-
-    @property
-    def n_layer(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.head.out_features
 
     def __call__(self, ctx: StepContext) -> torch.Tensor:
         """logits [L, V] float32 of the step's tokens that need them; writes every token's cache rows."""
