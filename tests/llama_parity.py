@@ -80,6 +80,7 @@ def llama_tensors(path: Path, prompt: list[int], names: set[str], ubatch: int | 
         lib.llama_log_set(_QUIET[0], ctypes.c_void_p())
     lib.llama_backend_init()
     model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+    assert model, f"llama.cpp could not load {path}"
     cp = lib.llama_context_default_params()
     cp.n_ctx = cp.n_batch = max(64, n)
     cp.n_ubatch = ubatch or cp.n_batch
@@ -88,6 +89,9 @@ def llama_tensors(path: Path, prompt: list[int], names: set[str], ubatch: int | 
     cp.flash_attn_type = 0
     cp.cb_eval, cp.cb_eval_user_data = callback, None
     ctx = lib.llama_init_from_model(model, cp)
+    if not ctx:
+        lib.llama_model_free(model)
+        raise AssertionError(f"llama.cpp could not make a context for {path}")
     batch = lib.llama_batch_init(n, 0, 1)
     try:
         for i, tok in enumerate(prompt):
