@@ -1,7 +1,9 @@
-"""llama.cpp (llama-cpp-python) as the parity reference: logits at every prompt position and greedy tokens."""
+"""llama.cpp (llama-cpp-python) as the parity reference: logits at every prompt position and greedy tokens;
+also its quantizer, and its per-node tensors (the graph's eval callback) for finding where two engines part."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -24,3 +26,83 @@ def llama_run(path: Path, prompt: list[int], gen: int, n_ctx: int) -> tuple[np.n
         return logits, out
     finally:
         llm.close()
+
+
+def llama_quantize(src: Path, dst: Path, ftype: str) -> Path:
+    """`src` quantized by llama.cpp's own quantizer (llama_model_quantize) to `ftype`, e.g. "Q4_K_M"."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 1
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    assert rc == 0, f"llama_model_quantize returned {rc}"
+    return dst
+
+
+class _Tensor(ctypes.Structure):
+    """The head of ggml.h's struct ggml_tensor up to its name (GGML_MAX_DIMS 4, GGML_MAX_SRC 10)."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64)]
+
+
+_DTYPES = {0: np.float32, 26: np.int32}  # GGML_TYPE_F32, GGML_TYPE_I32
+_QUIET: list[object] = []  # the log callback, kept alive while llama.cpp holds it
+
+
+def llama_tensors(path: Path, prompt: list[int], names: set[str], ubatch: int | None = None
+                  ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """llama.cpp's logits at every prompt position and its graph tensors named in `names` (e.g. "kqv_out-0",
+    the last one of that name) as numpy arrays [..., ne0], from one decode of the prompt in ubatches of
+    `ubatch` tokens (all at once by default). One thread, F32 KV cache, flash attention off."""
+    lib = pytest.importorskip("llama_cpp")
+    n = len(prompt)
+    got: dict[str, np.ndarray] = {}
+
+    @lib.ggml_backend_sched_eval_callback
+    def callback(t: int, ask: bool, _user: int) -> bool:
+        tensor = ctypes.cast(t, ctypes.POINTER(_Tensor)).contents
+        name = tensor.name.decode()
+        if ask or name not in names:
+            return name in names
+        if tensor.type in _DTYPES and tensor.data:
+            dt = np.dtype(_DTYPES[tensor.type])
+            ne, nb = list(tensor.ne), list(tensor.nb)
+            span = sum((e - 1) * s for e, s in zip(ne, nb, strict=True)) + dt.itemsize
+            flat = np.frombuffer((ctypes.c_char * span).from_address(tensor.data), dtype=dt)
+            got[name] = np.array(np.lib.stride_tricks.as_strided(flat, shape=ne[::-1], strides=nb[::-1]))
+        return True
+
+    if not _QUIET:
+        _QUIET.append(lib.llama_log_callback(lambda _level, _text, _user: None))
+        lib.llama_log_set(_QUIET[0], ctypes.c_void_p())
+    lib.llama_backend_init()
+    model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+    assert model, f"llama.cpp could not load {path}"
+    cp = lib.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = max(64, n)
+    cp.n_ubatch = ubatch or cp.n_batch
+    cp.n_threads = cp.n_threads_batch = 1
+    cp.type_k = cp.type_v = 0
+    cp.flash_attn_type = 0
+    cp.cb_eval, cp.cb_eval_user_data = callback, None
+    ctx = lib.llama_init_from_model(model, cp)
+    if not ctx:
+        lib.llama_model_free(model)
+        raise AssertionError(f"llama.cpp could not make a context for {path}")
+    batch = lib.llama_batch_init(n, 0, 1)
+    try:
+        for i, tok in enumerate(prompt):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, 1
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = n
+        assert lib.llama_decode(ctx, batch) == 0
+        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+        logits = np.ctypeslib.as_array(lib.llama_get_logits(ctx), shape=(n, n_vocab)).copy()
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
+        lib.llama_model_free(model)
+    return logits, got
