@@ -30,6 +30,7 @@ from pocketmoe.layers import (
     apply_rope,
 )
 from pocketmoe.layers.linear import tiled_linear
+from pocketmoe.native import available as native_available
 from pocketmoe.ops.reference import ReferenceOps
 from pocketmoe.quant.quantize import random_blocks
 
@@ -216,3 +217,20 @@ def test_sinkhorn_is_the_torch_formula_bitwise(t: int) -> None:
     assert torch.equal(got, want)
     if t:
         assert torch.allclose(got.sum(1), torch.ones(t, 4), atol=1e-5)  # columns sum to one after the last step
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels")
+@pytest.mark.parametrize("t", [0, 1, 9])
+def test_native_hyper_connection_ops_are_the_reference_bitwise(t: int) -> None:
+    """hc_sinkhorn / hc_mix / hc_post on the native kernels against the torch / numpy reference, bit for bit."""
+    from pocketmoe.ops.cpu import NativeOps
+
+    g = torch.Generator().manual_seed(100 + t)
+    ref, nat = ReferenceOps(), NativeOps()
+    p = (torch.randn(t, 4, 4, generator=g) * 3).softmax(-1)
+    x, out = torch.randn(t, 4, 96, generator=g), torch.randn(t, 96, generator=g)
+    w, post = torch.rand(t, 4, generator=g), 2 * torch.rand(t, 4, generator=g)
+    comb = ref.hc_sinkhorn(p, 20, 1e-6)
+    assert torch.equal(nat.hc_sinkhorn(p, 20, 1e-6), comb)
+    assert torch.equal(nat.hc_mix(x, w), ref.hc_mix(x, w))
+    assert torch.equal(nat.hc_post(out, x, post, comb), ref.hc_post(out, x, post, comb))

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <string>
@@ -295,6 +296,45 @@ py::array_t<float> rms_norm_py(const py::array& x, const py::array& w, float eps
   const py::ssize_t n = xa.shape(0), d = xa.shape(1);
   py::array_t<float> y({n, d});
   rms_norm(xa.data(), vector_of(w, "weight", d), static_cast<int>(n), static_cast<int>(d), eps, y.mutable_data());
+  return y;
+}
+
+// DeepSeek-V4 hyper-connections (ops.h hc_*): shapes checked here, arithmetic in hyper.cpp.
+py::array_t<float> hc_sinkhorn_py(const py::array& softmax, int iters, float eps) {
+  auto a = checked<float>(softmax, "comb", 3);
+  const py::ssize_t t = a.shape(0), n = a.shape(1);
+  if (a.shape(2) != n) throw py::value_error("comb must be [T, n, n], got a last dimension of " +
+                                             std::to_string(a.shape(2)) + " for n = " + std::to_string(n));
+  if (iters < 1) throw py::value_error("hc_sinkhorn needs at least one iteration");
+  py::array_t<float> y({t, n, n});
+  std::copy(a.data(), a.data() + a.size(), y.mutable_data());
+  hc_sinkhorn(y.mutable_data(), static_cast<int>(t), static_cast<int>(n), iters, eps);
+  return y;
+}
+
+py::array_t<float> hc_mix_py(const py::array& x, const py::array& w) {
+  auto xa = checked<float>(x, "x", 3);
+  auto wa = checked<float>(w, "w", 2);
+  const py::ssize_t t = xa.shape(0), n = xa.shape(1), d = xa.shape(2);
+  if (wa.shape(0) != t || wa.shape(1) != n)
+    throw py::value_error("w must be [" + std::to_string(t) + ", " + std::to_string(n) + "] for x [T, n, D]");
+  py::array_t<float> y({t, d});
+  hc_mix(xa.data(), wa.data(), static_cast<int>(t), static_cast<int>(n), static_cast<int>(d), y.mutable_data());
+  return y;
+}
+
+py::array_t<float> hc_post_py(const py::array& out, const py::array& x, const py::array& post, const py::array& comb) {
+  auto xa = checked<float>(x, "x", 3);
+  const py::ssize_t t = xa.shape(0), n = xa.shape(1), d = xa.shape(2);
+  auto oa = rows_of(out, "out", d);
+  auto pa = rows_of(post, "post", n);
+  auto ca = checked<float>(comb, "comb", 3);
+  if (oa.shape(0) != t || pa.shape(0) != t || ca.shape(0) != t || ca.shape(1) != n || ca.shape(2) != n)
+    throw py::value_error("hc_post wants out [T, D], x [T, n, D], post [T, n] and comb [T, n, n] for T = " +
+                          std::to_string(t) + ", n = " + std::to_string(n));
+  py::array_t<float> y({t, n, d});
+  hc_post(oa.data(), xa.data(), pa.data(), ca.data(), static_cast<int>(t), static_cast<int>(n), static_cast<int>(d),
+          y.mutable_data());
   return y;
 }
 
@@ -835,6 +875,11 @@ PYBIND11_MODULE(_native, m) {
            py::arg("n_experts"), py::arg("top_k"), py::arg("gating"), py::arg("n_groups"), py::arg("groups_used"),
            py::arg("norm"), py::arg("scale"), py::arg("weight_sum_min"), py::arg("gating_softmax"),
            py::arg("gating_sigmoid"));
+  m.def("hc_sinkhorn", &hc_sinkhorn_py, py::arg("softmax"), py::arg("iters"), py::arg("eps"),
+        "DeepSeek-V4 mHC: comb [T, n, n] from its row softmax (+ eps, columns, then iters - 1 rows and columns).");
+  m.def("hc_mix", &hc_mix_py, py::arg("x"), py::arg("w"), "y [T, D] = sum_i w[:, i] * x[:, i] in stream order.");
+  m.def("hc_post", &hc_post_py, py::arg("out"), py::arg("x"), py::arg("post"), py::arg("comb"),
+        "streams [T, n, D]: stream j = out * post_j + sum_i x_i * comb[i, j].");
   m.def("rms_norm", &rms_norm_py, py::arg("x"), py::arg("weight"), py::arg("eps"), "y = rms_norm(x) * weight per row.");
   m.def("add_rms_norm", &add_rms_norm_py, py::arg("x"), py::arg("add"), py::arg("weight"), py::arg("eps"),
         "x += add (in place), then y = rms_norm(x) * weight.");

@@ -381,6 +381,25 @@ class NativeOps(ReferenceOps):
                                     None if router.bias is None else router.bias.numpy(), g, types[0], u, types[1], d,
                                     types[2], bank.ffn, *shared)
 
+    # -- DeepSeek-V4 hyper-connections: bitwise the reference's arithmetic, without its tiny tensor ops --------
+    @_not_replayed
+    def hc_sinkhorn(self, p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        if not p.is_cpu:
+            return super().hc_sinkhorn(p, iters, eps)
+        return torch.from_numpy(self.lib.hc_sinkhorn(_np(p), iters, eps))
+
+    @_not_replayed
+    def hc_mix(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not x.is_cpu:
+            return super().hc_mix(x, w)
+        return torch.from_numpy(self.lib.hc_mix(_np(x), _np(w)))
+
+    @_not_replayed
+    def hc_post(self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        if not x.is_cpu:
+            return super().hc_post(out, x, post, comb)
+        return torch.from_numpy(self.lib.hc_post(_np(out), _np(x), _np(post), _np(comb)))
+
 
 # Sublayer kinds as StepProgram numbers them.
 _SUBLAYER_KINDS = {"mla": 0, "ffn": 1, "moe": 2}

@@ -130,8 +130,16 @@ class DeepSeek4Ops:
         m = self._hc_mixes(hc, x)
         pre = rowwise(torch.sigmoid, m[:, :n] * s[0] + b[:n]) + c.eps
         post = 2.0 * rowwise(torch.sigmoid, m[:, n:2 * n] * s[1] + b[n:2 * n])
-        comb = sinkhorn((m[:, 2 * n:] * s[2] + b[2 * n:]).view(t, n, n).softmax(-1).numpy(), c.sinkhorn_iters, c.eps)
-        return mix_streams(x, pre), post, torch.from_numpy(comb)
+        comb = self.hc_sinkhorn((m[:, 2 * n:] * s[2] + b[2 * n:]).view(t, n, n).softmax(-1), c.sinkhorn_iters, c.eps)
+        return self.hc_mix(x, pre), post, comb
+
+    def hc_sinkhorn(self, p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        """comb [T, n, n] from the row softmax p (module function sinkhorn)."""
+        return torch.from_numpy(sinkhorn(p.numpy(), iters, eps))
+
+    def hc_mix(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """sum_i w[:, i] * x[:, i] in stream order: x [T, n, D], w [T, n] -> [T, D]."""
+        return mix_streams(x, w)
 
     def hc_post(self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """New streams [T, n, D]: stream j = post_j * out + sum_i comb[i, j] * x_i."""
@@ -146,7 +154,7 @@ class DeepSeek4Ops:
     def hc_head(self, head: HyperHead, x: torch.Tensor) -> torch.Tensor:
         """x [T, n, D] -> sum_i pre_i x_i [T, D], pre = sigmoid(fn . rmsnorm(x) * scale + base) + eps."""
         pre = rowwise(torch.sigmoid, self._hc_mixes(head, x) * head.scale[0] + head.base) + head.cfg.eps
-        return mix_streams(x, pre)
+        return self.hc_mix(x, pre)
 
     # -- attention -------------------------------------------------------------------------------
     def dsv4_attention(self, attn: DSV4Attention, x: torch.Tensor, ctx: StepContext, layer: int,

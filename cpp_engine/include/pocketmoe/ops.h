@@ -163,4 +163,15 @@ struct MoEParts {
 };
 void moe_sublayer(const MoEParts& m, const float* xn, int n_rows, int hidden, const Residual& res);
 
+// DeepSeek-V4's hyper-connections (mHC) over n residual streams, each in the op order of the torch reference
+// (pocketmoe/ops/reference_v4.py), element by element, no fused multiply-adds: bitwise its results.
+// comb [T, n, n], holding the row softmax: + eps, columns (over axis 1) normalised, then iters - 1 times the
+// rows (axis 2) and the columns; each sum in index order.
+void hc_sinkhorn(float* comb, int n_rows, int n, int iters, float eps);
+// y [T, D] = sum_i w[t, i] * x[t, i, :] in stream order; x [T, n, D], w [T, n].
+void hc_mix(const float* x, const float* w, int n_rows, int n, int d, float* y);
+// y [T, n, D]: stream j = out * post[t, j] + sum_i x[t, i] * comb[t, i, j], i in order.
+void hc_post(const float* out, const float* x, const float* post, const float* comb, int n_rows, int n, int d,
+             float* y);
+
 }  // namespace pocketmoe
