@@ -173,6 +173,10 @@ class NativeOps(ReferenceOps):
         return torch.from_numpy(self.native.gemm_batched(layer.raw.reshape(*layer.shape[:-1], -1).numpy(),
                                                          layer.ggml_type, _np(x)))
 
+    def batched_tile(self, layer: QuantLinear) -> int | None:
+        """None where gemm_batched runs the weight: its rows are batch-invariant at any count."""
+        return None if self.handle(layer) is not False else super().batched_tile(layer)
+
     @_not_replayed
     def linear_multi(self, weights: Sequence[QuantLinear], x: torch.Tensor) -> list[torch.Tensor]:
         handles = [self.handle(w) for w in weights]

@@ -192,11 +192,16 @@ class DeepSeek4Ops:
     def _grouped_output(self, attn: DSV4Attention, o: torch.Tensor) -> torch.Tensor:
         """o [T, G, H*d/G] -> concat_g wo_a[g] o_g [T, G*o_lora], in fixed row tiles (batch-invariant)."""
         t = o.shape[0]
-        tile = getattr(self, "tile_rows", None) or t
+        tile = self.batched_tile(attn.wo_a) or t
         pad = -t % tile
         x = torch.cat([o, o.new_zeros(pad, *o.shape[1:])]) if pad else o
         parts = [attn.wo_a.batched(x[k:k + tile].transpose(0, 1).contiguous()) for k in range(0, t + pad, tile)]
         return torch.cat(parts, dim=1)[:, :t].transpose(0, 1).reshape(t, -1)  # from [G, T, o_lora]
+
+    def batched_tile(self, layer: Any) -> int | None:
+        """Rows per call that keep `batched` on this weight batch-invariant (None: any count; torch's bmm
+        needs the fixed tiles)."""
+        return getattr(self, "tile_rows", None)
 
     def _compressor_state(self, k: Compressor, x: torch.Tensor, ctx: StepContext, cache: torch.Tensor,
                           rows: torch.Tensor) -> None:
