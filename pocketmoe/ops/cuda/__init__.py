@@ -29,6 +29,21 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+def plan_backend(backend: str, plan: object) -> str:
+    """The op backend a runner takes for `plan`: "auto" becomes "cuda" when the plan puts the model on a CUDA
+    device (mode all-device or heterogeneous); anything else is left as asked."""
+    devices = getattr(plan, "devices", ())
+    on_cuda = getattr(plan, "mode", "cpu") != "cpu" and any(d.name.startswith("cuda") for d in devices)
+    if backend != "auto" or not on_cuda:
+        return backend
+    reason = unavailable_reason()
+    if reason is not None:
+        from pocketmoe.errors import PocketMoEError
+
+        raise PocketMoEError(f"the plan runs on {devices[0].name} but {reason}; install CuPy or use --device cpu.")
+    return "cuda"
+
+
 def make_cuda_ops(tile_rows: int | None = 8):  # -> backend.CudaOps
     import torch
 
@@ -39,4 +54,4 @@ def make_cuda_ops(tile_rows: int | None = 8):  # -> backend.CudaOps
     return ops
 
 
-__all__ = ["available", "make_cuda_ops", "unavailable_reason"]
+__all__ = ["available", "make_cuda_ops", "plan_backend", "unavailable_reason"]
