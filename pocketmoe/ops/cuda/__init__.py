@@ -48,9 +48,12 @@ def make_cuda_ops(tile_rows: int | None = 8):  # -> backend.CudaOps
     import torch
 
     from pocketmoe.ops.cuda.backend import CudaOps
+    from pocketmoe.ops.cuda.graphs import GRAPHS_ENV, requested
 
     ops = CudaOps(tile_rows)
-    ops.detail = f"CUDA kernels on {torch.cuda.get_device_name()} (CuPy RawModule)"
+    graphs = requested() and ops.enable_graphs()
+    ops.detail = (f"CUDA kernels on {torch.cuda.get_device_name()} (CuPy RawModule; decode CUDA graphs "
+                  f"{'on' if graphs else f'off, {GRAPHS_ENV}=1 turns them on'})")
     return ops
 
 

@@ -137,7 +137,8 @@ class CudaOps(ReferenceOps):
         self.device = torch.device(device)
         self._step: tuple[object, tuple[torch.Tensor, ...]] = (None, ())
         self._vectors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(host vector) -> (it, device copy)
-        self.graphs = None  # graphs.DecodeGraphs when CUDA graphs are on (enable_graphs)
+        self.graphs: Any = None  # graphs.DecodeGraphs when CUDA graphs are on (enable_graphs)
+        self._ctx: StepContext | None = None  # the step run() is running
 
     # -- placement of what the kernels read --------------------------------------------------------
     def on_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -181,7 +182,7 @@ class CudaOps(ReferenceOps):
             return matmul.gemv(self.launch, w, layer.ggml_type, layer.in_features, acts)
         dev = self.device
         out = torch.empty((t, w.shape[0]), dtype=torch.float32, device=dev)
-        offsets = torch.tensor([0, t], dtype=torch.int32).to(dev)
+        offsets = torch.arange(0, 2 * t, t, dtype=torch.int32, device=dev)  # [0, t]
         tokens = torch.arange(t, dtype=torch.int32, device=dev)
         slots = torch.zeros(t, dtype=torch.int32, device=dev)
         return matmul.moe_gemm(self.launch, [w], layer.ggml_type, w.shape[0], layer.in_features, offsets, tokens,
@@ -227,7 +228,7 @@ class CudaOps(ReferenceOps):
         if t == 0:
             return out.view(t, h, o)
         acts = self._acts(x.reshape(t * h, -1), matmul.activation_block(layer.ggml_type))
-        offsets = torch.arange(0, (h + 1) * t, t, dtype=torch.int32).to(dev)
+        offsets = torch.arange(0, (h + 1) * t, t, dtype=torch.int32, device=dev)
         tokens = torch.arange(t, dtype=torch.int32, device=dev).repeat(h)
         slots = torch.arange(h, dtype=torch.int32, device=dev).repeat_interleave(t)
         matmul.moe_gemm(self.launch, [w[i] for i in range(h)], layer.ggml_type, o, layer.in_features, offsets,
@@ -236,6 +237,11 @@ class CudaOps(ReferenceOps):
 
     def embed(self, table: QuantEmbedding, tokens: np.ndarray) -> torch.Tensor:  # [T] -> [T, D]
         """The rows looked up on the host (the table stays in host memory), uploaded."""
+        if self.graphs is not None and self.graphs.inputs is not None:  # capturing: the rows through a static buffer
+            ctx = self._ctx
+            if ctx is None or tokens is not ctx.tokens:
+                raise RuntimeError("embed of tokens other than the step's cannot be captured")
+            return self.graphs.host_input(lambda c: ReferenceOps.embed(self, table, c.tokens), ctx)
         return super().embed(table, tokens).to(self.device)
 
     def moe(self, bank: ExpertBank, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -247,11 +253,15 @@ class CudaOps(ReferenceOps):
     def run(self, model: Any, ctx: StepContext) -> torch.Tensor:
         """The step on the device (a captured CUDA graph when graphs are on and the step's shape has one);
         the logits come back to the host, as every backend returns them."""
-        if self.graphs is not None:
-            out = self.graphs.run(model, ctx)
-            if out is not None:
-                return out.cpu()
-        return model(ctx).cpu()
+        self._ctx = ctx
+        try:
+            if self.graphs is not None:
+                out = self.graphs.run(model, ctx)
+                if out is not None:
+                    return out.cpu()
+            return model(ctx).cpu()
+        finally:
+            self._ctx = None
 
     def expert_kernels(self, device: torch.device) -> Any:
         """The routed-expert kernels for slot pools and resident banks on `device` (experts.build's hook)."""
@@ -260,12 +270,46 @@ class CudaOps(ReferenceOps):
         return CudaExpertKernels(self.launch)
 
     def _step_arrays(self, ctx: StepContext, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """seq, keys, page_table, write_rows of the step on the device (made once per step)."""
+        """seq, keys, page_table, write_rows (int32) and cos2, sin2 (float32) of the step on the device, made once
+        per step (while a CUDA graph is captured: static buffers the graph copies from pinned ones)."""
         if self._step[0] is not ctx or self._step[1][0].device != device:
-            arrays = (ctx.seq, ctx.keys, ctx.page_table, ctx.write_rows)
-            self._step = (ctx, tuple(torch.as_tensor(np.ascontiguousarray(a, dtype=np.int32), device=device)
-                                     for a in arrays))
+            capture = self.graphs is not None and self.graphs.inputs is not None
+
+            def table(c: StepContext) -> np.ndarray:
+                if not capture:
+                    return c.page_table
+                width = -(-c.cache.max_seq_len // c.cache.page)  # the widest a table gets: a fixed kernel argument
+                t = np.zeros((c.page_table.shape[0], width), dtype=np.int32)
+                t[:, :c.page_table.shape[1]] = c.page_table
+                return t
+
+            makes = [lambda c: c.seq, lambda c: c.keys, table, lambda c: c.write_rows]
+            arrays = [self._step_input(lambda c, m=m: np.ascontiguousarray(m(c), dtype=np.int32), ctx, device)
+                      for m in makes]
+            arrays += [self._step_input(lambda c, n=n: getattr(c, n).float().contiguous(), ctx, device)
+                       for n in ("cos2", "sin2")]
+            self._step = (ctx, tuple(arrays))
         return self._step[1]
+
+    def _step_input(self, make: Callable[[StepContext], Any], ctx: StepContext, device: torch.device) -> torch.Tensor:
+        """make(ctx) on the device: through a graph's static buffers while one is captured, else a plain copy."""
+        if self.graphs is not None:
+            got = self.graphs.host_input(make, ctx)
+            if got is not None:
+                return got
+        return torch.as_tensor(make(ctx)).to(device)
+
+    def enable_graphs(self) -> bool:
+        """CUDA graphs for decode steps (graphs.py); only on a CUDA device. Returns whether they are on."""
+        from pocketmoe.ops.cuda.graphs import DecodeGraphs
+
+        if self.device.type != "cuda":
+            return False
+        self.graphs = DecodeGraphs(self.device, reset=self._drop_step)
+        return True
+
+    def _drop_step(self) -> None:
+        self._step = (None, ())
 
     # -- norms and the residual stream ---------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -328,8 +372,7 @@ class CudaOps(ReferenceOps):
                 or c.kv_lora > ATT_ACC * ATT_THREADS):
             return super().mla_attention(attn, q, kv, ctx, layer)
         t, dev, width = q.shape[0], q.device, c.kv_lora + c.qk_rope
-        seq, keys, table, write_rows = self._step_arrays(ctx, dev)
-        cos2, sin2 = ctx.cos2.to(dev).float().contiguous(), ctx.sin2.to(dev).float().contiguous()
+        seq, keys, table, write_rows, cos2, sin2 = self._step_arrays(ctx, dev)
         rows = cache.data[layer]  # [P, C+R]
         self.launch("attention.cu", "mla_latent_f32", (t, 1, 1), (ROW_THREADS, 1, 1),
                     [kv.contiguous(), self.on_device(attn.kv_a_norm.float()), cos2, sin2, write_rows, rows,
@@ -351,8 +394,7 @@ class CudaOps(ReferenceOps):
         if cache.data.dtype != torch.float32 or not _f32(q, k, v) or c.v_dim > ATT_ACC * ATT_THREADS:
             return super().gqa_attention(attn, q, k, v, ctx, layer)
         t, dev = q.shape[0], q.device
-        seq, keys, table, write_rows = self._step_arrays(ctx, dev)
-        cos2, sin2 = ctx.cos2.to(dev).float().contiguous(), ctx.sin2.to(dev).float().contiguous()
+        seq, keys, table, write_rows, cos2, sin2 = self._step_arrays(ctx, dev)
         qr = q.reshape(t, c.n_head, c.head_dim).contiguous().clone()
         kr = k.reshape(t, c.n_head_kv, c.head_dim).contiguous().clone()
         self._rope_into(qr, cos2, sin2, c.neox)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from pocketmoe.layers.experts import combine
 from pocketmoe.ops.cuda import matmul
+from pocketmoe.ops.cuda.graphs import capturing
 
 if TYPE_CHECKING:
     from pocketmoe.experts.kernels import ExpertStore
@@ -58,7 +59,9 @@ class CudaExpertKernels:
         counts = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, which, torch.ones_like(which))
         offsets = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         offsets[1:] = torch.cumsum(counts, 0)
-        return offsets, order.to(torch.int32), torch.zeros_like(order, dtype=torch.int32), int(counts.max())
+        # the largest group sizes the grid; while a CUDA graph is captured it cannot be read back: every pair
+        largest = len(which) if capturing() else int(counts.max())
+        return offsets, order.to(torch.int32), torch.zeros_like(order, dtype=torch.int32), largest
 
     def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
         """x [P, D] float32, which [P] (expert or slot of `store`) -> [P, D] float32, unweighted."""
