@@ -318,3 +318,134 @@ def test_copy_engine_cuda_order_on_a_fake_stream() -> None:
 def test_copy_engine_cpu_device_stays_the_copy_thread() -> None:
     engine = CopyEngine(torch.device("cpu"))
     assert not engine.cuda and not hasattr(engine, "api")
+
+
+# ---- a whole model on CudaOps (the kernels under the shim) ----------------------------------------------------
+
+PROMPT = [(7 * i + 3) % 300 + 5 for i in range(20)]  # ids below the fixture's vocabulary; 20: GEMM and GEMV paths
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory):
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.testing.synth import write_fixture
+
+    path = tmp_path_factory.mktemp("cuda-model") / "ds2.gguf"
+    write_fixture("deepseek2", "tiny", "Q4_K_M", path, seed=3)
+    with open_bundle(path) as b:
+        yield b
+
+
+def _cpu_tokens(bundle) -> list[int]:  # noqa: ANN001
+    from pocketmoe import native
+    from pocketmoe.engine.runner import ModelRunner, RunnerConfig
+
+    backend = "native" if native.available() else "reference"
+    return ModelRunner(bundle, RunnerConfig(n_ctx=64, backend=backend)).generate_greedy(PROMPT, 4)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "all-device", "heterogeneous"])
+def test_model_on_cuda_ops_gives_the_cpu_greedy_tokens(tiny_bundle, monkeypatch, mode: str) -> None:
+    """DeepSeek-V2 tiny (Q4_K_M) with every op on CudaOps under the shim: the CPU-only path's greedy tokens.
+    all-device / heterogeneous: the plan's banks on the CPU device with their device kernels swapped for the CUDA
+    expert kernels (resident bank; dispatch over slots, every miss staged), as on a GPU."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    from pocketmoe.engine.runner import ModelRunner, RunnerConfig
+    from pocketmoe.experts import resident
+    from pocketmoe.experts.cost import Rates
+    from pocketmoe.placement.run import RunPlacement
+
+    ops = CudaOps(tile_rows=None, launcher=CountingShimLauncher())
+    kernels = CudaExpertKernels(ops.launch)
+    placement = None
+    if mode != "cpu":
+        placement = RunPlacement(device="cpu", mode=mode, expert_policy="cache", expert_cache_slots=2)
+        monkeypatch.setattr(build, "device_kernels", lambda ops_, device, host: kernels)
+        monkeypatch.setattr(build, "resident_bank", lambda store, k, device, stats, tile_rows, counts:
+                            resident.ResidentExperts(store, k, stats, counts))
+    rates = Rates(4.0, 6.0, 6.0, 20.0, 200.0)
+    r = ModelRunner(tiny_bundle, RunnerConfig(n_ctx=64, placement=placement, expert_rates=rates), ops=ops)
+    assert r.cache.data.device == ops.device
+    assert r.generate_greedy(PROMPT, 4) == _cpu_tokens(tiny_bundle)
+    calls = ops.launch.calls
+    assert calls.get("gemv_q4_k", 0) and calls.get("mla_attention_f32", 0) and calls.get("route_f32", 0)
+    if mode != "cpu":
+        assert any(k.startswith("moe_gemm_") for k in calls)
+        if mode == "heterogeneous":
+            st = r.experts.stats
+            assert st.staged > 0 and st.hits > 0 and st.cpu_experts == 0
+
+
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def _fake_graphs(ops: CudaOps, capture=lambda graph: contextlib.nullcontext()):  # noqa: ANN001, ANN202
+    from pocketmoe.ops.cuda.graphs import DecodeGraphs
+
+    return DecodeGraphs(ops.device, reset=ops._drop_step, pinned=lambda shape, dtype: torch.empty(shape, dtype=dtype),
+                        new_graph=_FakeGraph, capture=capture, sync=lambda device: None)
+
+
+def _shim_runner(bundle, monkeypatch, graphs: bool = False, capture=None):  # noqa: ANN001, ANN202
+    """All-device on the CPU device with resident banks over the CUDA expert kernels (the shape graphs take)."""
+    from pocketmoe.engine.runner import ModelRunner, RunnerConfig
+    from pocketmoe.experts import resident
+    from pocketmoe.placement.run import RunPlacement
+
+    ops = CudaOps(tile_rows=None, launcher=CountingShimLauncher())
+    if graphs:
+        ops.graphs = _fake_graphs(ops) if capture is None else _fake_graphs(ops, capture)
+    kernels = CudaExpertKernels(ops.launch)
+    monkeypatch.setattr(build, "device_kernels", lambda ops_, device, host: kernels)
+    monkeypatch.setattr(build, "resident_bank", lambda store, k, device, stats, tile_rows, counts:
+                        resident.ResidentExperts(store, k, stats, counts))
+    rp = RunPlacement(device="cpu", mode="all-device")
+    return ModelRunner(bundle, RunnerConfig(n_ctx=64, placement=rp), ops=ops)
+
+
+def test_decode_graph_host_logic_on_a_fake_capture(tiny_bundle, monkeypatch) -> None:
+    """DecodeGraphs with CPU stand-ins for the CUDA calls (the "capture" runs the step; a replay runs nothing): the
+    first decode step of a shape runs eagerly, the second is captured with the step's host-made inputs (embedding
+    rows, seq, keys, padded page table, write rows, rope tables) registered and checked against an eager run, the
+    third refills those inputs from its own step before the replay; a failing capture leaves the shape eager."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    from pocketmoe.engine.runner import SOLO
+
+    r, ref = _shim_runner(tiny_bundle, monkeypatch, graphs=True), _shim_runner(tiny_bundle, monkeypatch)
+    graphs = r.ops.graphs
+    prompt = PROMPT[:6]
+    assert torch.equal(r.forward(prompt, 0), ref.forward(prompt, 0))  # prefill: not decode-shaped, eager
+    pos, tok = len(prompt), 11
+    assert torch.equal(r.decode(tok, pos), ref.decode(tok, pos)) and not graphs.graphs  # warm-up, eager
+    assert torch.equal(r.decode(tok + 1, pos + 1), ref.decode(tok + 1, pos + 1))  # captured, checked
+    entry = graphs.graphs[(id(r.model), 1)]
+    assert entry.checked and entry.graph.replays == 1 and len(entry.inputs) == 7
+    r.decode(tok + 2, pos + 2)  # a replay: the inputs now hold this step's values
+    assert entry.graph.replays == 2
+    emb, seq, keys, table, write_rows, cos2, _ = (i.pinned for i in entry.inputs)
+    assert torch.equal(emb, r.model.embed(torch.tensor([tok + 2])))
+    assert keys.tolist() == [pos + 3] and seq.tolist() == [0]
+    assert table.shape[1] == -(-r.cache.max_seq_len // r.cache.page)
+    assert write_rows.tolist() == r.cache.rows(SOLO, pos + 2, 1).tolist()
+    assert torch.equal(cos2, r.model.rotary.at(np.array([pos + 2]))[0].float())
+
+    def broken(graph):  # noqa: ANN001, ANN202
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    r2, ref2 = (_shim_runner(tiny_bundle, monkeypatch, graphs=True, capture=broken),
+                _shim_runner(tiny_bundle, monkeypatch))
+    for runner in (r2, ref2):
+        runner.forward(prompt, 0)
+        runner.decode(tok, pos)
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        got = r2.decode(tok + 1, pos + 1)
+    assert torch.equal(got, ref2.decode(tok + 1, pos + 1))
+    assert r2.ops.graphs.graphs[(id(r2.model), 1)] is False
+    assert "not permitted" in next(iter(r2.ops.graphs.failures.values()))

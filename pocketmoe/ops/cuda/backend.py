@@ -245,7 +245,14 @@ class CudaOps(ReferenceOps):
         return super().embed(table, tokens).to(self.device)
 
     def moe(self, bank: ExpertBank, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """A host bank (the CPU plan's) runs on host copies; the plan's device banks take device tensors."""
+        """A host bank (the CPU plan's) runs on host copies; the plan's device banks take device tensors. While a
+        decode CUDA graph is captured only a resident bank may run (the dispatcher's cache bookkeeping would
+        record copies the capture never makes): any other ends the capture before it changes anything."""
+        if self.graphs is not None and self.graphs.inputs is not None:
+            from pocketmoe.experts.resident import ResidentExperts
+
+            if not isinstance(bank, ResidentExperts):
+                raise RuntimeError(f"a {type(bank).__name__} MoE layer cannot be captured in a CUDA graph")
         if isinstance(bank, (NativeExperts, ReferenceExperts)) and x.device.type != "cpu":
             return bank(x.cpu(), ids.cpu(), weights.cpu()).to(x.device)
         return bank(x, ids, weights)

@@ -79,6 +79,12 @@ class DecodeGraphs:
     seen: set[tuple[int, int]] = field(default_factory=set)
     failures: dict[tuple[int, int], str] = field(default_factory=dict)
     inputs: list[HostInput] | None = None  # while capturing: the inputs registered so far
+    # the CUDA calls (tests hand in CPU stand-ins)
+    pinned: Callable[[torch.Size, torch.dtype], torch.Tensor] = lambda shape, dtype: torch.empty(
+        shape, dtype=dtype, pin_memory=True)
+    new_graph: Callable[[], Any] = lambda: torch.cuda.CUDAGraph()
+    capture: Callable[[Any], Any] = lambda graph: torch.cuda.graph(graph)
+    sync: Callable[[torch.device], None] = lambda device: torch.cuda.synchronize(device)
 
     @staticmethod
     def decode_shaped(model: Any, ctx: Any) -> bool:
@@ -92,7 +98,7 @@ class DecodeGraphs:
         if self.inputs is None:
             return None
         v = torch.as_tensor(make(ctx))
-        pinned = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+        pinned = self.pinned(v.shape, v.dtype)
         dev = torch.empty(v.shape, dtype=v.dtype, device=self.device)
         inp = HostInput(make, pinned, dev)
         inp.fill(ctx)
@@ -136,11 +142,11 @@ class DecodeGraphs:
 
     def _capture(self, model: Any, ctx: Any, key: tuple[int, int]) -> Captured | None:
         global _hooks
-        graph = torch.cuda.CUDAGraph()
+        graph = self.new_graph()
         self.inputs, _hooks = [], []
         try:
-            torch.cuda.synchronize(self.device)
-            with torch.cuda.graph(graph):
+            self.sync(self.device)
+            with self.capture(graph):
                 out = model(ctx)
             entry = Captured(graph, out, self.inputs, _hooks)
         except Exception as exc:  # noqa: BLE001 - any capture failure: this shape runs eagerly
