@@ -196,6 +196,8 @@ def test_plan_backend_takes_cuda_only_for_a_cuda_plan(monkeypatch) -> None:
     assert cuda.plan_backend("native", _plan("all-device", "cuda:0")) == "native"
     monkeypatch.setattr(cuda, "unavailable_reason", lambda: None)
     assert cuda.plan_backend("auto", _plan("all-device", "cuda:0")) == "cuda"
+    assert cuda.plan_backend("auto", _plan("all-device", "cuda:0"), "deepseek4") == "auto"
+    assert cuda.plan_backend("auto", _plan("all-device", "cuda:0"), "deepseek2") == "cuda"
     monkeypatch.setattr(cuda, "unavailable_reason", lambda: "CuPy is not importable (test)")
     with pytest.raises(PocketMoEError, match=r"^the plan runs on cuda:0 but CuPy is not importable \(test\); "
                                              r"install CuPy or use --device cpu\.$"):

@@ -113,7 +113,8 @@ class ModelRunner:
         self.bundle = bundle
         self.spec = load_spec(bundle)
         self.plan = plan if plan is not None else runner_plan(self.spec, bundle, cfg)
-        self.ops = ops if ops is not None else make_ops(plan_backend(cfg.backend, self.plan), cfg.threads, cfg.tile_rows)
+        self.ops = ops if ops is not None else make_ops(plan_backend(cfg.backend, self.plan, bundle.architecture),
+                                                            cfg.threads, cfg.tile_rows)
         threads = self.ops.torch_threads(cfg.threads)
         if threads is not None:
             torch.set_num_threads(threads)

@@ -29,12 +29,17 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-def plan_backend(backend: str, plan: object) -> str:
+# Architectures whose every op CudaOps runs on device tensors (DeepSeek-V4's extra ops are the reference's, on
+# host weights): others keep the CPU op backend, with their routed experts on the device banks.
+ARCHITECTURES = ("deepseek2", "minimax-m2")
+
+
+def plan_backend(backend: str, plan: object, architecture: str | None = None) -> str:
     """The op backend a runner takes for `plan`: "auto" becomes "cuda" when the plan puts the model on a CUDA
-    device (mode all-device or heterogeneous); anything else is left as asked."""
+    device (mode all-device or heterogeneous) and CudaOps runs the architecture; anything else is left as asked."""
     devices = getattr(plan, "devices", ())
     on_cuda = getattr(plan, "mode", "cpu") != "cpu" and any(d.name.startswith("cuda") for d in devices)
-    if backend != "auto" or not on_cuda:
+    if backend != "auto" or not on_cuda or (architecture is not None and architecture not in ARCHITECTURES):
         return backend
     reason = unavailable_reason()
     if reason is not None:

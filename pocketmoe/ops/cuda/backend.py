@@ -91,11 +91,15 @@ class CupyLauncher:
         if len(kinds) != len(args):
             raise TypeError(f"{kernel} takes {len(kinds)} arguments, {len(args)} were given")
         keep, packed = [], []
-        for kind, a in zip(kinds, args, strict=True):
+        for i, (kind, a) in enumerate(zip(kinds, args, strict=True)):
             if kind == "ptr":
                 if isinstance(a, (list, tuple)):  # pointer array: a device vector of addresses
+                    if any(t.device.type != "cuda" for t in a):
+                        raise TypeError(f"{kernel} argument {i}: a pointer array of tensors not all on the GPU")
                     a = self._pointer_array(tuple(t.data_ptr() for t in a), device)
                     keep.append(a)
+                elif a.device.type != "cuda":  # a host address would be read as a device one
+                    raise TypeError(f"{kernel} argument {i} is a {a.device} tensor; the kernels read GPU memory")
                 packed.append(np.uint64(a.data_ptr()))
             else:
                 packed.append({"int": np.int32, "long long": np.int64, "float": np.float32}[kind](a))
