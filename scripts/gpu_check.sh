@@ -24,7 +24,9 @@ case "${1:-}" in
   --cpu-dry-run) DRY=1 ;;
   --fetch-wheels)
     mkdir -p .whl
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    EXCLUDE=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
+    mkdir -p "$(dirname "$EXCLUDE")"
+    grep -qx '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >> "$EXCLUDE"
     python3 -m pip download -q --no-deps --only-binary=:all: -d .whl gguf==0.19.0
     ls -l .whl
     exit 0 ;;
@@ -72,7 +74,18 @@ if ! "$PY" -c 'from pocketmoe import native; import sys; sys.exit(0 if native.av
     || die "the native extension did not build (see $LOG)"
 fi
 
-# ---- 2. the CUDA op tests (GPU parameters on a GPU; the shim ones here in the dry run) ---------------------------
+# ---- 2. the model: V2-Lite-shaped Q4_K_M (tiny in the dry run), written in the background while the tests run --
+if [ "$DRY" = 1 ]; then PRESET=tiny; else PRESET=full; fi
+MODEL=$WORK/deepseek2-$PRESET-Q4_K_M.gguf
+SYNTH_PID=""
+if [ ! -s "$MODEL" ]; then
+  log "writing the deepseek2 $PRESET preset (Q4_K_M) to $MODEL (in the background)"
+  "$PY" -m pocketmoe.testing.synth --arch deepseek2 --preset "$PRESET" --quant Q4_K_M --out "$MODEL.part" --quiet \
+    > "$WORK/synth.log" 2>&1 &
+  SYNTH_PID=$!
+fi
+
+# ---- 3. the CUDA op tests (GPU parameters on a GPU; the shim ones here in the dry run) ---------------------------
 TESTS=(tests/test_cuda_ops.py tests/test_cuda_backend.py tests/test_cuda_runtime.py)
 if [ "$DRY" = 1 ]; then SEL=(-k "not gpu"); else SEL=(-k "gpu or runtime"); fi
 log "pytest ${TESTS[*]} ${SEL[*]}"
@@ -82,14 +95,9 @@ TEST_RC=$?
 set -e
 tail -n 3 "$OUT_DIR/pytest.log" | tee -a "$LOG" >&2
 [ "$TEST_RC" = 0 ] || log "the CUDA tests failed (rc $TEST_RC; see pytest.log); the benches still run"
-
-# ---- 3. the model: V2-Lite-shaped Q4_K_M (tiny in the dry run) ---------------------------------------------------
-if [ "$DRY" = 1 ]; then PRESET=tiny; else PRESET=full; fi
-MODEL=$WORK/deepseek2-$PRESET-Q4_K_M.gguf
-if [ ! -s "$MODEL" ]; then
-  log "writing the deepseek2 $PRESET preset (Q4_K_M) to $MODEL"
-  "$PY" -m pocketmoe.testing.synth --arch deepseek2 --preset "$PRESET" --quant Q4_K_M --out "$MODEL" --quiet >> "$LOG" 2>&1 \
-    || die "pocketmoe.testing.synth failed (see $LOG)"
+if [ -n "$SYNTH_PID" ]; then
+  wait "$SYNTH_PID" || { cat "$WORK/synth.log" >> "$LOG"; die "pocketmoe.testing.synth failed (see gpu_check.log)"; }
+  mv "$MODEL.part" "$MODEL"
 fi
 
 # ---- 4. benches ---------------------------------------------------------------------------------------------------
