@@ -107,7 +107,6 @@ class CupyLauncher:
         with self.cp.cuda.Device(device), stream:
             module.get_function(kernel)(tuple(grid), tuple(block), tuple(packed), shared_mem=shared_mem)
 
-
     def _pointer_array(self, ptrs: tuple[int, ...], device: int) -> torch.Tensor:
         """The device vector of these addresses, made once (a slot pool's or a bank's list repeats every step).
         The vector holds only the addresses, so a stale entry after a tensor is freed is never wrong."""
