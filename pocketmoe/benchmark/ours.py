@@ -110,4 +110,16 @@ def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto", pr
         experts["prefill_stats"] = stepper.prefill_stats.to_json()
     experts["measured_decode_tok_s"] = result["decode_tok_s"]
     result["experts"] = experts
+    result["peak_device_memory_gib"] = peak_device_memory_gib()
     return result, ids, m.tokens, llm
+
+
+def peak_device_memory_gib() -> float | None:
+    """The most device memory torch's allocator held in this process (GiB; the CUDA context not included), or
+    None when CUDA was never used."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return round(max(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count())) / 2**30, 3)
+

@@ -43,7 +43,8 @@ class PagedKVCache:
 
     @classmethod
     def for_bytes(cls, n_layer: int, width: int, budget_bytes: int, max_seq_len: int,
-                  dtype: torch.dtype = torch.float32, page: int = PAGE) -> PagedKVCache:
+                  dtype: torch.dtype = torch.float32, page: int = PAGE,
+                  device: torch.device | str = "cpu") -> PagedKVCache:
         """As many pages as `budget_bytes` holds (at least one sequence of max_seq_len)."""
         row = n_layer * width * torch.tensor([], dtype=dtype).element_size()
         pages = budget_bytes // (row * page)
@@ -53,7 +54,7 @@ class PagedKVCache:
                 f"a KV budget of {budget_bytes / 2**20:.1f} MiB holds {pages * page} positions but one sequence "
                 f"of {max_seq_len} needs {need * page * row / 2**20:.1f} MiB; raise the KV budget or lower "
                 "the context length.")
-        return cls(n_layer, width, pages, max_seq_len, dtype, page=page)
+        return cls(n_layer, width, pages, max_seq_len, dtype, device=device, page=page)
 
     @property
     def nbytes(self) -> int:

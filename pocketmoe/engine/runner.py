@@ -23,6 +23,7 @@ from pocketmoe.layers.experts import ExpertsFactory, host_experts_factory
 from pocketmoe.layers.linear import QuantLinear
 from pocketmoe.models import model_builder
 from pocketmoe.ops import BACKENDS, ReferenceOps, make_ops
+from pocketmoe.ops.cuda import plan_backend
 from pocketmoe.placement import Devices, PlacementPlan, PlanOptions, make_plan
 from pocketmoe.placement.run import RunPlacement, run_plan
 from pocketmoe.specs import spec_from_bundle
@@ -112,7 +113,8 @@ class ModelRunner:
         self.bundle = bundle
         self.spec = load_spec(bundle)
         self.plan = plan if plan is not None else runner_plan(self.spec, bundle, cfg)
-        self.ops = ops if ops is not None else make_ops(cfg.backend, cfg.threads, cfg.tile_rows)
+        self.ops = ops if ops is not None else make_ops(plan_backend(cfg.backend, self.plan, bundle.architecture),
+                                                            cfg.threads, cfg.tile_rows)
         threads = self.ops.torch_threads(cfg.threads)
         if threads is not None:
             torch.set_num_threads(threads)
@@ -124,11 +126,13 @@ class ModelRunner:
         self.model = build(bundle, self.spec.config, self.ops, self._make_linear, self._experts_factory())
         width = self.spec.kv_values_per_token()
         dtype = KV_DTYPES[cfg.kv_dtype]
+        kv_device = getattr(self.ops, "device", "cpu")  # the CUDA backend's device; the CPU otherwise
         if cfg.kv_cache_bytes is None:
             pages = cfg.max_seqs * -(-cfg.n_ctx // PAGE)
-            self.cache = PagedKVCache(self.model.n_layer, width, pages, cfg.n_ctx, dtype)
+            self.cache = PagedKVCache(self.model.n_layer, width, pages, cfg.n_ctx, dtype, device=kv_device)
         else:
-            self.cache = PagedKVCache.for_bytes(self.model.n_layer, width, cfg.kv_cache_bytes, cfg.n_ctx, dtype)
+            self.cache = PagedKVCache.for_bytes(self.model.n_layer, width, cfg.kv_cache_bytes, cfg.n_ctx, dtype,
+                                                device=kv_device)
         # Embedding rows are read one per token in no order: without this, each new token id of a large
         # model faults its page in from disk in decode (V2-Lite: ~2 ms a token).
         if "token_embd.weight" in bundle.tensors:

@@ -53,15 +53,30 @@ class ExpertRuntime:
         return self.engines[key]
 
 
+def expert_kernels(device: torch.device, ops: Any = None) -> ExpertKernels:
+    """The kernels that read raw expert blocks (a slot pool, a resident bank) on the CUDA `device`: the op
+    backend's own (CudaOps.expert_kernels: its launcher), else the CUDA expert kernels on a CuPy launcher."""
+    if device.type != "cuda":
+        raise PocketMoEError(f"expert_kernels takes a CUDA device, got {device}; the CPU device runs the host kernels.")
+    hook = getattr(ops, "expert_kernels", None)
+    if hook is not None:
+        return hook(device)
+    from pocketmoe.ops import cuda
+
+    if not cuda.available():
+        raise PocketMoEError(f"the routed experts were placed on {device} but {cuda.unavailable_reason()}; run "
+                             "with --device cpu (or --mode cpu).")
+    from pocketmoe.ops.cuda.backend import CupyLauncher
+    from pocketmoe.ops.cuda.experts import CudaExpertKernels
+
+    return CudaExpertKernels(CupyLauncher())
+
+
 def device_kernels(ops: Any, device: torch.device, host: ExpertKernels) -> ExpertKernels:
-    """The kernels that read a slot pool on `device`: on the CPU device, the host's own."""
+    """The kernels that read a slot pool on `device`: on the CPU device, the host's own; on CUDA, expert_kernels."""
     if device.type == "cpu":
         return host
-    kernels = getattr(ops, "expert_kernels", None)
-    if kernels is None:
-        raise PocketMoEError(f"the op backend {getattr(ops, 'name', ops)!r} has no expert kernels for {device}; "
-                             "run with --device cpu (or --mode cpu) until the CUDA backend is built.")
-    return kernels(device)
+    return expert_kernels(device, ops)
 
 
 def plan_experts_factory(plan: Any, ops: Any, tile_rows: int | None, rt: ExpertRuntime) -> ExpertsFactory:

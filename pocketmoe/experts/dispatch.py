@@ -68,7 +68,9 @@ class DispatchExperts:
         self.stats.add(tokens=t if self.counts_tokens else 0, hits=n_hit, misses=len(experts) - n_hit,
                        staged=n_staged, cpu_experts=len(on_cpu) + len(late),
                        bytes_copied=n_staged * self.expert_bytes, model_seconds=decision.seconds)
-        return self.host_kernels.combine(contrib.view(t, k, -1), weights)
+        # on the host (the CPU device, or a host-side model over a CUDA pool) the host kernels' combine
+        combiner = self.host_kernels if contrib.device.type == "cpu" else self.device_kernels
+        return combiner.combine(contrib.view(t, k, -1), weights)
 
     def _host_outputs(self, x: torch.Tensor, rows: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
         host_x = x[rows].cpu()

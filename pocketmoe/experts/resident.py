@@ -26,7 +26,13 @@ class ResidentExperts:
         flat = ids.reshape(-1).to(dev)
         rows = torch.arange(t * k, device=dev) // k
         contrib = self.kernels.outputs(self.store, x.to(dev)[rows], flat)
-        self.stats.add(tokens=t if self.counts_tokens else 0, resident=len(torch.unique(flat)))
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a decode CUDA graph (ops.cuda.graphs): nothing is read back; each replay counts the tokens
+            from pocketmoe.ops.cuda.graphs import on_replay
+
+            on_replay(lambda: self.stats.add(tokens=t if self.counts_tokens else 0))
+        else:
+            self.stats.add(tokens=t if self.counts_tokens else 0, resident=len(torch.unique(flat)))
         return self.kernels.combine(contrib.view(t, k, -1), weights.to(dev)).to(x.device)
 
 

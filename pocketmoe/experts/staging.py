@@ -1,7 +1,7 @@
 """Device slot pools and the copy engine that stages experts' raw blocks into them.
 
-A copy runs on the copy engine (a CUDA copy stream with events; on the CPU device, one copy thread with
-threading events), so the next expert's copy overlaps the current expert's compute. A slot is never
+A copy runs on the copy engine (a CUDA copy stream with events, from pinned host staging buffers; on the CPU
+device, one copy thread with threading events), so the next expert's copy overlaps the current expert's compute. A slot is never
 overwritten while a copy into it or a kernel reading it is in flight: `stage` refuses a slot whose
 copy is not waited for or that has readers (`SlotInUseError`, a bug, never a user error), and the
 dispatcher only stages into slots it has released.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,34 +26,90 @@ class SlotInUseError(RuntimeError):
     """A slot was about to be overwritten while a copy into it or a kernel reading it was in flight."""
 
 
-class CopyEngine:
-    """Copies run in submission order off the compute thread; `done` events say when each one landed."""
+class TorchCuda:
+    """The CUDA calls the copy engine makes (tests hand it a fake that logs them on the CPU)."""
 
-    def __init__(self, device: torch.device, delay: CopyDelay | None = None) -> None:
+    def stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def use(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class CopyEngine:
+    """Copies run in submission order off the compute thread; `done` events say when each one landed.
+
+    CUDA: an expert's blocks are gathered on the host into one of `buffers` pinned staging buffers (the
+    mapped file is pageable: a copy from it would not be asynchronous), then copied into the slot on the copy
+    stream, after the compute-stream event `after` (the last kernel that read the slot); a buffer is refilled
+    only once the copy out of it has landed (its event synchronized). Two buffers: the host fills one while the
+    other's copy runs (double-buffered), and both overlap the kernels on the compute stream.
+    """
+
+    def __init__(self, device: torch.device, delay: CopyDelay | None = None, api: Any = None,
+                 buffers: int = 2) -> None:
+        """api: the CUDA calls (None: torch.cuda on a CUDA device; on the CPU device, a copy thread)."""
         self.device, self.delay = device, delay
-        self.cuda = device.type == "cuda"
+        self.cuda = device.type == "cuda" or api is not None
         self.copied_bytes = 0
         if self.cuda:
-            self.stream = torch.cuda.Stream(device)
+            self.api = api if api is not None else TorchCuda()
+            self.stream = self.api.stream(device)
+            self._staging: list[tuple[torch.Tensor | None, Any]] = [(None, None)] * max(1, buffers)
+            self._next = 0
         else:
             self._jobs: queue.Queue = queue.Queue()
             self._thread: threading.Thread | None = None
+
+    def _buffer(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """The next staging buffer in turn, free (the copy out of it landed) and at least nbytes long."""
+        i = self._next
+        self._next = (i + 1) % len(self._staging)
+        buf, ev = self._staging[i]
+        if ev is not None:
+            ev.synchronize()
+        if buf is None or buf.numel() < nbytes:
+            buf = self.api.pinned(nbytes)
+        self._staging[i] = (buf, None)
+        return i, buf
 
     def submit(self, dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, ...], slot: int, expert: int,
                after: object = None) -> object:
         """Copy src[i] into dst[i] (CUDA: once the compute-stream event `after` passed); returns the event
         to wait on."""
-        self.copied_bytes += sum(s.numel() * s.element_size() for s in src)
+        nbytes = sum(s.numel() * s.element_size() for s in src)
+        self.copied_bytes += nbytes
         if self.cuda:
-            ev = torch.cuda.Event()
+            i, buf = self._buffer(nbytes)
+            views, off = [], 0
+            for s in src:  # host side: the pageable blocks into the pinned buffer
+                n = s.numel() * s.element_size()
+                views.append(buf[off:off + n])
+                views[-1].copy_(_bytes(s))
+                off += n
             if after is not None:
                 self.stream.wait_event(after)
-            with torch.cuda.stream(self.stream):
+            ev = self.api.event()
+            with self.api.use(self.stream):
                 if self.delay is not None:
                     self.delay(slot, expert)
-                for d, s in zip(dst, src, strict=True):
-                    d.copy_(s, non_blocking=True)
+                for d, v in zip(dst, views, strict=True):
+                    _bytes(d).copy_(v, non_blocking=True)
                 ev.record(self.stream)
+            self._staging[i] = (buf, ev)
             return ev
         done = threading.Event()
         if self._thread is None:
@@ -73,9 +130,15 @@ class CopyEngine:
     def wait(self, event: object) -> None:
         """Make the compute side wait for the copy (CUDA: the current stream waits on the event)."""
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            self.api.current_stream(self.device).wait_event(event)
         else:
             event.wait()
+
+    def read_done(self) -> object:
+        """CUDA: an event recorded on the compute stream now (after the kernels that read a slot)."""
+        ev = self.api.event()
+        ev.record(self.api.current_stream(self.device))
+        return ev
 
 
 class SlotPool:
@@ -116,8 +179,7 @@ class SlotPool:
             raise SlotInUseError(f"slot {slot} released more often than acquired")
         self._readers[slot] -= 1
         if self.engine.cuda:
-            ev = self._read_done[slot] = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.engine.device))
+            self._read_done[slot] = self.engine.read_done()
 
     def busy(self, slot: int) -> bool:
         return slot in self._pending or self._readers[slot] > 0

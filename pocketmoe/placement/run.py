@@ -46,10 +46,10 @@ class RunPlacement:
 
 
 def cuda_runtime() -> bool:
-    """Whether this build can run a model on CUDA: a GPU torch sees and a CUDA op backend."""
-    from pocketmoe.ops import BACKENDS
+    """Whether this build can run a model on CUDA: a GPU torch sees and the CUDA op backend (CuPy imports)."""
+    from pocketmoe.ops import BACKENDS, cuda
 
-    return bool(cuda_memory_bytes()) and "cuda" in BACKENDS
+    return bool(cuda_memory_bytes()) and "cuda" in BACKENDS and cuda.available()
 
 
 def device_kind(device: str, plan_only: bool = False, sizes_given: bool = False) -> str:

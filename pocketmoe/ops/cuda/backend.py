@@ -1,7 +1,11 @@
 """The CUDA op backend: the kernels of src/ on device tensors, everything else on the reference.
 
-`CudaOps` composes each op from kernel launches and a little torch glue (cat, views, the per-head
-GEMMs through the layers' own backend). A launcher runs a kernel: `CupyLauncher` compiles the sources with
+`CudaOps` composes each op from kernel launches and a little torch glue (cat, views). QuantLinear runs
+straight from its raw blocks (uploaded to the device once, on first use, kept in `backend_data`): the
+activations quantized once per row (matmul.quantize_activations, shared by the weights of a linear_multi),
+then the GEMV for up to GEMV_TOKENS tokens or the grouped GEMM (one group) beyond; per-head weights
+(k_b / v_b) run as one grouped GEMM with a group per head. Small float vectors (norm weights, biases) get a
+device copy made once; the embedding rows are looked up on the host and uploaded ([T, D] per step). A launcher runs a kernel: `CupyLauncher` compiles the sources with
 CuPy `RawModule` (NVRTC) and launches on torch's current stream (`cupy.cuda.ExternalStream`), torch tensors
 in and out by data_ptr; the tests hand CudaOps the CPU shim's launcher instead, so the same glue runs
 here without a GPU. An op the kernels do not take (another dtype, an f16 cache, a legacy MLA layout, dims
@@ -19,13 +23,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from pocketmoe.layers.experts import NativeExperts, ReferenceExperts
 from pocketmoe.layers.moe import GATING_SOFTMAX, WEIGHT_SUM_MIN
+from pocketmoe.ops.cuda import matmul
 from pocketmoe.ops.reference import ReferenceOps
 
 if TYPE_CHECKING:
     from pocketmoe.engine.step import StepContext
     from pocketmoe.layers.attention import MLAttention
+    from pocketmoe.layers.experts import ExpertBank
     from pocketmoe.layers.gqa import GQAttention
+    from pocketmoe.layers.linear import QuantEmbedding, QuantLinear
     from pocketmoe.layers.moe import Router
 
 # launch(source, kernel, grid, block, args, shared_mem): args are tensors (pointers), ints and floats
@@ -65,6 +73,7 @@ class CupyLauncher:
         inc = cuda_include_dir()
         self.options = ("--std=c++17", f"-I{SRC}") + ((f"-I{inc}",) if inc else ())
         self._modules: dict[tuple[str, int], tuple[Any, dict[str, list[str]]]] = {}
+        self._ptr_arrays: dict[tuple[int, ...], torch.Tensor] = {}  # addresses -> their device vector
 
     def _module(self, source: str, device: int) -> tuple[Any, dict[str, list[str]]]:
         key = (source, device)
@@ -82,17 +91,32 @@ class CupyLauncher:
         if len(kinds) != len(args):
             raise TypeError(f"{kernel} takes {len(kinds)} arguments, {len(args)} were given")
         keep, packed = [], []
-        for kind, a in zip(kinds, args, strict=True):
+        for i, (kind, a) in enumerate(zip(kinds, args, strict=True)):
             if kind == "ptr":
                 if isinstance(a, (list, tuple)):  # pointer array: a device vector of addresses
-                    a = torch.tensor([t.data_ptr() for t in a], dtype=torch.int64, device=f"cuda:{device}")
+                    if any(t.device.type != "cuda" for t in a):
+                        raise TypeError(f"{kernel} argument {i}: a pointer array of tensors not all on the GPU")
+                    a = self._pointer_array(tuple(t.data_ptr() for t in a), device)
                     keep.append(a)
+                elif a.device.type != "cuda":  # a host address would be read as a device one
+                    raise TypeError(f"{kernel} argument {i} is a {a.device} tensor; the kernels read GPU memory")
                 packed.append(np.uint64(a.data_ptr()))
             else:
                 packed.append({"int": np.int32, "long long": np.int64, "float": np.float32}[kind](a))
         stream = self.cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         with self.cp.cuda.Device(device), stream:
             module.get_function(kernel)(tuple(grid), tuple(block), tuple(packed), shared_mem=shared_mem)
+
+    def _pointer_array(self, ptrs: tuple[int, ...], device: int) -> torch.Tensor:
+        """The device vector of these addresses, made once (a slot pool's or a bank's list repeats every step).
+        The vector holds only the addresses, so a stale entry after a tensor is freed is never wrong."""
+        key = (device, *ptrs)
+        got = self._ptr_arrays.get(key)
+        if got is None:
+            if len(self._ptr_arrays) >= 4096:
+                self._ptr_arrays.clear()
+            got = self._ptr_arrays[key] = torch.tensor(ptrs, dtype=torch.int64).to(f"cuda:{device}")
+        return got
 
 
 def _f32(*ts: torch.Tensor | None) -> bool:
@@ -102,20 +126,200 @@ def _f32(*ts: torch.Tensor | None) -> bool:
 class CudaOps(ReferenceOps):
     name = "cuda"
     absorbs_legacy_mla = True  # attn_kv_b is split into k_b / v_b at load: attention runs in latent space
+    dense_cache_roles = ()     # the kernels read raw blocks: no dequantized float copies
     detail = "CUDA kernels (CuPy RawModule)"
 
-    def __init__(self, tile_rows: int | None = 8, launcher: Launcher | None = None) -> None:
+    def __init__(self, tile_rows: int | None = 8, launcher: Launcher | None = None,
+                 device: torch.device | str | None = None) -> None:
+        """device: where the tensors live (default: torch's current CUDA device with the CuPy launcher, the CPU
+        with any other launcher, e.g. the shim's)."""
         super().__init__(tile_rows)
         self.launch: Launcher = launcher if launcher is not None else CupyLauncher()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if launcher is None else torch.device("cpu")
+        self.device = torch.device(device)
         self._step: tuple[object, tuple[torch.Tensor, ...]] = (None, ())
+        self._vectors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(host vector) -> (it, device copy)
+        self.graphs: Any = None  # graphs.DecodeGraphs when CUDA graphs are on (enable_graphs)
+        self._ctx: StepContext | None = None  # the step run() is running
+
+    # -- placement of what the kernels read --------------------------------------------------------
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A weight-like tensor (norm weight, bias) on the device: a copy made once per tensor."""
+        if t.device == self.device:
+            return t
+        got = self._vectors.get(id(t))
+        if got is None or got[0] is not t:
+            got = self._vectors[id(t)] = (t, t.to(self.device).contiguous())
+        return got[1]
+
+    def weight(self, layer: QuantLinear) -> torch.Tensor | bool:
+        """The layer's raw blocks on the device, uint8 [*lead, O, row_bytes], uploaded at first use; False when
+        no kernel reads them (another type, columns not a multiple of the type's activation block)."""
+        h = layer.backend_data
+        if h is None:
+            h = layer.backend_data = self._upload(layer)
+        return h
+
+    def _upload(self, layer: QuantLinear) -> torch.Tensor | bool:
+        t, cols = layer.ggml_type, layer.in_features
+        bv = matmul.activation_block(t)
+        if not bv or cols % bv or len(layer.shape) not in (2, 3):
+            return False
+        raw = layer.raw
+        if raw.is_floating_point():  # an F32 / F16 / BF16 view: the kernels read its bytes
+            if raw.dtype != {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}.get(t):
+                return False
+            raw = raw.contiguous().view(torch.uint8)
+        raw = raw.reshape(*layer.shape[:-1], -1)
+        return raw.to(self.device).contiguous()
+
+    def _acts(self, x: torch.Tensor, block: int) -> list[torch.Tensor]:
+        return matmul.quantize_activations(self.launch, x.to(self.device), block)
+
+    def _matmul(self, w: torch.Tensor, layer: QuantLinear, acts: list[torch.Tensor]) -> torch.Tensor:
+        """y [T, O] from quantized activations: the GEMV for a few tokens, the one-group GEMM beyond (the same
+        lane order, so the same bits either way)."""
+        t = acts[0].shape[0]
+        if t <= matmul.GEMV_TOKENS:
+            return matmul.gemv(self.launch, w, layer.ggml_type, layer.in_features, acts)
+        dev = self.device
+        out = torch.empty((t, w.shape[0]), dtype=torch.float32, device=dev)
+        offsets = torch.arange(0, 2 * t, t, dtype=torch.int32, device=dev)  # [0, t]
+        tokens = torch.arange(t, dtype=torch.int32, device=dev)
+        slots = torch.zeros(t, dtype=torch.int32, device=dev)
+        return matmul.moe_gemm(self.launch, [w], layer.ggml_type, w.shape[0], layer.in_features, offsets, tokens,
+                               slots, acts, 1, out, max_pairs=t)
+
+    def _host_linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        """A weight no kernel reads: the reference on the host, the result back on x's device."""
+        return ReferenceOps.linear(self, layer, x.cpu().float()).to(x.device)
+
+    # -- linear ------------------------------------------------------------------------------------
+    def linear(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [T, I] -> [T, O]
+        w = self.weight(layer)
+        if w is False or len(layer.shape) != 2:
+            return self._host_linear(layer, x)
+        return self._matmul(w, layer, self._acts(x, matmul.activation_block(layer.ggml_type)))
+
+    def linear_multi(self, weights: Sequence[QuantLinear], x: torch.Tensor) -> list[torch.Tensor]:
+        """The input quantized once per activation block size the weights read, then one matmul each."""
+        acts: dict[int, list[torch.Tensor]] = {}
+        out = []
+        for layer in weights:
+            w = self.weight(layer)
+            if w is False or len(layer.shape) != 2:
+                out.append(self._host_linear(layer, x))
+                continue
+            bv = matmul.activation_block(layer.ggml_type)
+            if bv not in acts:
+                acts[bv] = self._acts(x, bv)
+            out.append(self._matmul(w, layer, acts[bv]))
+        return out
+
+    def batched(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [H, T, I] -> [H, T, O]
+        return self._per_head(layer, x.transpose(0, 1)).transpose(0, 1).contiguous()
+
+    def _per_head(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [T, H, I] -> [T, H, O]
+        """One grouped GEMM, a group per head: pair (t, h) reads activation row t*H + h, writes row t*H + h."""
+        w = self.weight(layer)
+        t, h = x.shape[0], x.shape[1]
+        if w is False or len(layer.shape) != 3:
+            return ReferenceOps.batched(self, layer, x.transpose(0, 1).cpu().float()).transpose(0, 1).to(x.device)
+        o, dev = layer.shape[1], self.device
+        out = torch.empty((t * h, o), dtype=torch.float32, device=dev)
+        if t == 0:
+            return out.view(t, h, o)
+        acts = self._acts(x.reshape(t * h, -1), matmul.activation_block(layer.ggml_type))
+        offsets = torch.arange(0, (h + 1) * t, t, dtype=torch.int32, device=dev)
+        tokens = torch.arange(t, dtype=torch.int32, device=dev).repeat(h)
+        slots = torch.arange(h, dtype=torch.int32, device=dev).repeat_interleave(t)
+        matmul.moe_gemm(self.launch, [w[i] for i in range(h)], layer.ggml_type, o, layer.in_features, offsets,
+                        tokens, slots, acts, h, out, act_by_pair=True, max_pairs=t)
+        return out.view(t, h, o)
+
+    def embed(self, table: QuantEmbedding, tokens: np.ndarray) -> torch.Tensor:  # [T] -> [T, D]
+        """The rows looked up on the host (the table stays in host memory), uploaded."""
+        if self.graphs is not None and self.graphs.inputs is not None:  # capturing: the rows through a static buffer
+            ctx = self._ctx
+            if ctx is None or tokens is not ctx.tokens:
+                raise RuntimeError("embed of tokens other than the step's cannot be captured")
+            return self.graphs.host_input(lambda c: ReferenceOps.embed(self, table, c.tokens), ctx)
+        return super().embed(table, tokens).to(self.device)
+
+    def moe(self, bank: ExpertBank, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A host bank (the CPU plan's) runs on host copies; the plan's device banks take device tensors. While a
+        decode CUDA graph is captured only a resident bank may run (the dispatcher's cache bookkeeping would
+        record copies the capture never makes): any other ends the capture before it changes anything."""
+        if self.graphs is not None and self.graphs.inputs is not None:
+            from pocketmoe.experts.resident import ResidentExperts
+
+            if not isinstance(bank, ResidentExperts):
+                raise RuntimeError(f"a {type(bank).__name__} MoE layer cannot be captured in a CUDA graph")
+        if isinstance(bank, (NativeExperts, ReferenceExperts)) and x.device.type != "cpu":
+            return bank(x.cpu(), ids.cpu(), weights.cpu()).to(x.device)
+        return bank(x, ids, weights)
+
+    def run(self, model: Any, ctx: StepContext) -> torch.Tensor:
+        """The step on the device (a captured CUDA graph when graphs are on and the step's shape has one);
+        the logits come back to the host, as every backend returns them."""
+        self._ctx = ctx
+        try:
+            if self.graphs is not None:
+                out = self.graphs.run(model, ctx)
+                if out is not None:
+                    return out.cpu()
+            return model(ctx).cpu()
+        finally:
+            self._ctx = None
+
+    def expert_kernels(self, device: torch.device) -> Any:
+        """The routed-expert kernels for slot pools and resident banks on `device` (experts.build's hook)."""
+        from pocketmoe.ops.cuda.experts import CudaExpertKernels
+
+        return CudaExpertKernels(self.launch)
 
     def _step_arrays(self, ctx: StepContext, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """seq, keys, page_table, write_rows of the step on the device (made once per step)."""
+        """seq, keys, page_table, write_rows (int32) and cos2, sin2 (float32) of the step on the device, made once
+        per step (while a CUDA graph is captured: static buffers the graph copies from pinned ones)."""
         if self._step[0] is not ctx or self._step[1][0].device != device:
-            arrays = (ctx.seq, ctx.keys, ctx.page_table, ctx.write_rows)
-            self._step = (ctx, tuple(torch.as_tensor(np.ascontiguousarray(a, dtype=np.int32), device=device)
-                                     for a in arrays))
+            capture = self.graphs is not None and self.graphs.inputs is not None
+
+            def table(c: StepContext) -> np.ndarray:
+                if not capture:
+                    return c.page_table
+                width = -(-c.cache.max_seq_len // c.cache.page)  # the widest a table gets: a fixed kernel argument
+                t = np.zeros((c.page_table.shape[0], width), dtype=np.int32)
+                t[:, :c.page_table.shape[1]] = c.page_table
+                return t
+
+            makes = [lambda c: c.seq, lambda c: c.keys, table, lambda c: c.write_rows]
+            arrays = [self._step_input(lambda c, m=m: np.ascontiguousarray(m(c), dtype=np.int32), ctx, device)
+                      for m in makes]
+            arrays += [self._step_input(lambda c, n=n: getattr(c, n).float().contiguous(), ctx, device)
+                       for n in ("cos2", "sin2")]
+            self._step = (ctx, tuple(arrays))
         return self._step[1]
+
+    def _step_input(self, make: Callable[[StepContext], Any], ctx: StepContext, device: torch.device) -> torch.Tensor:
+        """make(ctx) on the device: through a graph's static buffers while one is captured, else a plain copy."""
+        if self.graphs is not None:
+            got = self.graphs.host_input(make, ctx)
+            if got is not None:
+                return got
+        return torch.as_tensor(make(ctx)).to(device)
+
+    def enable_graphs(self) -> bool:
+        """CUDA graphs for decode steps (graphs.py); only on a CUDA device. Returns whether they are on."""
+        from pocketmoe.ops.cuda.graphs import DecodeGraphs
+
+        if self.device.type != "cuda":
+            return False
+        self.graphs = DecodeGraphs(self.device, reset=self._drop_step)
+        return True
+
+    def _drop_step(self) -> None:
+        self._step = (None, ())
 
     # -- norms and the residual stream ---------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,7 +330,7 @@ class CudaOps(ReferenceOps):
         y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
         if x2.shape[0]:
             self.launch("norm_rope.cu", "rms_norm_f32", (x2.shape[0], 1, 1), (ROW_THREADS, 1, 1),
-                        [x2, x2.stride(0), weight.contiguous(), y, d, d, float(eps)], 0)
+                        [x2, x2.stride(0), self.on_device(weight), y, d, d, float(eps)], 0)
         return y.view(x.shape)
 
     def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -136,7 +340,7 @@ class CudaOps(ReferenceOps):
         y = torch.empty_like(x)
         if x.numel():
             self.launch("norm_rope.cu", "add_rms_norm_f32", (x.numel() // d, 1, 1), (ROW_THREADS, 1, 1),
-                        [x, add.contiguous(), weight.contiguous(), y, d, float(eps)], 0)
+                        [x, add.contiguous(), self.on_device(weight), y, d, float(eps)], 0)
         return y
 
     def finalize(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None,
@@ -150,7 +354,7 @@ class CudaOps(ReferenceOps):
             a = a.contiguous()
             self.launch("finalize.cu", "finalize_f32", (x.numel() // d, 1, 1), (ROW_THREADS, 1, 1),
                         [x, a, a if b is None else b.contiguous(), 1 if b is None else 2,
-                         x if weight is None else weight.contiguous(), x if y is None else y,
+                         x if weight is None else self.on_device(weight), x if y is None else y,
                          0 if weight is None else 1, d, float(eps)], 0)
         return y
 
@@ -178,23 +382,21 @@ class CudaOps(ReferenceOps):
                 or c.kv_lora > ATT_ACC * ATT_THREADS):
             return super().mla_attention(attn, q, kv, ctx, layer)
         t, dev, width = q.shape[0], q.device, c.kv_lora + c.qk_rope
-        seq, keys, table, write_rows = self._step_arrays(ctx, dev)
-        cos2, sin2 = ctx.cos2.to(dev).float().contiguous(), ctx.sin2.to(dev).float().contiguous()
+        seq, keys, table, write_rows, cos2, sin2 = self._step_arrays(ctx, dev)
         rows = cache.data[layer]  # [P, C+R]
         self.launch("attention.cu", "mla_latent_f32", (t, 1, 1), (ROW_THREADS, 1, 1),
-                    [kv.contiguous(), attn.kv_a_norm.float().contiguous(), cos2, sin2, write_rows, rows,
+                    [kv.contiguous(), self.on_device(attn.kv_a_norm.float()), cos2, sin2, write_rows, rows,
                      c.kv_lora, c.qk_rope, attn.eps], 0)
         q_nope, q_pe = q.view(t, c.n_head, -1).split([c.qk_nope, c.qk_rope], dim=-1)
         qcat = torch.empty(t, c.n_head, width, dtype=torch.float32, device=dev)  # [T, H, C+R]
-        qcat[..., :c.kv_lora] = attn.k_b.batched(q_nope.transpose(0, 1).contiguous()).transpose(0, 1)
+        qcat[..., :c.kv_lora] = self._per_head(attn.k_b, q_nope)
         qcat[..., c.kv_lora:] = q_pe
         self._rope_into(qcat, cos2, sin2, False, c.kv_lora)
         o_lat = torch.empty(t, c.n_head, c.kv_lora, dtype=torch.float32, device=dev)  # [T, H, C]
         self.launch("attention.cu", "mla_attention_f32", (t, c.n_head, 1), (ATT_THREADS, 1, 1),
                     [qcat, rows, seq, keys, table, table.shape[1], cache.page, o_lat, c.kv_lora, c.qk_rope,
                      c.scale], width * 4)
-        o = attn.v_b.batched(o_lat.transpose(0, 1).contiguous())  # [H, T, V]
-        return o.transpose(0, 1).reshape(t, c.n_head * c.v_head)
+        return self._per_head(attn.v_b, o_lat).reshape(t, c.n_head * c.v_head)  # [T, H, V]
 
     def gqa_attention(self, attn: GQAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
                       layer: int) -> torch.Tensor:
@@ -202,8 +404,7 @@ class CudaOps(ReferenceOps):
         if cache.data.dtype != torch.float32 or not _f32(q, k, v) or c.v_dim > ATT_ACC * ATT_THREADS:
             return super().gqa_attention(attn, q, k, v, ctx, layer)
         t, dev = q.shape[0], q.device
-        seq, keys, table, write_rows = self._step_arrays(ctx, dev)
-        cos2, sin2 = ctx.cos2.to(dev).float().contiguous(), ctx.sin2.to(dev).float().contiguous()
+        seq, keys, table, write_rows, cos2, sin2 = self._step_arrays(ctx, dev)
         qr = q.reshape(t, c.n_head, c.head_dim).contiguous().clone()
         kr = k.reshape(t, c.n_head_kv, c.head_dim).contiguous().clone()
         self._rope_into(qr, cos2, sin2, c.neox)
@@ -229,7 +430,7 @@ class CudaOps(ReferenceOps):
         if t:
             bias = router.bias
             self.launch("route.cu", "route_f32", (t, 1, 1), (32, 1, 1),
-                        [logits, logits if bias is None else bias.to(x.device).contiguous(), int(bias is not None),
+                        [logits, logits if bias is None else self.on_device(bias), int(bias is not None),
                          ids, weights, c.n_experts, c.top_k, 1 if c.gating == GATING_SOFTMAX else 2, c.n_groups,
                          c.groups_used, int(c.norm), float(c.scale), WEIGHT_SUM_MIN],
                         (2 * c.n_experts + c.n_groups) * 4)

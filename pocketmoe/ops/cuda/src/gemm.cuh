@@ -194,6 +194,25 @@ __device__ __forceinline__ void tile_rows(int* srow, const int32_t* tokens, cons
   if (j < kTilePairs) srow[j] = j >= np ? -1 : act_by_pair ? tokens[p0 + j] * top_k + slots[p0 + j] : tokens[p0 + j];
 }
 
+// One chunk of the tile's activation rows into shared memory: dst[j * per + k] = src[row_j * stride + off + k] for
+// pair j of the tile (row_j = srow[j]); zero past the tile's pairs and where k * unit (the values the element
+// stands for) reaches the chunk's cn values.
+template <class T>
+__device__ __forceinline__ void stage_tile(T* dst, const T* src, const int* srow, int per, int unit, int cn,
+                                           long long stride, long long off) {
+  for (int i = threadIdx.x; i < kTilePairs * per; i += blockDim.x) {
+    const int r = srow[i / per], k = i % per;
+    dst[i] = r >= 0 && k * unit < cn ? src[static_cast<long long>(r) * stride + off + k] : T(0);
+  }
+}
+
+__device__ __forceinline__ void zero_tile(float (&acc)[kTileRows][kTilePairs]) {
+#pragma unroll
+  for (int i = 0; i < kTileRows; ++i)
+#pragma unroll
+    for (int t = 0; t < kTilePairs; ++t) acc[i][t] = 0.0f;
+}
+
 template <int NT>
 __device__ __forceinline__ void store_tile(float (&acc)[kTileRows][NT], const int32_t* tokens, const int32_t* slots,
                                            int p0, int np, float* y, int rows, int row0, int top_k) {
@@ -233,27 +252,14 @@ __device__ __forceinline__ void moe_gemm_q(const uint8_t* const* experts, const 
     const int p0 = tl.begin + tile * kTilePairs, np = min(kTilePairs, tl.count - tile * kTilePairs);
     tile_rows(srow, tokens, slots, p0, np, top_k, act_by_pair);
     float acc[kTileRows][kTilePairs];
-#pragma unroll
-    for (int i = 0; i < kTileRows; ++i)
-#pragma unroll
-      for (int t = 0; t < kTilePairs; ++t) acc[i][t] = 0.0f;
+    zero_tile(acc);
     for (int c0 = 0; c0 < cols; c0 += kChunk) {
       const int cn = min(kChunk, cols - c0);
       __syncthreads();   // the previous chunk's readers are done (and srow is written)
-      for (int i = threadIdx.x; i < kTilePairs * kChunk / 4; i += blockDim.x) {
-        const int r = srow[i / (kChunk / 4)], k = i % (kChunk / 4);
-        sq[i] = r >= 0 && 4 * k < cn ? reinterpret_cast<const int*>(xq + static_cast<long long>(r) * cols + c0)[k] : 0;
-      }
-      for (int i = threadIdx.x; i < kTilePairs * kD; i += blockDim.x) {
-        const int r = srow[i / kD], k = i % kD;
-        sd[i] = r >= 0 && k * D::kValues < cn ? xd[static_cast<long long>(r) * nb + c0 / D::kValues + k] : 0.0f;
-      }
-      if constexpr (D::kValues == 256) {
-        for (int i = threadIdx.x; i < kTilePairs * kS; i += blockDim.x) {
-          const int r = srow[i / kS], k = i % kS;
-          ss[i] = r >= 0 && 16 * k < cn ? xs[static_cast<long long>(r) * (cols / 16) + c0 / 16 + k] : int16_t(0);
-        }
-      }
+      // int8 values four to an int (cols and c0 are multiples of 32), one scale per block, one sum per 16
+      stage_tile(sq, reinterpret_cast<const int*>(xq), srow, kChunk / 4, 4, cn, cols / 4, c0 / 4);
+      stage_tile(sd, xd, srow, kD, D::kValues, cn, nb, c0 / D::kValues);
+      if constexpr (D::kValues == 256) stage_tile(ss, xs, srow, kS, 16, cn, cols / 16, c0 / 16);
       __syncthreads();
       const ActRows a{reinterpret_cast<const int8_t*>(sq), sd, ss, kChunk, kD, kS};
 #pragma unroll
@@ -281,17 +287,11 @@ __device__ __forceinline__ void moe_gemm_f(const uint8_t* const* experts, const 
     const int p0 = tl.begin + tile * kTilePairs, np = min(kTilePairs, tl.count - tile * kTilePairs);
     tile_rows(srow, tokens, slots, p0, np, top_k, act_by_pair);
     float acc[kTileRows][kTilePairs];
-#pragma unroll
-    for (int i = 0; i < kTileRows; ++i)
-#pragma unroll
-      for (int t = 0; t < kTilePairs; ++t) acc[i][t] = 0.0f;
+    zero_tile(acc);
     for (int c0 = 0; c0 < cols; c0 += kFloatChunk) {
       const int cn = min(kFloatChunk, cols - c0);
       __syncthreads();
-      for (int i = threadIdx.x; i < kTilePairs * kFloatChunk; i += blockDim.x) {
-        const int r = srow[i / kFloatChunk], k = i % kFloatChunk;
-        sx[i] = r >= 0 && k < cn ? x[static_cast<long long>(r) * cols + c0 + k] : 0.0f;
-      }
+      stage_tile(sx, x, srow, kFloatChunk, 1, cn, cols, c0);
       __syncthreads();
 #pragma unroll
       for (int i = 0; i < kTileRows; ++i) {

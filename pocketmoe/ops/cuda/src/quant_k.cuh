@@ -5,6 +5,22 @@
 
 namespace pmq {
 
+// The 8 words of a group's 32 quants, four to a word: word k of lo (at 4k), shifted right by lo_shift and masked
+// with kLoMask, ORed with kHiBits (0, 1 or 2) high bits from word k of hi shifted right by hi_shift, placed at bit
+// kHiPos of each byte; then, with kOff, biased to signed bytes (to_signed). kA2: the words are only 2-byte aligned.
+template <bool kA2, uint32_t kLoMask, int kHiBits = 0, int kHiPos = 0, uint32_t kOff = 0>
+__device__ __forceinline__ void unpack_group(const uint8_t* lo, int lo_shift, const uint8_t* hi, int hi_shift,
+                                             int (&q)[8]) {
+  constexpr uint32_t kHiMask = kHiBits == 1 ? 0x01010101u : 0x03030303u;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    uint32_t v = ((kA2 ? ld_u32_a2(lo + 4 * k) : ld_u32(lo + 4 * k)) >> lo_shift) & kLoMask;
+    if constexpr (kHiBits > 0)
+      v |= (((kA2 ? ld_u32_a2(hi + 4 * k) : ld_u32(hi + 4 * k)) >> hi_shift) & kHiMask) << kHiPos;
+    q[k] = kOff ? to_signed(v, kOff) : static_cast<int>(v);
+  }
+}
+
 // Q2_K, 84 bytes: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin; q in 0..3.
 struct Q2K {
   static constexpr int kValues = 256;
@@ -15,10 +31,7 @@ struct Q2K {
     dmin = -ld_fp16(b + 82);
   }
   static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
-    const uint8_t* qs = b + 16 + 32 * (g / 4);
-    const int shift = 2 * (g % 4);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) q[k] = static_cast<int>((ld_u32(qs + 4 * k) >> shift) & 0x03030303u);
+    unpack_group<false, 0x03030303u>(b + 16 + 32 * (g / 4), 2 * (g % 4), nullptr, 0, q);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       sc[h] = b[2 * g + h] & 15;
@@ -44,29 +57,25 @@ struct Q3K {
     return (low4 | (((b[104 + r] >> (2 * quarter)) & 3) << 4)) - 32;
   }
   static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
-    const uint8_t* qs = b + 32 + 32 * (g / 4);
-    const int shift = 2 * (g % 4);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t lo = (ld_u32_a2(qs + 4 * k) >> shift) & 0x03030303u;
-      const uint32_t hi = (ld_u32_a2(b + 4 * k) >> g) & 0x01010101u;
-      q[k] = to_signed(lo | (hi << 2), 4);
-    }
+    unpack_group<true, 0x03030303u, 1, 2, 4>(b + 32 + 32 * (g / 4), 2 * (g % 4), b, g, q);
     sc[0] = scale6(b, 2 * g);
     sc[1] = scale6(b, 2 * g + 1);
     mn[0] = mn[1] = 0;
   }
 };
 
-// Q4_K / Q5_K: the 6-bit scale and min of group g from scales[12] at s.
-__device__ __forceinline__ void scale_min_k4(const uint8_t* s, int g, int& sc, int& m) {
+// Q4_K / Q5_K: the 6-bit scale and min of group g from scales[12] at s, for both halves of the group.
+__device__ __forceinline__ void scale_min_k4(const uint8_t* s, int g, int (&sc)[2], int (&mn)[2]) {
+  int c, m;
   if (g < 4) {
-    sc = s[g] & 63;
+    c = s[g] & 63;
     m = s[g + 4] & 63;
   } else {
-    sc = (s[g + 4] & 15) | ((s[g - 4] >> 6) << 4);
+    c = (s[g + 4] & 15) | ((s[g - 4] >> 6) << 4);
     m = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
   }
+  sc[0] = sc[1] = c;
+  mn[0] = mn[1] = m;
 }
 
 // Q4_K, 144 bytes: d, dmin, scales[12], qs[128]; w = d * sc * q - dmin * m, q in 0..15.
@@ -79,14 +88,8 @@ struct Q4K {
     dmin = -ld_fp16(b + 2);
   }
   static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
-    const uint8_t* qs = b + 16 + 32 * (g / 2);
-    const int shift = 4 * (g % 2);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) q[k] = static_cast<int>((ld_u32(qs + 4 * k) >> shift) & 0x0F0F0F0Fu);
-    int s, m;
-    scale_min_k4(b + 4, g, s, m);
-    sc[0] = sc[1] = s;
-    mn[0] = mn[1] = m;
+    unpack_group<false, 0x0F0F0F0Fu>(b + 16 + 32 * (g / 2), 4 * (g % 2), nullptr, 0, q);
+    scale_min_k4(b + 4, g, sc, mn);
   }
 };
 
@@ -97,18 +100,8 @@ struct Q5K {
   static constexpr bool kMin = true;
   static __device__ __forceinline__ void head(const uint8_t* b, float& d, float& dmin) { Q4K::head(b, d, dmin); }
   static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
-    const uint8_t* qs = b + 48 + 32 * (g / 2);
-    const int shift = 4 * (g % 2);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t lo = (ld_u32(qs + 4 * k) >> shift) & 0x0F0F0F0Fu;
-      const uint32_t hi = (ld_u32(b + 16 + 4 * k) >> g) & 0x01010101u;
-      q[k] = static_cast<int>(lo | (hi << 4));
-    }
-    int s, m;
-    scale_min_k4(b + 4, g, s, m);
-    sc[0] = sc[1] = s;
-    mn[0] = mn[1] = m;
+    unpack_group<false, 0x0F0F0F0Fu, 1, 4>(b + 48 + 32 * (g / 2), 4 * (g % 2), b + 16, g, q);
+    scale_min_k4(b + 4, g, sc, mn);
   }
 };
 
@@ -123,15 +116,8 @@ struct Q6K {
   }
   static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
     const int half = g / 4, sub = g % 4;
-    const uint8_t* ql = b + 64 * half + 32 * (sub % 2);
-    const uint8_t* qh = b + 128 + 32 * half;
-    const int shift = 4 * (sub / 2);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t lo = (ld_u32_a2(ql + 4 * k) >> shift) & 0x0F0F0F0Fu;
-      const uint32_t hi = ((ld_u32_a2(qh + 4 * k) >> (2 * sub)) & 0x03030303u) << 4;
-      q[k] = to_signed(lo | hi, 32);
-    }
+    unpack_group<true, 0x0F0F0F0Fu, 2, 4, 32>(b + 64 * half + 32 * (sub % 2), 4 * (sub / 2), b + 128 + 32 * half,
+                                              2 * sub, q);
     const int8_t* s = reinterpret_cast<const int8_t*>(b + 192 + 8 * half + 2 * sub);
     sc[0] = s[0];
     sc[1] = s[1];

@@ -1,0 +1,102 @@
+"""Routed-expert kernels on the device (experts.kernels.ExpertKernels): a store's raw expert blocks (a device slot
+pool or an all-device bank) read in place by the grouped GEMM of src/matmul.cu, one launch per weight.
+
+A call's P (row, expert) pairs are grouped by expert on the device (a stable sort); every expert of the store is
+one entry of the pointer array (an expert without pairs is an empty group), so the cached slots and the freshly
+staged ones of a layer run in the same launches. gate and up read the input quantized once per row; down reads
+silu(gate) * up, quantized once per row. Each pair's output is unweighted ([P, D]); combine sums a token's K
+outputs in slot order in fp32, as the host kernels do. A store whose types have no kernel runs on the host.
+
+Legend: P pairs, D hidden, F expert FFN width, E experts (or slots) of the store, T tokens, K experts per token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from pocketmoe.layers.experts import combine
+from pocketmoe.ops.cuda import matmul
+from pocketmoe.ops.cuda.graphs import capturing
+
+if TYPE_CHECKING:
+    from pocketmoe.experts.kernels import ExpertStore
+    from pocketmoe.layers.experts import ExpertWeights
+    from pocketmoe.ops.cuda.backend import Launcher
+
+
+def reads(store: ExpertStore) -> bool:
+    """Whether the kernels read gate, up and down of this store (types with a kernel, column counts)."""
+    for w in (store.gate, store.up, store.down):
+        bv = matmul.activation_block(w.ggml_type)
+        if not bv or w.shape[2] % bv or w.raw.is_floating_point():
+            return False
+    return True
+
+
+class CudaExpertKernels:
+    name = "cuda"
+
+    def __init__(self, launch: Launcher) -> None:
+        self.launch = launch
+        # id(store) -> (store, per weight: the list of expert views the pointer array is made of)
+        self._views: dict[int, tuple[ExpertStore, tuple[list[torch.Tensor], ...]]] = {}
+
+    def _experts(self, store: ExpertStore) -> tuple[list[torch.Tensor], ...]:
+        got = self._views.get(id(store))
+        if got is None or got[0] is not store:
+            views = tuple([w.raw[e] for e in range(store.count)] for w in (store.gate, store.up, store.down))
+            got = self._views[id(store)] = (store, views)
+        return got[1]
+
+    def groups(self, which: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """offsets [n + 1], tokens [P] (pair indices grouped by expert, in pair order within one), slots [P]
+        (zeros: top_k 1) as int32 on which's device, and the largest group (read back: one sync)."""
+        dev = which.device
+        order = torch.argsort(which, stable=True)
+        counts = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, which, torch.ones_like(which))
+        offsets = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        offsets[1:] = torch.cumsum(counts, 0)
+        # the largest group sizes the grid; while a CUDA graph is captured it cannot be read back: every pair
+        largest = len(which) if capturing() else int(counts.max())
+        return offsets, order.to(torch.int32), torch.zeros_like(order, dtype=torch.int32), largest
+
+    def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """x [P, D] float32, which [P] (expert or slot of `store`) -> [P, D] float32, unweighted."""
+        dev = store.gate.raw.device
+        p, d, f = x.shape[0], store.down.shape[1], store.ffn
+        if not reads(store):
+            from pocketmoe.experts.kernels import ExpertStore, ReferenceKernels
+            from pocketmoe.layers.experts import ExpertWeights
+
+            host = ExpertStore(*(ExpertWeights(w.raw.cpu(), w.ggml_type, w.shape) for w in (store.gate, store.up, store.down)))
+            return ReferenceKernels(None).outputs(host, x.cpu().float(), which.cpu()).to(x.device)
+        out = torch.empty((p, d), dtype=torch.float32, device=dev)
+        if p == 0:
+            return out
+        x = x.to(dev).float().contiguous()
+        which = which.to(dev).long()
+        offsets, tokens, slots, largest = self.groups(which, store.count)
+        gate, up, down = self._experts(store)
+        x_acts: dict[int, list[torch.Tensor]] = {}  # gate and up read x quantized once per block size
+
+        def gemm(experts: list[torch.Tensor], w: ExpertWeights, acts: list[torch.Tensor], rows: int, y: torch.Tensor,
+                 by_pair: bool) -> torch.Tensor:
+            return matmul.moe_gemm(self.launch, experts, w.ggml_type, rows, w.shape[2], offsets, tokens, slots, acts,
+                                   1, y, act_by_pair=by_pair, max_pairs=largest)
+
+        def first(experts: list[torch.Tensor], w: ExpertWeights) -> torch.Tensor:
+            bv = matmul.activation_block(w.ggml_type)
+            if bv not in x_acts:
+                x_acts[bv] = matmul.quantize_activations(self.launch, x, bv)
+            return gemm(experts, w, x_acts[bv], f, torch.empty((p, f), dtype=torch.float32, device=dev), False)
+
+        h = (F.silu(first(gate, store.gate)) * first(up, store.up)).contiguous()  # [P, F]
+        h_acts = matmul.quantize_activations(self.launch, h, matmul.activation_block(store.down.ggml_type))
+        return gemm(down, store.down, h_acts, d, out, True)
+
+    def combine(self, contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """contrib [T, K, D], weights [T, K] -> [T, D] float32 in slot order (on contrib's device)."""
+        return combine(contrib, weights.to(contrib.device).float())

@@ -1,0 +1,453 @@
+"""CudaOps' matmuls on raw blocks (linear, linear_multi, per-head batched) and the CUDA routed-expert kernels,
+for every weight type, plus the host-side logic of the CUDA runtime that needs no GPU: which backend a plan takes,
+which expert kernels a device gets, and the copy engine's stream / event order (a fake CUDA API that logs calls).
+
+"shim": the kernels under the CPU execution shim, launched by the same CudaOps glue the GPU runs; "gpu": CuPy on
+torch's CUDA device (skipped without one; scripts/gpu_check.sh runs them). References: weights through
+gguf.quants.dequantize and a float64 matmul on the activations as the kernels quantize them (the model of
+pocketmoe.testing.cuda_matmul, checked bit for bit against the kernels), within the derived rounding bound; and
+the torch reference ops (ops/reference.py) on the same activations, within the sum of both bounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pocketmoe.errors import PocketMoEError
+from pocketmoe.experts import build
+from pocketmoe.experts.kernels import ExpertStore, ReferenceKernels
+from pocketmoe.experts.staging import CopyEngine
+from pocketmoe.layers import QuantLinear
+from pocketmoe.layers.experts import ExpertWeights
+from pocketmoe.ops import cuda
+from pocketmoe.ops.cuda.backend import CudaOps
+from pocketmoe.ops.cuda.experts import CudaExpertKernels
+from pocketmoe.ops.reference import ReferenceOps
+from pocketmoe.quant.quantize import random_blocks
+from pocketmoe.testing.cuda_matmul import TYPES, act_inputs, gamma, random_acts, reference_weight, tolerance
+from pocketmoe.testing.cuda_shim import ShimModule, shim_unavailable_reason
+
+REASON = shim_unavailable_reason()
+REF = ReferenceOps(tile_rows=None)
+
+
+class CountingShimLauncher:
+    """CudaOps' launcher on the CPU shim (one module per source), counting launches per kernel."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, ShimModule] = {}
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, source, kernel, grid, block, args, shared_mem=0) -> None:  # noqa: ANN001
+        if source not in self.modules:
+            self.modules[source] = ShimModule([source])
+        self.calls[kernel] = self.calls.get(kernel, 0) + 1
+        self.modules[source].launch(kernel, grid=grid, block=block, args=args, shared_mem=shared_mem)
+
+
+@pytest.fixture(scope="module", params=["shim", "gpu"])
+def sub(request) -> tuple[CudaOps, torch.device]:
+    if request.param == "gpu":
+        if not cuda.available():
+            pytest.skip(f"the CUDA backend cannot run here: {cuda.unavailable_reason()}")
+        return CudaOps(tile_rows=None), torch.device("cuda")
+    if REASON is not None:
+        pytest.skip(REASON)
+    return CudaOps(tile_rows=None, launcher=CountingShimLauncher()), torch.device("cpu")
+
+
+def layer_of(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> QuantLinear:
+    """A host QuantLinear of raw blocks (CudaOps uploads them on first use)."""
+    return QuantLinear(torch.from_numpy(raw), ggml_type, shape)
+
+
+def check_linear(y: np.ndarray, raw: np.ndarray, name: str, layer: QuantLinear, x: np.ndarray) -> None:
+    """y against gguf dequantize x the kernels' activations (float64), and against the reference op."""
+    _, bv = TYPES[name]
+    _, xd = act_inputs(x, bv)
+    w = reference_weight(raw, name)
+    exact = xd @ w.T
+    tol = tolerance(name, raw, w, xd)
+    err = np.abs(y - exact)
+    assert (err <= tol).all(), f"{name}: max err {err.max():.3g} over the bound"
+    # the torch reference op on the same activations: its own fp32 dot products are within gamma(I) |x| |w|
+    ref = REF.linear(layer, torch.from_numpy(xd.astype(np.float32))).double().numpy()
+    x32 = xd.astype(np.float32).astype(np.float64)
+    ref_tol = gamma(x.shape[1]) * (np.abs(x32) @ np.abs(w).T) + np.abs(exact - x32 @ w.T)
+    assert (np.abs(y - ref) <= tol + ref_tol + 1e-30).all(), f"{name}: off the reference op"
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_linear_every_type_gemv_and_gemm(sub, name: str) -> None:
+    """3 tokens take the GEMV, 13 the one-group GEMM: both within the bound, and a token's row has the same
+    bits whichever ran and whatever else is in the batch."""
+    ops, dev = sub
+    ggml_type, bv = TYPES[name]
+    rows, cols = 24, 512 if bv > 1 else 96
+    rng = np.random.default_rng([ggml_type, 5])
+    raw = random_blocks(ggml_type, (rows, cols), rng)
+    layer = layer_of(raw, ggml_type, (rows, cols))
+    x = random_acts(rng, 13, cols)
+    y13 = ops.linear(layer, torch.from_numpy(x).to(dev)).cpu().numpy()
+    y3 = ops.linear(layer, torch.from_numpy(x[:3]).to(dev)).cpu().numpy()
+    assert isinstance(layer.backend_data, torch.Tensor) and layer.backend_data.device.type == dev.type
+    check_linear(y13, raw, name, layer, x)
+    np.testing.assert_array_equal(y3, y13[:3])
+
+
+def test_linear_multi_quantizes_each_block_size_once() -> None:
+    if REASON is not None:
+        pytest.skip(REASON)
+    launcher = CountingShimLauncher()
+    ops = CudaOps(tile_rows=None, launcher=launcher)
+    rng = np.random.default_rng(8)
+    cols = 512
+    layers = [layer_of(random_blocks(TYPES[n][0], (16, cols), rng), TYPES[n][0], (16, cols))
+              for n in ("q4_k", "q6_k", "q8_0", "q5_0")]
+    x = torch.from_numpy(random_acts(rng, 4, cols))
+    ys = ops.linear_multi(layers, x)
+    assert launcher.calls == {"quantize_q8_k": 1, "quantize_q8_0": 1, "gemv_q4_k": 1, "gemv_q6_k": 1,
+                              "gemv_q8_0": 1, "gemv_q5_0": 1}
+    for layer, y in zip(layers, ys, strict=True):
+        torch.testing.assert_close(y, ops.linear(layer, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_k", "f32"])
+def test_batched_per_head_is_one_grouped_gemm(sub, name: str) -> None:
+    """[H, O, I] weights on x [H, T, I]: each head's slice equals that head's own linear, bit for bit."""
+    ops, dev = sub
+    ggml_type, bv = TYPES[name]
+    h, o, cols, t = 3, 16, 256 if bv > 1 else 64, 5
+    rng = np.random.default_rng([ggml_type, 9])
+    raw = random_blocks(ggml_type, (h, o, cols), rng)
+    layer = layer_of(raw, ggml_type, (h, o, cols))
+    x = torch.from_numpy(np.stack([random_acts(rng, t, cols) for _ in range(h)]))
+    y = ops.batched(layer, x.to(dev)).cpu()
+    assert y.shape == (h, t, o)
+    for i in range(h):
+        head = layer_of(np.ascontiguousarray(raw[i]), ggml_type, (o, cols))
+        np.testing.assert_array_equal(y[i].numpy(), ops.linear(head, x[i].to(dev)).cpu().numpy())
+        check_linear(y[i].numpy(), np.ascontiguousarray(raw[i]), name, head, x[i].numpy())
+
+
+def expert_store(ggml_type: int, n: int, d: int, f: int, rng: np.random.Generator, dev: torch.device) -> ExpertStore:
+    def w(rows: int, cols: int) -> ExpertWeights:
+        raw = torch.from_numpy(random_blocks(ggml_type, (n, rows, cols), rng)).to(dev)
+        return ExpertWeights(raw, ggml_type, (n, rows, cols))
+
+    return ExpertStore(w(f, d), w(f, d), w(d, f))
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "iq4_xs", "f16"])
+def test_expert_kernels_match_the_per_expert_linear_chain(sub, name: str) -> None:
+    """CudaExpertKernels.outputs (three grouped GEMMs over every slot, empty groups included) gives each pair
+    the bits of gate / up / silu / down run as CudaOps linears on that expert alone."""
+    ops, dev = sub
+    ggml_type, bv = TYPES[name]
+    d, f, n = 256, 256 if bv > 1 else 64, 5
+    rng = np.random.default_rng([ggml_type, 11])
+    store = expert_store(ggml_type, n, d, f, rng, dev)
+    which = torch.tensor([3, 0, 3, 3, 1, 0, 3, 3, 3, 3, 3, 3], dtype=torch.int64)  # expert 2, 4: no pair
+    x = torch.from_numpy(random_acts(rng, len(which), d))
+    kernels = CudaExpertKernels(ops.launch)
+    y = kernels.outputs(store, x.to(dev), which.to(dev)).cpu()
+    for e in range(n):
+        rows = (which == e).nonzero().squeeze(1)
+        if len(rows) == 0:
+            continue
+        lin = [QuantLinear(w.raw[e].cpu(), ggml_type, w.shape[1:]) for w in (store.gate, store.up, store.down)]
+        xe = x[rows].to(dev)
+        g, u = ops.linear(lin[0], xe), ops.linear(lin[1], xe)
+        want = ops.linear(lin[2], (F.silu(g) * u).contiguous())
+        np.testing.assert_array_equal(y[rows].numpy(), want.cpu().numpy())
+    weights = torch.rand(4, 3, generator=torch.Generator().manual_seed(1))
+    contrib = y.view(4, 3, d)
+    torch.testing.assert_close(kernels.combine(contrib.to(dev), weights.to(dev)).cpu(),
+                               ReferenceKernels(None).combine(contrib, weights), rtol=0, atol=0)
+
+
+def test_expert_kernels_float_store_match_the_reference_kernels(sub) -> None:
+    """F32 experts (float activations, nothing quantized): the torch reference's expert MLP, within fp32."""
+    ops, dev = sub
+    rng = np.random.default_rng(12)
+    store = expert_store(0, 4, 64, 32, rng, dev)
+    which = torch.tensor([2, 0, 2, 1, 2, 2, 0])
+    x = torch.from_numpy(random_acts(rng, len(which), 64))
+    y = CudaExpertKernels(ops.launch).outputs(store, x.to(dev), which.to(dev)).cpu()
+    host = ExpertStore(*(ExpertWeights(w.raw.cpu(), 0, w.shape) for w in (store.gate, store.up, store.down)))
+    torch.testing.assert_close(y, ReferenceKernels(None).outputs(host, x, which), rtol=2e-5, atol=2e-5)
+
+
+# ---- host-side logic: backend choice, expert kernel hook, stream / event order -------------------------------
+
+def _plan(mode: str, *names: str) -> SimpleNamespace:
+    return SimpleNamespace(mode=mode, devices=[SimpleNamespace(name=n) for n in names])
+
+
+def test_plan_backend_takes_cuda_only_for_a_cuda_plan(monkeypatch) -> None:
+    assert cuda.plan_backend("auto", _plan("cpu")) == "auto"
+    assert cuda.plan_backend("auto", _plan("heterogeneous", "cpu:0")) == "auto"
+    assert cuda.plan_backend("native", _plan("all-device", "cuda:0")) == "native"
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda: None)
+    assert cuda.plan_backend("auto", _plan("all-device", "cuda:0")) == "cuda"
+    assert cuda.plan_backend("auto", _plan("all-device", "cuda:0"), "deepseek4") == "auto"
+    assert cuda.plan_backend("auto", _plan("all-device", "cuda:0"), "deepseek2") == "cuda"
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda: "CuPy is not importable (test)")
+    with pytest.raises(PocketMoEError, match=r"^the plan runs on cuda:0 but CuPy is not importable \(test\); "
+                                             r"install CuPy or use --device cpu\.$"):
+        cuda.plan_backend("auto", _plan("heterogeneous", "cuda:0"))
+
+
+def test_expert_kernels_hook() -> None:
+    """The CPU device keeps the host kernels; a CUDA device takes the backend's CUDA expert kernels (its own
+    launcher); expert_kernels refuses the CPU device."""
+    host = object()
+    assert build.device_kernels(None, torch.device("cpu"), host) is host
+    launcher = CountingShimLauncher()
+    ops = CudaOps(tile_rows=None, launcher=launcher)
+    k = build.device_kernels(ops, torch.device("cuda", 0), host)
+    assert isinstance(k, CudaExpertKernels) and k.launch is launcher
+    with pytest.raises(PocketMoEError, match="takes a CUDA device"):
+        build.expert_kernels(torch.device("cpu"), ops)
+    if not cuda.available():
+        with pytest.raises(PocketMoEError, match="were placed on cuda:0 but"):
+            build.expert_kernels(torch.device("cuda", 0), None)
+
+
+class FakeCuda:
+    """The copy engine's CUDA calls on the CPU: copies happen at once; every stream / event call is logged."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.n = 0
+        self._active: str | None = None
+        self.pinned_bytes: list[int] = []
+
+    def stream(self, device):  # noqa: ANN001, ANN201
+        return _FakeStream(self, "copy")
+
+    def current_stream(self, device):  # noqa: ANN001, ANN201
+        return _FakeStream(self, self._active or "compute")
+
+    @contextlib.contextmanager
+    def use(self, stream):  # noqa: ANN001, ANN201
+        self._active = stream.name
+        try:
+            yield
+        finally:
+            self._active = None
+
+    def event(self):  # noqa: ANN201
+        self.n += 1
+        return _FakeEvent(self, self.n)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        self.pinned_bytes.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class _FakeStream:
+    def __init__(self, api: FakeCuda, name: str) -> None:
+        self.api, self.name = api, name
+
+    def wait_event(self, ev: _FakeEvent) -> None:
+        self.api.log.append(("wait", self.name, ev.id))
+
+
+class _FakeEvent:
+    def __init__(self, api: FakeCuda, n: int) -> None:
+        self.api, self.id = api, n
+
+    def record(self, stream: _FakeStream) -> None:
+        self.api.log.append(("record", stream.name, self.id))
+
+    def synchronize(self) -> None:
+        self.api.log.append(("sync", self.id))
+
+
+def test_copy_engine_cuda_order_on_a_fake_stream() -> None:
+    """Through a slot pool of 2 slots for 4 experts (the dispatcher's calls: stage, acquire, kernel, release):
+    each copy into a slot waits on the compute-stream event recorded after the last kernel that read the slot;
+    each kernel's stream waits on its slot's copy event; a pinned buffer is refilled only after the copy out of
+    it was synchronized; the slots end up holding the experts' bytes."""
+    from pocketmoe.experts.staging import SlotPool
+
+    api = FakeCuda()
+    rng = np.random.default_rng(3)
+    host = expert_store(8, 4, 64, 32, rng, torch.device("cpu"))
+    engine = CopyEngine(torch.device("cpu"), delay=lambda slot, e: api.log.append(("copy", slot, e)), api=api)
+    pool = SlotPool(host, 2, torch.device("cpu"), engine)
+    order = [(0, 0), (1, 1), (0, 2), (1, 3), (0, 1), (1, 0)]  # (slot, expert): every slot reused
+    for slot, e in order:
+        pool.stage(slot, e)
+        pool.acquire(slot)
+        api.log.append(("kernel", slot))
+        for w, hw in zip((pool.store.gate, pool.store.up, pool.store.down), (host.gate, host.up, host.down),
+                         strict=True):
+            assert torch.equal(w.raw[slot], hw.raw[e])
+        pool.release(slot)
+    log = api.log
+    copies = [i for i, entry in enumerate(log) if entry[0] == "copy"]
+    assert len(copies) == len(order)
+    read_done: dict[int, int] = {}  # slot -> event recorded on compute after its last kernel
+    done: list[int] = []            # copy events in order
+    for i, entry in enumerate(log):
+        if entry[0] == "kernel":
+            slot = entry[1]
+            # the kernel's stream waited on its slot's copy event first
+            assert ("wait", "compute", done[-1]) in log[:i]
+            nxt = log[i + 1]
+            assert nxt[:2] == ("record", "compute")
+            read_done[slot] = nxt[2]
+        elif entry[0] == "copy":
+            slot = entry[1]
+            if slot in read_done:
+                assert log[i - 1] == ("wait", "copy", read_done[slot]), "a copy into a slot read before"
+            n = len(done)
+            if n >= 2:  # two staging buffers: the copy out of this buffer two copies ago was synchronized
+                assert ("sync", done[n - 2]) in log[:i]
+            assert log[i + 1][:2] == ("record", "copy")
+            done.append(log[i + 1][2])
+    assert api.pinned_bytes == [host.expert_bytes()] * 2  # two buffers, made once
+
+
+def test_copy_engine_cpu_device_stays_the_copy_thread() -> None:
+    engine = CopyEngine(torch.device("cpu"))
+    assert not engine.cuda and not hasattr(engine, "api")
+
+
+# ---- a whole model on CudaOps (the kernels under the shim) ----------------------------------------------------
+
+PROMPT = [(7 * i + 3) % 300 + 5 for i in range(20)]  # ids below the fixture's vocabulary; 20: GEMM and GEMV paths
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory):
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.testing.synth import write_fixture
+
+    path = tmp_path_factory.mktemp("cuda-model") / "ds2.gguf"
+    write_fixture("deepseek2", "tiny", "Q4_K_M", path, seed=3)
+    with open_bundle(path) as b:
+        yield b
+
+
+def _cpu_tokens(bundle) -> list[int]:  # noqa: ANN001
+    from pocketmoe import native
+    from pocketmoe.engine.runner import ModelRunner, RunnerConfig
+
+    backend = "native" if native.available() else "reference"
+    return ModelRunner(bundle, RunnerConfig(n_ctx=64, backend=backend)).generate_greedy(PROMPT, 4)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "all-device", "heterogeneous"])
+def test_model_on_cuda_ops_gives_the_cpu_greedy_tokens(tiny_bundle, monkeypatch, mode: str) -> None:
+    """DeepSeek-V2 tiny (Q4_K_M) with every op on CudaOps under the shim: the CPU-only path's greedy tokens.
+    all-device / heterogeneous: the plan's banks on the CPU device with their device kernels swapped for the CUDA
+    expert kernels (resident bank; dispatch over slots, every miss staged), as on a GPU."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    from pocketmoe.engine.runner import ModelRunner, RunnerConfig
+    from pocketmoe.experts import resident
+    from pocketmoe.experts.cost import Rates
+    from pocketmoe.placement.run import RunPlacement
+
+    ops = CudaOps(tile_rows=None, launcher=CountingShimLauncher())
+    kernels = CudaExpertKernels(ops.launch)
+    placement = None
+    if mode != "cpu":
+        placement = RunPlacement(device="cpu", mode=mode, expert_policy="cache", expert_cache_slots=2)
+        monkeypatch.setattr(build, "device_kernels", lambda ops_, device, host: kernels)
+        monkeypatch.setattr(build, "resident_bank", lambda store, k, device, stats, tile_rows, counts:
+                            resident.ResidentExperts(store, k, stats, counts))
+    rates = Rates(4.0, 6.0, 6.0, 20.0, 200.0)
+    r = ModelRunner(tiny_bundle, RunnerConfig(n_ctx=64, placement=placement, expert_rates=rates), ops=ops)
+    assert r.cache.data.device == ops.device
+    assert r.generate_greedy(PROMPT, 4) == _cpu_tokens(tiny_bundle)
+    calls = ops.launch.calls
+    assert calls.get("gemv_q4_k", 0) and calls.get("mla_attention_f32", 0) and calls.get("route_f32", 0)
+    if mode != "cpu":
+        assert any(k.startswith("moe_gemm_") for k in calls)
+        if mode == "heterogeneous":
+            st = r.experts.stats
+            assert st.staged > 0 and st.hits > 0 and st.cpu_experts == 0
+
+
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def _fake_graphs(ops: CudaOps, capture=lambda graph: contextlib.nullcontext()):  # noqa: ANN001, ANN202
+    from pocketmoe.ops.cuda.graphs import DecodeGraphs
+
+    return DecodeGraphs(ops.device, reset=ops._drop_step, pinned=lambda shape, dtype: torch.empty(shape, dtype=dtype),
+                        new_graph=_FakeGraph, capture=capture, sync=lambda device: None)
+
+
+def _shim_runner(bundle, monkeypatch, graphs: bool = False, capture=None):  # noqa: ANN001, ANN202
+    """All-device on the CPU device with resident banks over the CUDA expert kernels (the shape graphs take)."""
+    from pocketmoe.engine.runner import ModelRunner, RunnerConfig
+    from pocketmoe.experts import resident
+    from pocketmoe.placement.run import RunPlacement
+
+    ops = CudaOps(tile_rows=None, launcher=CountingShimLauncher())
+    if graphs:
+        ops.graphs = _fake_graphs(ops) if capture is None else _fake_graphs(ops, capture)
+    kernels = CudaExpertKernels(ops.launch)
+    monkeypatch.setattr(build, "device_kernels", lambda ops_, device, host: kernels)
+    monkeypatch.setattr(build, "resident_bank", lambda store, k, device, stats, tile_rows, counts:
+                        resident.ResidentExperts(store, k, stats, counts))
+    rp = RunPlacement(device="cpu", mode="all-device")
+    return ModelRunner(bundle, RunnerConfig(n_ctx=64, placement=rp), ops=ops)
+
+
+def test_decode_graph_host_logic_on_a_fake_capture(tiny_bundle, monkeypatch) -> None:
+    """DecodeGraphs with CPU stand-ins for the CUDA calls (the "capture" runs the step; a replay runs nothing): the
+    first decode step of a shape runs eagerly, the second is captured with the step's host-made inputs (embedding
+    rows, seq, keys, padded page table, write rows, rope tables) registered and checked against an eager run, the
+    third refills those inputs from its own step before the replay; a failing capture leaves the shape eager."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    from pocketmoe.engine.runner import SOLO
+
+    r, ref = _shim_runner(tiny_bundle, monkeypatch, graphs=True), _shim_runner(tiny_bundle, monkeypatch)
+    graphs = r.ops.graphs
+    prompt = PROMPT[:6]
+    assert torch.equal(r.forward(prompt, 0), ref.forward(prompt, 0))  # prefill: not decode-shaped, eager
+    pos, tok = len(prompt), 11
+    assert torch.equal(r.decode(tok, pos), ref.decode(tok, pos)) and not graphs.graphs  # warm-up, eager
+    assert torch.equal(r.decode(tok + 1, pos + 1), ref.decode(tok + 1, pos + 1))  # captured, checked
+    entry = graphs.graphs[(id(r.model), 1)]
+    assert entry.checked and entry.graph.replays == 1 and len(entry.inputs) == 7
+    r.decode(tok + 2, pos + 2)  # a replay: the inputs now hold this step's values
+    assert entry.graph.replays == 2
+    emb, seq, keys, table, write_rows, cos2, _ = (i.pinned for i in entry.inputs)
+    assert torch.equal(emb, r.model.embed(torch.tensor([tok + 2])))
+    assert keys.tolist() == [pos + 3] and seq.tolist() == [0]
+    assert table.shape[1] == -(-r.cache.max_seq_len // r.cache.page)
+    assert write_rows.tolist() == r.cache.rows(SOLO, pos + 2, 1).tolist()
+    assert torch.equal(cos2, r.model.rotary.at(np.array([pos + 2]))[0].float())
+
+    def broken(graph):  # noqa: ANN001, ANN202
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    r2, ref2 = (_shim_runner(tiny_bundle, monkeypatch, graphs=True, capture=broken),
+                _shim_runner(tiny_bundle, monkeypatch))
+    for runner in (r2, ref2):
+        runner.forward(prompt, 0)
+        runner.decode(tok, pos)
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        got = r2.decode(tok + 1, pos + 1)
+    assert torch.equal(got, ref2.decode(tok + 1, pos + 1))
+    assert r2.ops.graphs.graphs[(id(r2.model), 1)] is False
+    assert "not permitted" in next(iter(r2.ops.graphs.failures.values()))
