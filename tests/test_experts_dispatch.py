@@ -3,8 +3,8 @@
 Every mode (all-device, heterogeneous), policy (auto, cache, stage, cpu) and cache size (cold, warm, one
 slot that forces evictions) runs the same kernels as the CPU plan on the CPU device, so logits are
 bitwise those of the CPU-only runner and greedy tokens the same; on both op backends (native kernels,
-torch reference), on deepseek2 and minimax-m2 fixtures and a DeepSeek-V3-routed one with fused gate_up
-experts. Plus the slowed-copy race test.
+torch reference), on deepseek2, minimax-m2 and deepseek4 (clamped SwiGLU) fixtures and a DeepSeek-V3-routed
+one with fused gate_up experts. Plus the slowed-copy race test.
 """
 
 from __future__ import annotations
@@ -53,16 +53,33 @@ def write_v3_fused(path):
     return write_gguf(path, ds2_config(V3), sd, blocks, types)
 
 
-@pytest.fixture(scope="module", params=["deepseek2", "minimax-m2", "deepseek2-v3-fused"])
+@pytest.fixture(scope="module", params=["deepseek2", "minimax-m2", "deepseek2-v3-fused", "deepseek4"])
 def bundle(request, tmp_path_factory):
     name = request.param
     path = tmp_path_factory.mktemp("experts") / f"{name}.gguf"
     if name == "deepseek2-v3-fused":
         write_v3_fused(path)
+    elif name == "deepseek4":  # MXFP4 experts, hash routing, a SwiGLU clamp low enough to bite (every path clamps)
+        write_fixture(name, "tiny", "MXFP4_MOE", path, seed=3, swiglu_clamp_exp=(CLAMP,) * 4)
     else:
         write_fixture(name, "tiny", "Q4_K_M", path, seed=3 if name == "deepseek2" else 4)
     with open_bundle(path) as b:
         yield b
+
+
+CLAMP = 0.0625  # (exact in f32) the deepseek4 fixture's routed-expert SwiGLU limit
+
+
+def test_the_deepseek4_fixture_clamp_bites(tmp_path):
+    """Without the clamp the logits move: the bitwise checks below then show each expert path clamps."""
+    path = write_fixture("deepseek4", "tiny", "MXFP4_MOE", tmp_path / "v4.gguf", seed=3, swiglu_clamp_exp=(CLAMP,) * 4)[0]
+    with open_bundle(path) as b:
+        r = ModelRunner(b, RunnerConfig(n_ctx=128, backend=BACKENDS[0]))
+        clamped = r.forward(PROMPT, 0)
+        for blk in r.model.blocks:
+            assert blk.moe.experts.swiglu_limit == CLAMP
+            blk.moe.experts.swiglu_limit = 0.0
+        assert (r.forward(PROMPT, 0) - clamped).abs().max() > 1e-3
 
 
 _BASE: dict[tuple[int, str], tuple[torch.Tensor, list[int]]] = {}
@@ -200,6 +217,7 @@ def _banks(r: ModelRunner) -> list:
 
 
 def _moe_blocks(model) -> list:
+    from pocketmoe.layers.dsv4_moe import DSV4MoE
     from pocketmoe.layers.moe import MoEBlock
 
     found, seen, todo = [], set(), [model]
@@ -208,7 +226,7 @@ def _moe_blocks(model) -> list:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, MoEBlock):
+        if isinstance(obj, (MoEBlock, DSV4MoE)):
             found.append(obj)
             continue
         if isinstance(obj, (list, tuple)):

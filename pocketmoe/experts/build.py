@@ -86,8 +86,9 @@ def plan_experts_factory(plan: Any, ops: Any, tile_rows: int | None, rt: ExpertR
         return host_experts_factory(types, tile_rows)
     first = min(plan.resident, default=0)  # the first MoE layer counts the tokens
 
-    def make(layer: int, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) -> ExpertBank:
-        host = ExpertStore(gate, up, down)
+    def make(layer: int, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights,
+             swiglu_limit: float = 0.0) -> ExpertBank:
+        host = ExpertStore(gate, up, down, swiglu_limit)
         hk = host_kernels(host, types, tile_rows)
         device = plan_device(plan, layer)
         dk = device_kernels(ops, device, hk)

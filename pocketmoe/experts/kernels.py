@@ -27,6 +27,7 @@ class ExpertStore:
     gate: ExpertWeights
     up: ExpertWeights
     down: ExpertWeights
+    swiglu_limit: float = 0.0  # > 0: the clamped SwiGLU of DeepSeek-V4 (layers.experts.swiglu)
 
     @property
     def count(self) -> int:
@@ -73,7 +74,8 @@ class NativeKernels:
         ids = which.to(torch.int32).reshape(-1, 1).numpy()
         ones = np.ones(ids.shape, dtype=np.float32)
         y = self.lib.moe_forward(x.float().contiguous().numpy(), ids, ones, g, store.gate.ggml_type, u,
-                                 store.up.ggml_type, d, store.down.ggml_type, store.count, store.ffn)
+                                 store.up.ggml_type, d, store.down.ggml_type, store.count, store.ffn,
+                                 swiglu_limit=store.swiglu_limit)
         return torch.from_numpy(y)
 
     def combine(self, contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,8 @@ class ReferenceKernels:
         self.tile_rows = tile_rows
 
     def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-        bank = ReferenceExperts(store.gate, store.up, store.down, tile_rows=self.tile_rows)
+        bank = ReferenceExperts(store.gate, store.up, store.down, tile_rows=self.tile_rows,
+                                swiglu_limit=store.swiglu_limit)
         out = x.new_zeros(x.shape)
         for e in torch.unique(which).tolist():
             rows = (which == e).nonzero().squeeze(1)

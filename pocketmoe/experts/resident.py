@@ -43,9 +43,10 @@ def to_device(w: ExpertWeights, device: torch.device) -> ExpertWeights:
 def resident_bank(store: ExpertStore, kernels: ExpertKernels, device: torch.device, stats: ExpertStats,
                   tile_rows: int | None, counts_tokens: bool) -> ExpertBank:
     """The bank of one all-device MoE layer: on the CPU device, the same bank as the CPU plan's."""
-    on_dev = ExpertStore(*(to_device(w, device) for w in (store.gate, store.up, store.down)))
+    on_dev = ExpertStore(*(to_device(w, device) for w in (store.gate, store.up, store.down)), store.swiglu_limit)
     if device.type == "cpu":
         if isinstance(kernels, NativeKernels):
-            return NativeExperts(on_dev.gate, on_dev.up, on_dev.down)
-        return ReferenceExperts(on_dev.gate, on_dev.up, on_dev.down, tile_rows=tile_rows)
+            return NativeExperts(on_dev.gate, on_dev.up, on_dev.down, store.swiglu_limit)
+        return ReferenceExperts(on_dev.gate, on_dev.up, on_dev.down, tile_rows=tile_rows,
+                                swiglu_limit=store.swiglu_limit)
     return ResidentExperts(on_dev, kernels, stats, counts_tokens)

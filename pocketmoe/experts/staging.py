@@ -151,7 +151,7 @@ class SlotPool:
             t = torch.empty((n_slots, *w.raw.shape[1:]), dtype=w.raw.dtype, device=device)
             return ExpertWeights(t, w.ggml_type, (n_slots, *w.shape[1:]))
 
-        self.store = ExpertStore(pool(host.gate), pool(host.up), pool(host.down))
+        self.store = ExpertStore(pool(host.gate), pool(host.up), pool(host.down), host.swiglu_limit)
         self._pending: dict[int, object] = {}   # slot -> copy event not yet waited for
         self._readers = [0] * n_slots
         self._read_done: dict[int, object] = {}  # CUDA: slot -> event after the last kernel that read it

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from pocketmoe.layers.experts import ExpertBank, ExpertWeights, per_expert
+from pocketmoe.layers.experts import ExpertBank
 from pocketmoe.layers.linear import QuantLinear
 
 if TYPE_CHECKING:
@@ -29,35 +29,6 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     if limit > CLAMP_MIN:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return F.silu(gate.double()).float() * up  # float64: the same for a row whatever the tensor's size
-
-
-class ClampedExperts:
-    """Routed experts with the SwiGLU clamp for banks other than the native host one (which clamps in its fused
-    op, NativeExperts.clamped): each expert's GEMMs run by the op backend's linears. Per active expert: its
-    tokens' gate and up, the clamped SwiGLU, down; then the slot-order combine. Batch-invariant as the linears are."""
-
-    def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, limit: float, ops: Any) -> None:
-        self.weights, self.limit, self.ops = (gate, up, down), float(limit), ops
-        self._experts: dict[int, tuple[QuantLinear, ...]] = {}
-
-    @property
-    def n_experts(self) -> int:
-        return self.weights[0].shape[0]
-
-    def expert(self, e: int) -> tuple[QuantLinear, ...]:
-        """gate, up, down of expert e as linears over its own blocks (views, made on first use)."""
-        if e not in self._experts:
-            self._experts[e] = tuple(QuantLinear(w.raw[e], w.ggml_type, w.shape[1:], backend=self.ops,
-                                                 name=f"expert {e}") for w in self.weights)
-        return self._experts[e]
-
-    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:  # x: [n, D] -> [n, D]
-        gate, up, down = self.expert(e)
-        g, u = self.ops.linear_multi((gate, up), x)
-        return self.ops.linear(down, clamped_swiglu(g, u, self.limit))
-
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return per_expert(x, ids, weights, self.expert_forward)
 
 
 class DSV4MoE:

@@ -57,6 +57,14 @@ def combine(contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """silu(gate) * up; with limit > 0 the clamped form (DeepSeek-V4, as llama.cpp computes it):
+    silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    if limit > 0.0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
 def per_expert(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                expert_forward: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """x [T, D], ids / weights [T, K] -> [T, D]: each active expert on the rows routed to it
@@ -79,9 +87,13 @@ class ReferenceExperts:
     """
 
     def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights,
-                 tile_rows: int | None = None) -> None:
+                 tile_rows: int | None = None, swiglu_limit: float = 0.0) -> None:
         self.gate, self.up, self.down = gate, up, down
         self.tile_rows = tile_rows
+        self.swiglu_limit = float(swiglu_limit)
+
+    def _ffn(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        return F.linear(swiglu(F.linear(x, gate), F.linear(x, up), self.swiglu_limit), down)
 
     @property
     def n_experts(self) -> int:
@@ -90,11 +102,10 @@ class ReferenceExperts:
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:  # x: [n, D] -> [n, D]
         gate, up, down = self.gate.expert(e), self.up.expert(e), self.down.expert(e)
         if self.tile_rows is None:
-            return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+            return self._ffn(x, gate, up, down)
         n, tile = x.shape[0], self.tile_rows
         padded = torch.cat([x, x.new_zeros(-n % tile, x.shape[1])])
-        out = [F.linear(F.silu(F.linear(t, gate)) * F.linear(t, up), down) for t in padded.split(tile)]
-        return torch.cat(out)[:n]
+        return torch.cat([self._ffn(t, gate, up, down) for t in padded.split(tile)])[:n]
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return per_expert(x, ids, weights, self.expert_forward)
@@ -112,10 +123,6 @@ class NativeExperts:
         self.n_experts, self.ffn = gate.shape[0], gate.shape[1]
         self.raw = tuple(w.raw.numpy() for w in (gate, up, down))  # uint8 blocks, no copy
         self.swiglu_limit = float(swiglu_limit)  # > 0: silu(min(gate, L)) * clamp(up, -L, L) (DeepSeek-V4)
-
-    def clamped(self, limit: float) -> NativeExperts:
-        """The same experts with the SwiGLU clamped at `limit`."""
-        return NativeExperts(self.gate, self.up, self.down, limit)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.raw
@@ -137,18 +144,20 @@ def native_reads(raw: torch.Tensor, ggml_type: int, types: frozenset[int], strid
     return ggml_type in types and raw.device.type == "cpu" and not raw.is_floating_point() and packed
 
 
-# make_experts(layer, gate, up, down) -> the bank the placement plan chose for that MoE layer
-ExpertsFactory = Callable[[int, ExpertWeights, ExpertWeights, ExpertWeights], ExpertBank]
+# make_experts(layer, gate, up, down, swiglu_limit=0.0) -> the bank the placement plan chose for that MoE
+# layer; swiglu_limit > 0 clamps the experts' SwiGLU (see swiglu)
+ExpertsFactory = Callable[..., ExpertBank]
 
 
 def host_experts_factory(native_types: frozenset[int] | None, tile_rows: int | None) -> ExpertsFactory:
     """Banks for experts kept in host memory and computed there: native where the kernels read every
     weight (`native_types` None: never), else the torch reference."""
 
-    def make(layer: int, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) -> ExpertBank:
+    def make(layer: int, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights,
+             swiglu_limit: float = 0.0) -> ExpertBank:
         if native_types is not None and all(native_reads(w.raw, w.ggml_type, native_types, strided_experts=True)
                                             for w in (gate, up, down)):
-            return NativeExperts(gate, up, down)
-        return ReferenceExperts(gate, up, down, tile_rows=tile_rows)
+            return NativeExperts(gate, up, down, swiglu_limit)
+        return ReferenceExperts(gate, up, down, tile_rows=tile_rows, swiglu_limit=swiglu_limit)
 
     return make

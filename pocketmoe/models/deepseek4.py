@@ -21,8 +21,8 @@ from pocketmoe.layers.dsv4_attention import (
     Indexer,
     RowLayout,
 )
-from pocketmoe.layers.dsv4_moe import CLAMP_MIN, ClampedExperts, DSV4MoE
-from pocketmoe.layers.experts import ExpertsFactory, ExpertWeights, NativeExperts, host_experts_factory
+from pocketmoe.layers.dsv4_moe import CLAMP_MIN, DSV4MoE
+from pocketmoe.layers.experts import ExpertsFactory, ExpertWeights
 from pocketmoe.layers.hyper import HyperConfig, HyperConnection, HyperHead
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear, load_float
 from pocketmoe.layers.mlp import GatedMLP
@@ -124,13 +124,8 @@ def _moe(bundle: GGUFBundle, cfg: DeepSeek4Config, ops: Any, i: int, lin: Linear
     limit = _limit(cfg.swiglu_clamp_exp, i)
     # llama.cpp: the shared experts' limits default to the routed ones when the file has none
     shared_limit = _limit(cfg.swiglu_clamp_shexp, i) if cfg.swiglu_clamp_shexp else limit
-    if limit > CLAMP_MIN:
-        # The placement's banks have no SwiGLU clamp: a clamped layer's experts stay in host memory, on the native
-        # fused MoE op (which clamps) where the kernels read them, else each expert on the backend's linears.
-        host = host_experts_factory(getattr(ops, "types", None), None)(i, gate, up, down)
-        bank = host.clamped(limit) if isinstance(host, NativeExperts) else ClampedExperts(gate, up, down, limit, ops)
-    else:
-        bank = make_experts(i, gate, up, down)
+    # the routed experts' SwiGLU clamp travels with the bank, whichever the placement chose (every kernel clamps)
+    bank = make_experts(i, gate, up, down, swiglu_limit=limit if limit > CLAMP_MIN else 0.0)
     shared = GatedMLP(lin(b + "ffn_gate_shexp.weight"), lin(b + "ffn_up_shexp.weight"),
                       lin(b + "ffn_down_shexp.weight"), ops) if cfg.n_expert_shared else None
     route: dict[str, torch.Tensor] = {}

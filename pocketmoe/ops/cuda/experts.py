@@ -15,9 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from pocketmoe.layers.experts import combine
+from pocketmoe.layers.experts import combine, swiglu
 from pocketmoe.ops.cuda import matmul
 from pocketmoe.ops.cuda.graphs import capturing
 
@@ -71,7 +70,8 @@ class CudaExpertKernels:
             from pocketmoe.experts.kernels import ExpertStore, ReferenceKernels
             from pocketmoe.layers.experts import ExpertWeights
 
-            host = ExpertStore(*(ExpertWeights(w.raw.cpu(), w.ggml_type, w.shape) for w in (store.gate, store.up, store.down)))
+            host = ExpertStore(*(ExpertWeights(w.raw.cpu(), w.ggml_type, w.shape) for w in (store.gate, store.up, store.down)),
+                               store.swiglu_limit)
             return ReferenceKernels(None).outputs(host, x.cpu().float(), which.cpu()).to(x.device)
         out = torch.empty((p, d), dtype=torch.float32, device=dev)
         if p == 0:
@@ -93,7 +93,7 @@ class CudaExpertKernels:
                 x_acts[bv] = matmul.quantize_activations(self.launch, x, bv)
             return gemm(experts, w, x_acts[bv], f, torch.empty((p, f), dtype=torch.float32, device=dev), False)
 
-        h = (F.silu(first(gate, store.gate)) * first(up, store.up)).contiguous()  # [P, F]
+        h = swiglu(first(gate, store.gate), first(up, store.up), store.swiglu_limit).contiguous()  # [P, F]
         h_acts = matmul.quantize_activations(self.launch, h, matmul.activation_block(store.down.ggml_type))
         return gemm(down, store.down, h_acts, d, out, True)
 
