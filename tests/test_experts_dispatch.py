@@ -82,16 +82,17 @@ def test_the_deepseek4_fixture_clamp_bites(tmp_path):
         assert (r.forward(PROMPT, 0) - clamped).abs().max() > 1e-3
 
 
-_BASE: dict[tuple[int, str], tuple[torch.Tensor, list[int]]] = {}
+_BASE: dict[tuple[int, str], tuple[object, torch.Tensor, list[int]]] = {}
 
 
 def baseline(bundle, backend: str) -> tuple[torch.Tensor, list[int]]:
-    """Prompt logits and greedy tokens of the CPU-only plan."""
+    """Prompt logits and greedy tokens of the CPU-only plan (cached with the bundle itself: a later bundle
+    may reuse a closed one's id)."""
     key = (id(bundle), backend)
-    if key not in _BASE:
+    if key not in _BASE or _BASE[key][0] is not bundle:
         r = ModelRunner(bundle, RunnerConfig(n_ctx=128, backend=backend))
-        _BASE[key] = (r.forward(PROMPT, 0), r.generate_greedy(PROMPT, GEN))
-    return _BASE[key]
+        _BASE[key] = (bundle, r.forward(PROMPT, 0), r.generate_greedy(PROMPT, GEN))
+    return _BASE[key][1], _BASE[key][2]
 
 
 def runner(bundle, backend: str, mode: str, policy: str = "auto", slots: int | None = None,

@@ -1,7 +1,7 @@
 """Device slot pools and the copy engine that stages experts' raw blocks into them.
 
 A copy runs on the copy engine (a CUDA copy stream with events, from pinned host staging buffers; on the CPU
-device, one copy thread with threading events), so the next expert's copy overlaps the current expert's compute. A slot is never
+device, one copy thread whose futures are the events), so the next expert's copy overlaps the current expert's compute. A slot is never
 overwritten while a copy into it or a kernel reading it is in flight: `stage` refuses a slot whose
 copy is not waited for or that has readers (`SlotInUseError`, a bug, never a user error), and the
 dispatcher only stages into slots it has released.
@@ -9,9 +9,8 @@ dispatcher only stages into slots it has released.
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -71,8 +70,9 @@ class CopyEngine:
             self._staging: list[tuple[torch.Tensor | None, Any]] = [(None, None)] * max(1, buffers)
             self._next = 0
         else:
-            self._jobs: queue.Queue = queue.Queue()
-            self._thread: threading.Thread | None = None
+            # one worker: copies land in submission order; concurrent.futures drains and joins it at exit
+            # (a daemon thread still copying when the interpreter stops aborts the process)
+            self._copier: ThreadPoolExecutor | None = None
 
     def _buffer(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """The next staging buffer in turn, free (the copy out of it landed) and at least nbytes long."""
@@ -111,28 +111,22 @@ class CopyEngine:
                 ev.record(self.stream)
             self._staging[i] = (buf, ev)
             return ev
-        done = threading.Event()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="pocketmoe-copy", daemon=True)
-            self._thread.start()
-        self._jobs.put((dst, src, slot, expert, done))
-        return done
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="pocketmoe-copy")
+        return self._copier.submit(self._copy, dst, src, slot, expert)
 
-    def _run(self) -> None:
-        while True:
-            dst, src, slot, expert, done = self._jobs.get()
-            if self.delay is not None:
-                self.delay(slot, expert)
-            for d, s in zip(dst, src, strict=True):
-                d.copy_(s)
-            done.set()
+    def _copy(self, dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, ...], slot: int, expert: int) -> None:
+        if self.delay is not None:
+            self.delay(slot, expert)
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
 
     def wait(self, event: object) -> None:
         """Make the compute side wait for the copy (CUDA: the current stream waits on the event)."""
         if self.cuda:
             self.api.current_stream(self.device).wait_event(event)
         else:
-            event.wait()
+            event.result()  # a Future of the copy thread; raises what the copy raised
 
     def read_done(self) -> object:
         """CUDA: an event recorded on the compute stream now (after the kernels that read a slot)."""
