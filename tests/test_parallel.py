@@ -1,0 +1,130 @@
+"""Tensor parallelism on the CPU with gloo: `torchrun --nproc-per-node 2` against one process.
+
+The 2-rank run (tests/parallel_run.py under torchrun) must give the same greedy tokens as this process and
+logits within 1e-4 relative (F32 files: only the summation order of the all-reduces differs), for
+deepseek2 (absorbed and legacy MLA, q LoRA, a Q8_0 file whose row-parallel splits fall on whole blocks)
+and MiniMax-M2 (GQA heads and the whole-projection q / k norms), on the native and reference ops.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import parallel_run
+import pytest
+import torch
+
+from pocketmoe import native
+from pocketmoe.errors import PocketMoEError
+from pocketmoe.layers.linear import QuantLinear
+from pocketmoe.parallel import ColumnParallelLinear, HeadParallelLinear, Parallel, RowParallelLinear
+from pocketmoe.parallel.model import shard_model
+from pocketmoe.testing.synth import write_fixture
+
+HERE = Path(__file__).parent
+BACKENDS = ["reference"] + (["native"] if native.available() else [])
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("tp")
+    specs = {"ds2": ("deepseek2", "tiny", "F32"), "ds2-legacy": ("deepseek2", "tiny-legacy", "F32"),
+             "ds2-qlora": ("deepseek2", "tiny-qlora", "F32"), "ds2-q8": ("deepseek2", "tiny", "Q8_0"),
+             "mm2": ("minimax-m2", "tiny", "F32")}
+    return {k: str(write_fixture(a, p, q, d / f"{k}.gguf")[0]) for k, (a, p, q) in specs.items()}
+
+
+def two_ranks(tmp_path: Path, backend: str, paths: list[str]) -> dict[str, dict[str, object]]:
+    out = tmp_path / f"two-{backend}.pt"
+    p = torchrun(str(HERE / "parallel_run.py"), str(out), backend, *paths)
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = torch.load(out)
+    assert got["world"] == 2
+    return got["results"]
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-4) -> float:
+    assert a.shape == b.shape
+    return float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks_match_one_process(models: dict[str, str], tmp_path: Path, backend: str, one_thread: None) -> None:
+    keys = ["ds2", "ds2-legacy", "ds2-qlora", "ds2-q8", "mm2"]
+    two = two_ranks(tmp_path, backend, [models[k] for k in keys])
+    for k in keys:
+        one = parallel_run.outputs(parallel_run.runner_for(models[k], backend))
+        got = two[models[k]]
+        assert got["tokens"] == one["tokens"], k
+        for name in ("prompt_logits", "prefill", "decode"):
+            # Q8_0: each rank quantizes its activations over its own input blocks, the same blocks as one
+            # process; only the sum order of the reduce differs
+            err = close(one[name], got[name])
+            assert err < 1e-4, (k, name, err)
+
+
+def fake_rank(rank: int, world: int) -> Parallel:
+    """A Parallel that is never asked to communicate: sharding at load only."""
+    return Parallel(None, rank, world, rank, "gloo", None, 1.0)
+
+
+def test_unsplittable_dimension_names_numbers_and_largest_size(tmp_path: Path) -> None:
+    from parallel_run import runner_for
+
+    q4 = write_fixture("deepseek2", "tiny", "Q4_K_M", tmp_path / "q4.gguf")[0]
+    r = runner_for(str(q4), "reference")
+    with pytest.raises(PocketMoEError, match=r"64 values in quant blocks of 256 .* cannot be split over 2 "
+                                             r"tensor-parallel ranks; the largest valid .* is 1\."):
+        shard_model(r.model, fake_rank(0, 2), 0)
+    f32 = write_fixture("deepseek2", "tiny", "F32", tmp_path / "f32.gguf")[0]
+    r = runner_for(str(f32), "reference")
+    heads = r.model.blocks[0].attn.cfg.n_head
+    with pytest.raises(PocketMoEError, match=rf"the {heads} MLA attention heads cannot be split over "
+                                             rf"{heads + 1} .* largest valid .* is {heads}\."):
+        shard_model(r.model, fake_rank(0, heads + 1), 0)
+
+
+def test_each_rank_holds_only_its_own_bytes(models: dict[str, str]) -> None:
+    """Column / head shards are views at their rows' offset in the memory map; row-parallel shards copy
+    exactly their whole blocks of each row."""
+    whole = parallel_run.runner_for(models["ds2-q8"], "reference").model
+    for rank in range(2):
+        part = shard_model(whole, fake_rank(rank, 2), 0)
+        for b, pb in zip(whole.blocks, part.blocks, strict=True):
+            a, pa = b.attn, pb.attn
+            check_rows(a.wq, pa.wq, rank)
+            check_heads(a.k_b, pa.k_b, rank)
+            check_cols(a.wo, pa.wo, rank)
+            assert pa.wkv_a is a.wkv_a  # the latent path is replicated
+        check_rows(whole.head, part.head, rank)
+
+
+def check_rows(w: QuantLinear, p: QuantLinear, rank: int) -> None:
+    assert isinstance(p, ColumnParallelLinear)
+    n = w.out_features // 2
+    assert p.raw.data_ptr() == w.raw.data_ptr() + rank * n * w.raw.stride(-2)
+    assert p.raw.untyped_storage().data_ptr() == w.raw.untyped_storage().data_ptr()
+    assert torch.equal(p.raw, w.raw[rank * n:(rank + 1) * n])
+
+
+def check_heads(w: QuantLinear, p: QuantLinear, rank: int) -> None:
+    assert isinstance(p, HeadParallelLinear)
+    n = w.shape[0] // 2
+    assert p.raw.data_ptr() == w.raw.data_ptr() + rank * n * w.raw.stride(0)
+
+
+def check_cols(w: QuantLinear, p: QuantLinear, rank: int) -> None:
+    assert isinstance(p, RowParallelLinear)
+    nb = w.raw.shape[-1] // 2
+    assert torch.equal(p.raw, w.raw[..., rank * nb:(rank + 1) * nb])
+    assert torch.equal(p.dense(), w.dense()[:, rank * w.in_features // 2:(rank + 1) * w.in_features // 2])
