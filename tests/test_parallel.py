@@ -128,3 +128,29 @@ def check_cols(w: QuantLinear, p: QuantLinear, rank: int) -> None:
     nb = w.raw.shape[-1] // 2
     assert torch.equal(p.raw, w.raw[..., rank * nb:(rank + 1) * nb])
     assert torch.equal(p.dense(), w.dense()[:, rank * w.in_features // 2:(rank + 1) * w.in_features // 2])
+
+
+def test_bench_json_reports_one_allreduce_per_sublayer(models: dict[str, str]) -> None:
+    """`bench --json` under torchrun: all-reduce time per token, and per decode token exactly one all-reduce
+    per sublayer plus the embedding's (MiniMax-M2 adds its q / k norm statistics per layer)."""
+    import json
+
+    from pocketmoe.gguf import open_bundle
+
+    for key, per_layer in (("ds2", 2), ("mm2", 3)):
+        p = torchrun("-m", "pocketmoe.bench", "--model", models[key], "--json", "--prompt-tokens", "16",
+                     "--gen-tokens", "4", "--threads", "1", "--bandwidth-mib", "8")
+        assert p.returncode == 0, p.stderr[-3000:]
+        tp = json.loads(p.stdout.strip().splitlines()[-1])["pocketmoe"]["tensor_parallel"]
+        n_layer = int(open_bundle(models[key]).metadata[f"{open_bundle(models[key]).architecture}.block_count"])
+        assert tp["world_size"] == 2 and tp["backend"] == "gloo"
+        assert tp["allreduce_calls_per_token"]["decode"] == per_layer * n_layer + 1
+        assert tp["allreduce_ms_per_token"]["decode"] > 0
+
+
+def test_tensor_parallel_size_must_be_the_world_size(models: dict[str, str]) -> None:
+    p = subprocess.run([sys.executable, "-m", "pocketmoe.serve", "--model", models["ds2"], "--tensor-parallel-size",
+                        "2"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
+    assert p.returncode == 2
+    assert "--tensor-parallel-size is 2 but the world size is 1" in p.stderr

@@ -237,7 +237,7 @@ class ParallelDecoder:
         if mine.all():
             x = self.ops.embed(e, (tokens - e.start).astype(np.int32)).contiguous()
         else:
-            x = torch.zeros(len(tokens), e.shape[1], dtype=torch.float32)
+            x = torch.zeros(len(tokens), e.shape[1], dtype=torch.float32, device=self.norm.device)
             if mine.any():
                 x[torch.from_numpy(mine)] = self.ops.embed(e, (tokens[mine] - e.start).astype(np.int32))
         pending = self.tp.all_reduce_async(x)

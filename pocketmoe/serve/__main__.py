@@ -189,8 +189,9 @@ def tensor_parallel(args: argparse.Namespace):  # noqa: ANN201
     tp = init_parallel()
     if args.tensor_parallel_size is not None and args.tensor_parallel_size != tp.world:
         raise PocketMoEError(
-            f"--tensor-parallel-size is {args.tensor_parallel_size} but torchrun started {tp.world} processes; the "
-            f"size is the world size: run torchrun --nproc-per-node {args.tensor_parallel_size} (or drop the flag).")
+            f"--tensor-parallel-size is {args.tensor_parallel_size} but the world size is {tp.world} (the processes "
+            f"torchrun started, 1 without torchrun); the size is the world size: run torchrun --nproc-per-node "
+            f"{args.tensor_parallel_size} (or drop the flag).")
     return tp
 
 
