@@ -167,24 +167,36 @@ class ParallelGQA:
         part.add_(ops.linear(a.wo, ops.gqa_attention(a, q.contiguous(), k.contiguous(), v, ctx, layer)))
 
 
+class LocalExperts:
+    """An ExpertBank over global expert ids whose bank holds only experts [start, stop): it runs the (token,
+    slot) pairs routed to them, each as one row of a weight-1 slot, and leaves zeros for the other ranks' pairs."""
+
+    def __init__(self, bank: Any, start: int, stop: int) -> None:
+        self.bank, self.start, self.stop = bank, start, stop
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        tok, slot = ((ids >= self.start) & (ids < self.stop)).nonzero(as_tuple=True)
+        if len(tok):
+            y = self.bank(x[tok].contiguous(), (ids[tok, slot] - self.start).view(-1, 1).long(),
+                          weights[tok, slot].view(-1, 1).float())
+            out.index_add_(0, tok, y)
+        return out
+
+
 class ParallelMoE:
-    """Router replicated; this rank's routed experts [start, stop) and its share of the shared expert."""
+    """Router replicated; this rank's routed experts and its share of the shared expert, into one buffer."""
 
     def __init__(self, block: MoEBlock, tp: Parallel) -> None:
-        self.router, self.experts, self.ops = block.router, block.experts, block.router.ops
-        self.start, self.stop = split_range(block.router.cfg.n_experts, tp.world, tp.rank)
+        self.router, self.ops = block.router, block.router.ops
+        self.experts = LocalExperts(block.experts, *split_range(block.router.cfg.n_experts, tp.world, tp.rank))
         self.shared = None if block.shared is None else _mlp(block.shared, tp)
 
     def partial(self, x: torch.Tensor, part: torch.Tensor) -> None:
         weights, ids = self.ops.route(self.router, x)  # [T, K] each, the same on every rank
-        mine = (ids >= self.start) & (ids < self.stop)
-        tok, slot = mine.nonzero(as_tuple=True)
         if self.shared is not None:
             part.add_(self.ops.ffn(self.shared, x))
-        if len(tok):  # each (token, slot) pair of this rank's experts as one row of weight 1 slot
-            y = self.experts(x[tok].contiguous(), (ids[tok, slot] - self.start).view(-1, 1).long(),
-                             weights[tok, slot].view(-1, 1).float())
-            part.index_add_(0, tok, y)
+        part.add_(self.ops.moe(self.experts, x, ids, weights))
 
 
 @dataclass
@@ -298,5 +310,11 @@ def shard_model(model: Any, tp: Parallel, kv_width: int) -> Any:
     """This rank's share of a built model of any architecture with a tensor-parallel form."""
     if isinstance(model, DecoderModel):
         return shard_decoder(model, tp, kv_width)
+    from pocketmoe.models.deepseek4 import DeepSeek4Model
+
+    if isinstance(model, DeepSeek4Model):
+        from pocketmoe.parallel.deepseek4 import shard_deepseek4
+
+        return shard_deepseek4(model, tp, kv_width)
     raise PocketMoEError(f"{type(model).__name__} has no tensor-parallel form yet; run it with one process "
                          "(without torchrun, or --nproc-per-node 1).")
