@@ -95,10 +95,13 @@ class Parallel:
         return self.all_reduce_async(t).wait()
 
     def all_gather_cols(self, t: torch.Tensor, total: int) -> torch.Tensor:
-        """[L, n_r] per rank (n_r <= ceil(total / world), rank order) -> [L, total] on every rank."""
+        """[L, n_r] per rank, n_r the size of rank r's split_range(total) -> [L, total] on every rank."""
         if self.world == 1:
             return t
-        width = -(-total // self.world)
+        from pocketmoe.parallel.linear import split_range
+
+        sizes = [b - a for a, b in (split_range(total, self.world, r) for r in range(self.world))]
+        width = max(sizes)  # all_gather takes equal shapes: pad to the widest share, then drop the padding
         if t.shape[1] < width:
             t = torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
         parts = [torch.empty_like(t) for _ in range(self.world)]
@@ -106,7 +109,7 @@ class Parallel:
             dist.all_gather(parts, t.contiguous(), group=self.group)
         except Exception as e:  # noqa: BLE001
             raise self.lost(e) from e
-        return torch.cat(parts, dim=1)[:, :total]
+        return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """t from rank 0 to every rank, in place (on the control group)."""
