@@ -29,9 +29,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(write_fixture("deepseek2", "tiny", "F32", tmp_path_factory.mktemp("tps") / "ds2.gguf")[0])
 
 
-def server(model: str, ranks: int, *extra: str) -> LiveServer:
+def server(model: str, ranks: int, *extra: str, env: dict[str, str] | None = None) -> LiveServer:
     args = ["--model", model, "--served-model-name", "m", "--threads", "1", "--max-model-len", "1024", *extra]
-    return LiveServer(args, env=ENV, launcher=TORCHRUN if ranks == 2 else (), timeout=180)
+    return LiveServer(args, env={**ENV, **(env or {})}, launcher=TORCHRUN if ranks == 2 else (), timeout=180)
 
 
 def children(pid: int) -> list[int]:
@@ -107,11 +107,12 @@ def test_two_rank_server_matches_one_process_and_sigterm_to_rank0_exits_0(model:
     assert not any(alive(p) for p in ranks.values())
 
 
-def test_sigterm_to_torchrun_stops_every_rank(model: str) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_torchrun_stops_every_rank(model: str, sig: int) -> None:
     srv = server(model, 2)
     with srv:
         ranks = rank_pids(srv)
-        srv.signal(signal.SIGTERM)  # torchrun's own exit status for a signal is its business (non-zero)
+        srv.signal(sig)  # torchrun's own exit status for a signal is its business (non-zero)
         t0 = time.monotonic()
         srv.wait(40)
         took = time.monotonic() - t0
@@ -154,4 +155,28 @@ def test_killed_worker_gives_503_then_exit_within_30s(model: str) -> None:
     assert box.get("status") == 503, box
     assert rc != 0
     assert took < 30
+    assert not any(alive(p) for p in ranks.values())
+
+
+def test_hung_worker_gives_503_then_rank0_exits_within_the_timeout(model: str) -> None:
+    """A worker that stops answering (SIGSTOP) without dying: the collective timeout (here 5 s) fails the step."""
+    srv = server(model, 2, env={"POCKETMOE_TP_TIMEOUT_S": "5"})
+    with srv:
+        ranks = rank_pids(srv)
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        os.kill(ranks[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(openai.APIStatusError) as e:
+                c.completions.create(model="m", prompt="count", max_tokens=8, temperature=0)
+            assert e.value.status_code == 503
+            assert "tensor-parallel rank was lost" in e.value.message
+            while alive(ranks[0]) and time.monotonic() - t0 < 30:
+                time.sleep(0.1)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(ranks[1], signal.SIGKILL)  # torchrun would only after its own 30 s
+        rc = srv.wait(30)
+    assert took < 30
+    assert rc != 0
     assert not any(alive(p) for p in ranks.values())
