@@ -191,6 +191,10 @@ class ModelRunner:
     def _run(self, ctx: StepContext) -> torch.Tensor:
         if self.channel is None:
             return self.ops.run(self.model, ctx)
+        if not self.parallel.is_lead:
+            raise PocketMoEError(f"rank {self.parallel.rank} of {self.parallel.world}: only rank 0 runs steps under "
+                                 "torchrun; the other ranks call ModelRunner.serve_steps() (python -m pocketmoe.serve "
+                                 "and pocketmoe.bench do).")
         return self.channel.run_step(ctx, lambda: self.model(ctx))
 
     def _experts_factory(self) -> ExpertsFactory:

@@ -75,6 +75,10 @@ class Parallel:
         """Rank 0: the one that runs the server / CLI and broadcasts each step."""
         return self.rank == 0
 
+    def _group_for(self, t: torch.Tensor) -> object:
+        """NCCL for device tensors, the gloo control group for host ones (CPU ops on a CUDA machine)."""
+        return self.group if t.is_cuda or self.control is None else self.control
+
     def lost(self, e: BaseException) -> RankLost:
         return RankLost(f"rank {self.rank} of {self.world}: a collective failed ({str(e).splitlines()[0][:200]}); "
                         "another rank died or stopped answering within "
@@ -86,7 +90,7 @@ class Parallel:
         if self.world == 1:
             return Pending(self, None, t, t0)
         try:
-            work = dist.all_reduce(t, group=self.group, async_op=True)
+            work = dist.all_reduce(t, group=self._group_for(t), async_op=True)
         except Exception as e:  # noqa: BLE001
             raise self.lost(e) from e
         return Pending(self, work, t, t0)
@@ -106,7 +110,7 @@ class Parallel:
             t = torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
         parts = [torch.empty_like(t) for _ in range(self.world)]
         try:
-            dist.all_gather(parts, t.contiguous(), group=self.group)
+            dist.all_gather(parts, t.contiguous(), group=self._group_for(t))
         except Exception as e:  # noqa: BLE001
             raise self.lost(e) from e
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)
