@@ -13,8 +13,10 @@ from pocketmoe.parallel.group import (
     Parallel,
     RankLost,
     init_parallel,
+    rank,
     shutdown_parallel,
     under_torchrun,
+    world_size,
 )
 from pocketmoe.parallel.linear import (
     ColumnParallelLinear,
@@ -26,5 +28,6 @@ from pocketmoe.parallel.linear import (
 
 __all__ = [
     "ColumnParallelLinear", "CommStats", "HeadParallelLinear", "Parallel", "RankLost", "RowParallelLinear",
-    "VocabParallelEmbedding", "init_parallel", "shutdown_parallel", "split_range", "under_torchrun",
+    "VocabParallelEmbedding", "init_parallel", "rank", "shutdown_parallel", "split_range", "under_torchrun",
+    "world_size",
 ]

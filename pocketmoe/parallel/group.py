@@ -179,6 +179,16 @@ def init_parallel() -> Parallel:
     return _current
 
 
+def rank() -> int:
+    """This process's rank (0 outside torchrun)."""
+    return init_parallel().rank
+
+
+def world_size() -> int:
+    """Ranks in the group: the tensor-parallel size (1 outside torchrun)."""
+    return init_parallel().world
+
+
 def shutdown_parallel() -> None:
     """Destroy the process group (at exit; after it no collective may run)."""
     global _current
