@@ -97,6 +97,7 @@ def run(model: Path, s: BenchSettings, backend: str, llama: bool, bandwidth_mib:
     if llama:
         require_llama_cpp()
     ours, ids, our_tokens, llm = run_pocketmoe(model, s, backend, profile, placement)
+    llm.runner.stop_workers()  # tensor parallel: the other ranks are done
     arch = llm.bundle.architecture
     file_bytes = sum(p.stat().st_size for p in llm.bundle.paths)
     per_token = decode_bytes_per_token(llm.bundle)
@@ -192,6 +193,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise PocketMoEError(f"model file {model} does not exist; pass a GGUF file, shard, or directory.")
     if args.engine == "llama-cpp":
         return llama_child(args, s)
+    from pocketmoe.parallel import init_parallel, under_torchrun
+
+    if under_torchrun() and not init_parallel().is_lead:  # torchrun: rank 0 benches, the others run its steps
+        from pocketmoe.engine.llm import LLM
+
+        llm = LLM(model, n_ctx=s.n_ctx, threads=s.threads, chunk_size=s.chunk_size, backend=args.backend,
+                  placement=placement_from_args(args))
+        llm.runner.serve_steps()
+        return 0
     report = run(model, s, args.backend, args.llama_cpp, args.bandwidth_mib, profile=args.profile,
                  placement=placement_from_args(args))
     print(json.dumps(report) if args.json else render(report, args.profile))

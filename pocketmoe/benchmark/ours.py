@@ -46,8 +46,12 @@ class _RunnerStepper:
         self.prefill_profile: dict[str, Any] | None = None
         self.prefill_tokens = self.decode_tokens = 0
         self.prefill_stats: Any = None
+        self.comm = runner.parallel.stats  # all-reduce time of tensor parallelism (none at world size 1)
+        self.prefill_comm: tuple[float, int, int, int] = (0.0, 0, 0, 0)  # seconds, calls, bytes, tokens
+        self.decode_comm_tokens = 0
 
     def prefill(self, ids: Sequence[int]) -> int:
+        self.comm.reset()
         if self.profile is not None:
             self.profile.reset()
         stats = self.runner.experts.stats if self.runner.experts is not None else None
@@ -61,7 +65,22 @@ class _RunnerStepper:
             self.prefill_profile, self.prefill_tokens = self.profile.snapshot(), len(ids)
             self.profile.reset()
             self.decode_tokens = 0
+        c = self.comm
+        self.prefill_comm = (c.seconds, c.calls, c.bytes, len(ids))
+        c.reset()
+        self.decode_comm_tokens = 0
         return tok
+
+    def tensor_parallel(self) -> dict[str, Any]:
+        """World size and the all-reduce time, calls and bytes per token of the last timed run."""
+        tp = self.runner.parallel
+        s, calls, nbytes, n = self.prefill_comm
+        c, nd = self.comm, max(self.decode_comm_tokens, 1)
+        n = max(n, 1)
+        return {"world_size": tp.world, "backend": tp.backend,
+                "allreduce_ms_per_token": {"prefill": round(1e3 * s / n, 4), "decode": round(1e3 * c.seconds / nd, 4)},
+                "allreduce_calls_per_token": {"prefill": round(calls / n, 2), "decode": round(c.calls / nd, 2)},
+                "allreduce_bytes_per_token": {"prefill": round(nbytes / n), "decode": round(c.bytes / nd)}}
 
     def profiles(self) -> dict[str, Any] | None:
         """{"prefill"|"decode": {"ms_per_token": {op: ms}, "tokens": n}} of the last timed run."""
@@ -76,6 +95,7 @@ class _RunnerStepper:
 
     def decode(self, token: int, pos: int) -> int:
         self.decode_tokens += 1
+        self.decode_comm_tokens += 1
         return int(self.runner.decode(token, pos).argmax())
 
 
@@ -104,6 +124,7 @@ def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto", pr
     result = engine_result(llm.backend_name, m, mem, load_s)
     result["detail"] = llm.backend_detail  # which ops ran: kernels, instruction set, threads
     result["profile"] = stepper.profiles()  # per-op time with --profile, else None
+    result["tensor_parallel"] = stepper.tensor_parallel()  # all-reduce time per token (torchrun)
     # placement, cache statistics of the last timed run's decode (and prefill), predicted beside measured
     experts = expert_report(llm.runner)
     if stepper.prefill_stats is not None:

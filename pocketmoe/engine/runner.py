@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,6 +25,9 @@ from pocketmoe.layers.linear import QuantLinear
 from pocketmoe.models import model_builder
 from pocketmoe.ops import BACKENDS, ReferenceOps, make_ops
 from pocketmoe.ops.cuda import plan_backend
+from pocketmoe.parallel import init_parallel, shutdown_parallel
+from pocketmoe.parallel.model import local_experts_factory, shard_model
+from pocketmoe.parallel.steps import HELLO, StepChannel
 from pocketmoe.placement import Devices, PlacementPlan, PlanOptions, make_plan
 from pocketmoe.placement.run import RunPlacement, run_plan
 from pocketmoe.specs import spec_from_bundle
@@ -122,9 +126,18 @@ class ModelRunner:
         self._cache_roles = cfg.cache_roles if cfg.cache_roles is not None else self.ops.dense_cache_roles
         self.cached_bytes = 0  # float32 bytes promised to dequantized-weight caches so far
         self.experts: Any = None  # experts.ExpertRuntime of all-device / heterogeneous plans (stats, rates)
+        # the tensor-parallel group (world size 1 outside torchrun: the model is built whole, as always)
+        self.parallel = init_parallel()
+        self.channel: StepChannel | None = None
         build = model_builder(bundle.architecture)
-        self.model = build(bundle, self.spec.config, self.ops, self._make_linear, self._experts_factory())
+        make_experts = self._experts_factory()
+        if self.parallel.world > 1:
+            make_experts = local_experts_factory(make_experts, self.parallel)
+        self.model = build(bundle, self.spec.config, self.ops, self._make_linear, make_experts)
         width = self.spec.kv_values_per_token()
+        if self.parallel.world > 1:
+            self.model = shard_model(self.model, self.parallel, width)
+            width = self.model.kv_width
         dtype = KV_DTYPES[cfg.kv_dtype]
         kv_device = getattr(self.ops, "device", "cpu")  # the CUDA backend's device; the CPU otherwise
         if cfg.kv_cache_bytes is None:
@@ -135,8 +148,58 @@ class ModelRunner:
                                                 device=kv_device)
         # Embedding rows are read one per token in no order: without this, each new token id of a large
         # model faults its page in from disk in decode (V2-Lite: ~2 ms a token).
-        if "token_embd.weight" in bundle.tensors:
+        if "token_embd.weight" in bundle.tensors and self.parallel.world == 1:
             bundle.prefetch("token_embd.weight")
+        if self.parallel.world > 1:
+            self.channel = StepChannel(self.parallel)
+            self._hello()
+
+    # -- tensor parallel ---------------------------------------------------------------------------------
+    def _layout(self) -> dict[str, Any]:
+        c = self.cache
+        return {"architecture": self.bundle.architecture, "n_layer": self.model.n_layer, "pages": c.n_pages,
+                "page": c.page, "max_seq_len": c.max_seq_len, "vocab": self.vocab_size, "kv_dtype": self.cfg.kv_dtype}
+
+    def _hello(self) -> None:
+        """Wait for every rank to load (however long that takes), then check they hold the same cache layout."""
+        assert self.channel is not None
+        tp = self.parallel
+        torch.distributed.monitored_barrier(group=tp.control, timeout=timedelta(hours=2), wait_all_ranks=True)
+        mine = self._layout()
+        if tp.is_lead:
+            self.channel.hello(mine)
+            return
+        kind, theirs = self.channel.receive()
+        tp.ack()
+        if kind != HELLO or theirs != mine:
+            raise PocketMoEError(f"rank {tp.rank} built a cache layout {mine} but rank 0 has {theirs}; start every "
+                                 "rank with the same flags.")
+
+    def serve_steps(self, end_group: bool = True) -> None:
+        """A worker rank: run each step rank 0 broadcasts until it says stop (RankLost if rank 0 goes away);
+        then end the process group unless end_group is False (another runner of this process uses it)."""
+        assert self.channel is not None and not self.parallel.is_lead
+        with torch.inference_mode():
+            self.channel.serve(lambda inputs: self.model(StepContext(cache=self.cache, **inputs)))
+        if end_group:
+            shutdown_parallel()
+
+    def stop_workers(self, end_group: bool = True) -> None:
+        """Rank 0: tell the worker ranks to exit, then end the process group unless end_group is False
+        (no-op at world size 1)."""
+        if self.channel is not None and self.parallel.is_lead and not self.channel.closed:
+            self.channel.stop()
+            if end_group:
+                shutdown_parallel()
+
+    def _run(self, ctx: StepContext) -> torch.Tensor:
+        if self.channel is None:
+            return self.ops.run(self.model, ctx)
+        if not self.parallel.is_lead:
+            raise PocketMoEError(f"rank {self.parallel.rank} of {self.parallel.world}: only rank 0 runs steps under "
+                                 "torchrun; the other ranks call ModelRunner.serve_steps() (python -m pocketmoe.serve "
+                                 "and pocketmoe.bench do).")
+        return self.channel.run_step(ctx, lambda: self.model(ctx))
 
     def _experts_factory(self) -> ExpertsFactory:
         """The ExpertBank of each MoE layer, as the plan places the routed experts."""
@@ -179,7 +242,7 @@ class ModelRunner:
         [T, V] ([1, V] with last_only), run in chunks of cfg.chunk_size.
         """
         if isinstance(step, Step):
-            return self.ops.run(self.model, StepContext.build(step, self.cache, self.vocab_size))
+            return self._run(StepContext.build(step, self.cache, self.vocab_size))
         if start_pos is None:
             raise PocketMoEError("forward(tokens, start_pos): give the position of the first token.")
         tokens = [int(t) for t in (step if isinstance(step, (list, tuple)) else torch.as_tensor(step).reshape(-1).tolist())]
@@ -196,7 +259,7 @@ class ModelRunner:
         for i in range(0, len(tokens), n):
             last = i + n >= len(tokens)
             mode = ("last" if last else "none") if last_only else "all"
-            logits = self.ops.run(self.model, StepContext.build(
+            logits = self._run(StepContext.build(
                 Step((SeqChunk(SOLO, tokens[i:i + n], start_pos + i, mode),)), self.cache, self.vocab_size))
             if mode != "none":
                 out.append(logits)
@@ -211,7 +274,7 @@ class ModelRunner:
                                      "raise n_ctx or shorten the input.")
         if pos == 0:
             self.cache.free(SOLO)
-        return self.ops.run(self.model, StepContext.decode_one(SOLO, int(token), pos, self.cache, self.vocab_size))[0]
+        return self._run(StepContext.decode_one(SOLO, int(token), pos, self.cache, self.vocab_size))[0]
 
     def free(self, seq: object) -> None:
         """Drop a sequence's KV cache rows (they go back to the pool)."""

@@ -8,6 +8,10 @@
 Without --model it serves the built-in demo model. The port opens at once (GET /health answers 503
 while the model loads); one line `ready on http://HOST:PORT (...)` follows when requests are taken.
 SIGINT or SIGTERM stops taking requests, ends in-flight streams with a final chunk and exits 0.
+
+Tensor parallel: `torchrun --nproc-per-node N -m pocketmoe.serve --model X.gguf`. Rank 0 runs this server
+and broadcasts each step; the other ranks load their shards and run the steps. SIGINT / SIGTERM to rank 0
+or to torchrun stops every rank (exit 0); a rank that dies makes rank 0 answer 503 and exit 1.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per step, over all sequences")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="ranks sharing the model: taken from torchrun's world size (give it only to check that)")
     add_placement_args(p)
     args = p.parse_args(argv)
     for name in ("max_num_seqs", "max_queue", "chunk_size", "threads", "max_model_len"):
@@ -97,11 +103,35 @@ def kv_budget(bundle, spec, args: argparse.Namespace) -> tuple[int, int]:  # noq
     return budget, max_len
 
 
+def runner_config(args: argparse.Namespace, budget: int, max_len: int):  # noqa: ANN201
+    from pocketmoe.engine.runner import RunnerConfig
+
+    return RunnerConfig(n_ctx=max_len, chunk_size=args.chunk_size, threads=args.threads, backend=args.backend,
+                        kv_cache_bytes=budget, max_seqs=args.max_num_seqs, placement=placement_from_args(args))
+
+
+def from_rank0(value: object) -> object:
+    """Rank 0's value on every rank (the KV budget: each rank's cache layout must be rank 0's)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pocketmoe.parallel import init_parallel
+
+    tp = init_parallel()
+    if tp.world == 1:
+        return value
+    dist.monitored_barrier(group=tp.control, timeout=timedelta(hours=2), wait_all_ranks=True)
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=tp.control)
+    return box[0]
+
+
 def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     """Build the runner and the engine (a progress bar over the layers), then print the ready line."""
     from tqdm import tqdm
 
-    from pocketmoe.engine.runner import ModelRunner, RunnerConfig, load_spec
+    from pocketmoe.engine.runner import ModelRunner, load_spec
     from pocketmoe.gguf import open_bundle
     from pocketmoe.serve.engine import Engine, EngineConfig
     from pocketmoe.tokenizer import Tokenizer
@@ -111,10 +141,9 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     tok = Tokenizer.from_metadata(bundle.metadata)
     if args.chat_template:
         tok.chat_template = Path(args.chat_template).read_text()
-    budget, max_len = kv_budget(bundle, spec, args)
+    budget, max_len = from_rank0(kv_budget(bundle, spec, args))
     state.max_model_len = max_len
-    cfg = RunnerConfig(n_ctx=max_len, chunk_size=args.chunk_size, threads=args.threads, backend=args.backend,
-                       kv_cache_bytes=budget, max_seqs=args.max_num_seqs, placement=placement_from_args(args))
+    cfg = runner_config(args, budget, max_len)
     bar = tqdm(total=spec.config.n_layer, desc="loading", unit="layer", file=sys.stderr, leave=False)
 
     def on_tensor(name: str) -> None:
@@ -129,6 +158,9 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     state.metrics.kv_pages.set(runner.cache.n_pages)
     state.metrics.kv_bytes.set(runner.cache.nbytes)
     state.metrics.watch_experts(runner)
+    if runner.channel is not None:  # tensor parallel: a rank lost while idle is seen by the heartbeat
+        engine.on_fatal = lambda e: lost_rank(state, server, e)
+        runner.channel.start_heartbeat(engine.lose)
     engine.start()
     state.tokenizer, state.engine = tok, engine
     while not server.started and not server.should_exit:
@@ -138,6 +170,54 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     print(f"ready on http://{host}:{port} (model {state.model_name}, {bundle.architecture}, kernels {runner.describe}, "
           f"max-model-len {max_len}, KV pool {kv.nbytes / 2**30:.2f} GiB = {kv.n_pages * kv.page} positions, "
           f"max-num-seqs {args.max_num_seqs}, placement {runner.plan.mode})", flush=True)
+
+
+LOST_GRACE_S = 2.0  # rank 0 keeps answering 503 this long after a rank is lost, then exits 1
+
+
+def lost_rank(state, server, e: BaseException) -> None:  # noqa: ANN001
+    """A tensor-parallel rank died: requests get 503 (the engine is down), then the server exits non-zero."""
+    if state.lost_rank is None:
+        state.lost_rank = e
+        threading.Timer(LOST_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+
+
+def tensor_parallel(args: argparse.Namespace):  # noqa: ANN201
+    """This process's group, after checking --tensor-parallel-size against torchrun's world size."""
+    from pocketmoe.parallel import init_parallel
+
+    tp = init_parallel()
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size != tp.world:
+        raise PocketMoEError(
+            f"--tensor-parallel-size is {args.tensor_parallel_size} but the world size is {tp.world} (the processes "
+            f"torchrun started, 1 without torchrun); the size is the world size: run torchrun --nproc-per-node "
+            f"{args.tensor_parallel_size} (or drop the flag).")
+    return tp
+
+
+def worker(args: argparse.Namespace) -> int:
+    """A rank other than 0: load this rank's shards, run the steps rank 0 broadcasts, exit when it says stop.
+    SIGINT / SIGTERM only mark the shutdown (rank 0, signalled too, sends stop; if it is gone first, exit 0)."""
+    from pocketmoe.engine.runner import ModelRunner, load_spec
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.parallel import RankLost
+
+    signalled: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda n, _f: signalled.append(n))
+    bundle = open_bundle(args.model)
+    spec = load_spec(bundle)
+    budget, max_len = from_rank0(None)
+    runner = ModelRunner(bundle, runner_config(args, budget, max_len))
+    del spec
+    try:
+        runner.serve_steps()
+    except RankLost as e:
+        if signalled:
+            return 0
+        print(error_line(e), file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,6 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model = str(demo_model_path())
     if not Path(args.model).exists():
         raise PocketMoEError(f"{args.model}: no such file or directory; give a GGUF file with --model.")
+    tp = tensor_parallel(args)
+    if not tp.is_lead:
+        return worker(args)
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
     state = ServerState(model_name=name, max_model_len=0, api_key=args.api_key or None,
                         max_body_bytes=int(args.max_body_mib * 2**20))
@@ -181,6 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.run(sockets=[sock])
     if state.engine is not None:
         state.engine.stop()
+        state.engine.runner.stop_workers()
+    if state.lost_rank is not None:
+        print(error_line(state.lost_rank), file=sys.stderr)
+        return 1
     if failed:
         e = failed[0]
         if isinstance(e, (PocketMoEError, OSError)):

@@ -56,6 +56,7 @@ class ServerState:
     tokenizer: Tokenizer | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     load_error: str | None = None
+    lost_rank: BaseException | None = None  # a tensor-parallel rank died (the server exits 1)
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -309,6 +310,8 @@ def create_app(state: ServerState) -> FastAPI:
             choices[d.index].add(d)
         for c in choices:
             if c.error:
+                if state.engine is not None and not state.engine.alive:  # e.g. a tensor-parallel rank died
+                    raise RequestError(c.error, status=503, type_="server_error", code="unavailable")
                 raise RuntimeError(c.error)
         return choices
 

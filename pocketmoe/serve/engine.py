@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +31,7 @@ from pocketmoe.engine.kv_cache import KVPoolFullError
 from pocketmoe.engine.runner import ModelRunner
 from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker
 from pocketmoe.engine.step import SeqChunk, Step
+from pocketmoe.parallel import RankLost
 from pocketmoe.serve.metrics import Metrics
 from pocketmoe.tokenizer import Tokenizer
 from pocketmoe.tokenizer.stream import StreamDecoder
@@ -137,6 +138,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="pocketmoe-engine", daemon=True)
         self.alive = False
         self.steps = 0
+        # called once when a tensor-parallel rank is lost (the server then exits non-zero)
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self._lost_error = ""
 
     # -- the asyncio side ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -153,6 +157,15 @@ class Engine:
             self.request_stop()
             self._thread.join(timeout)
         self.alive = False
+
+    def lose(self, e: BaseException) -> None:
+        """A tensor-parallel rank is gone (seen while idle): new requests get 503, the running ones end with
+        an error, the loop ends."""
+        self.alive = False
+        self._lost_error = f"a tensor-parallel rank was lost: {e}"
+        self._inbox.put(("lost", None))
+        if self.on_fatal is not None:
+            self.on_fatal(e)
 
     def submit(self, prompt: Sequence[int], params: Sequence[SamplingParams], *, logprobs: int | None = None,
                prompt_logprobs: bool = False, loop: asyncio.AbstractEventLoop | None = None,
@@ -190,6 +203,12 @@ class Engine:
                 if planned:
                     self._run(planned)
                 self._gauges()
+        except RankLost as e:  # no step can run any more: report the engine down before ending the requests
+            self.alive = False
+            log.error("%s", e)
+            self._finish_all(error=f"a tensor-parallel rank was lost: {e}")
+            if self.on_fatal is not None:
+                self.on_fatal(e)
         except Exception:  # a bug, not a request: log it and report the engine down
             log.exception("the engine loop failed")
             self._finish_all(error="the engine stopped after an internal error; see the server log.")
@@ -206,6 +225,9 @@ class Engine:
             block = False
             if what == "stop":
                 self._finish_all()
+                return False
+            if what == "lost":
+                self._finish_all(error=self._lost_error)
                 return False
             assert req is not None
             if what == "add":
@@ -292,6 +314,8 @@ class Engine:
     def _run(self, planned: list[tuple[Seq, SeqChunk]]) -> None:
         try:
             logits = self.runner.forward(Step(tuple(c for _, c in planned)))
+        except RankLost:
+            raise
         except Exception as e:  # one bad step fails its sequences, never the engine
             log.exception("a step failed")
             for s, _ in planned:

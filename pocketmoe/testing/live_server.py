@@ -20,7 +20,11 @@ READY = re.compile(r"ready on (http://\S+)")
 
 
 class LiveServer:
-    def __init__(self, args: Sequence[str], timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: Sequence[str], timeout: float = 120.0, env: dict[str, str] | None = None,
+                 launcher: Sequence[str] = ()) -> None:
+        """launcher: what runs the module instead of this Python (e.g. torchrun's `python -m
+        torch.distributed.run --nproc-per-node 2`)."""
+        self.launcher = list(launcher) or [sys.executable]
         self.args = ["--port", "0", *args]
         self.timeout = timeout
         self.env = {**os.environ, **(env or {})}
@@ -37,7 +41,7 @@ class LiveServer:
         self.stop()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "pocketmoe.serve", *self.args], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([*self.launcher, "-m", "pocketmoe.serve", *self.args], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=self.env)
         ready = threading.Event()
         self._readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout, ready), daemon=True),
