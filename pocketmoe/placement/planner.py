@@ -112,7 +112,8 @@ def make_plan(spec: Any, tensors: Mapping[str, TensorLike], devices: Devices,
     if n == 0:
         return _cpu_plan(spec, mb, kv, ws, devices, opts, assumptions)
     caps = [g.memory_bytes - ws.on_device(i == n - 1) for i, g in enumerate(devices.gpus)]
-    assumptions.append("pipeline-style split by layer in order (tensor parallelism is a later issue), "
+    assumptions.append("one process: split by layer in order over its GPUs (under torchrun each rank holds a "
+                       "tensor-parallel share of every layer instead; this plan does not model that), "
                        "filled in proportion to each GPU's memory; embedding on the first GPU, head on the "
                        "last; each layer's KV cache sits with the layer")
     forced = mode
