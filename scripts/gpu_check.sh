@@ -9,7 +9,7 @@
 #                                        which then travels with the tree (name .whl in the run's carry)
 #
 # Outputs (at most 8 files) go under $OUT when it is set, else out/gpu_check: gpu_check.log, pytest.log,
-# bench_{cpu,heterogeneous,all_device,graphs}.json, summary.json. Environment: PYTHON (default python3; the dry
+# bench_{cpu,heterogeneous,all_device,graphs}.json, tp_comm.json, summary.json. Environment: PYTHON (default python3; the dry
 # run defaults to .venv/bin/python), GPU_CHECK_WORK (scratch for the 10 GB model, default /tmp/pocketmoe-gpu-check).
 #
 # No venv is made on the GPU machine: its python3 is itself the venv holding torch (CUDA), CuPy and pybind11, and a
@@ -121,17 +121,12 @@ bench heterogeneous "" --device "$DEV" --mode heterogeneous --gpu-memory-gib "$H
 bench all_device "" --device "$DEV" --mode all-device
 if [ "$DRY" = 0 ]; then bench graphs POCKETMOE_CUDA_GRAPHS=1 --device cuda --mode all-device; fi
 
-# ---- 5. tensor parallelism, TP=1 over NCCL (issue 12 item 6), only if the bench CLI has the flag -----------------
-TP_FLAG=$("$PY" -m pocketmoe.bench --help | grep -oE -- '--(tensor-parallel|tp)\b' | head -n 1 || true)
-if [ "$DRY" = 0 ] && [ -n "$TP_FLAG" ] && command -v torchrun > /dev/null; then
-  log "TP=1 NCCL run: torchrun --nproc-per-node 1 -m pocketmoe.bench $TP_FLAG 1"
-  timeout 240 torchrun --nproc-per-node 1 -m pocketmoe.bench --model "$MODEL" "${LEN[@]}" --repeats 1 --json \
-    --device cuda "$TP_FLAG" 1 >> "$LOG" 2>&1 || log "the TP=1 NCCL run failed (see gpu_check.log)"
-elif [ -z "$TP_FLAG" ]; then
-  log "TP=1 NCCL step skipped: python -m pocketmoe.bench has no --tensor-parallel / --tp flag yet"
-else
-  log "TP=1 NCCL step skipped: dry run, or torchrun is not on PATH"
-fi
+# ---- 5. tensor parallelism at TP=1 (issue 12 item 6): the all-reduce per step, NCCL on the GPU (gloo in the dry run) --
+# The collective runs even at world size 1 (the model skips it there): the per-call latency floor, projected on paper
+# to 2 and 4 GPUs over PCIe at the measured host-to-device bandwidth stand-in (--pcie-gbps; the V2-Lite shapes).
+log "TP=1 all-reduce cost: torchrun --nproc-per-node 1 -m pocketmoe.parallel.commbench"
+timeout 120 "$PY" -m torch.distributed.run --nproc-per-node 1 -m pocketmoe.parallel.commbench --hidden 2048 \
+  --layers 27 --tokens 1,512 --json > "$OUT_DIR/tp_comm.json" 2>> "$LOG" || log "the TP=1 all-reduce run failed"
 
 # ---- 6. bandwidth bounds and the summary ---------------------------------------------------------------------------
 "$PY" - "$OUT_DIR" "$DRY" <<'EOF' | tee "$OUT_DIR/summary.json"
@@ -165,12 +160,15 @@ else:  # the dry run: host memory stands in for both
     device = "cpu (dry run)"
 
 
-def load(name):
-    p = out / f"bench_{name}.json"
+def load_json(p):
     try:
         return json.loads(p.read_text())
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{p.name}: {exc}"}
+
+
+def load(name):
+    return load_json(out / f"bench_{name}.json")
 
 
 def figures(js, bound_gbps=None):
@@ -208,6 +206,7 @@ def ok(f):
 summary = {
     "device": device, "dry_run": dry, "pcie_gbps": round(pcie, 2), "hbm_gbps": round(hbm, 2),
     "cpu_only": cpu, "heterogeneous_4gib": het, "all_device": alld, "all_device_graphs": gr,
+    "tp1_all_reduce": load_json(out / "tp_comm.json"),
     "targets": {
         "heterogeneous_decode_ge_cpu": ok(lambda: het["decode_tok_s"] >= cpu["decode_tok_s"]),
         "heterogeneous_prefill_ge_3x_cpu": ok(lambda: het["prefill_tok_s"] >= 3 * cpu["prefill_tok_s"]),

@@ -171,3 +171,21 @@ def test_collectives_on_uneven_shares(tmp_path: Path) -> None:
         assert torch.equal(got[total], want), total
     assert torch.equal(got["sum"], torch.full((4, 5), 6.0))
     assert got["calls"] == 1
+
+
+def test_commbench_times_the_step_all_reduces_on_two_ranks() -> None:
+    """The TP all-reduce cost (gpu_check's TP=1 step; here 2 gloo ranks): rank 0 reports one row per step size,
+    the calls a step makes, and a paper projection that grows with the bytes a ring moves."""
+    import json
+
+    p = torchrun("-m", "pocketmoe.parallel.commbench", "--hidden", "256", "--layers", "3", "--tokens", "1,64",
+                 "--iters", "3", "--json")
+    assert p.returncode == 0, p.stderr
+    (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]  # one report, from rank 0
+    res = json.loads(line)
+    assert (res["world_size"], res["backend"], res["calls_per_step"]) == (2, "gloo", 7)
+    small, big = res["steps"]
+    assert (small["bytes_per_call"], big["bytes_per_call"]) == (256 * 4, 64 * 256 * 4)
+    assert all(s["measured_us_per_call"] > 0 for s in res["steps"])
+    est = big["estimate_ms_per_step"]
+    assert float(est["4"]) > float(est["2"]) > big["measured_us_per_call"] * 7 / 1e3
