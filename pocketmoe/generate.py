@@ -82,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     placement = placement_from_args(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, threads=args.threads, chunk_size=args.chunk_size,
               backend=args.backend, placement=placement)
+    if not llm.runner.parallel.is_lead:  # torchrun: rank 0 generates, the other ranks run its steps
+        llm.runner.serve_steps()
+        return 0
     load_s = time.perf_counter() - t_load
     if not args.json:
         print(f"[pocketmoe] {llm.bundle.architecture} from {llm.bundle.paths[0].name}: kernels "
@@ -104,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     mem.sample()
+    llm.runner.stop_workers()  # tensor parallel: the other ranks are done
     stats = {
         "prompt_tokens": len(out.prompt_token_ids),
         "completion_tokens": len(out.token_ids),

@@ -189,3 +189,23 @@ def test_commbench_times_the_step_all_reduces_on_two_ranks() -> None:
     assert all(s["measured_us_per_call"] > 0 for s in res["steps"])
     est = big["estimate_ms_per_step"]
     assert float(est["4"]) > float(est["2"]) > big["measured_us_per_call"] * 7 / 1e3
+
+
+@pytest.mark.parametrize("arch", ["ds2", "ds4"])
+def test_generate_under_torchrun_in_placement_modes(models: dict[str, str], arch: str) -> None:
+    """`torchrun -m pocketmoe.generate` (rank 0 generates, rank 1 runs its steps) with the heterogeneous
+    placement on the CPU device (rank-local experts through a 2-slot cache): the one-process greedy tokens."""
+    import json
+
+    flags = ["--model", models[arch], "--token-ids", "5,17,29,41,53,65,77,89", "--max-tokens", "6", "--ignore-eos",
+             "--json", "--threads", "1", "--n-ctx", "64"]
+    one = subprocess.run([sys.executable, "-m", "pocketmoe.generate", *flags], capture_output=True, text=True,
+                         timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert one.returncode == 0, one.stderr
+    p = torchrun("-m", "pocketmoe.generate", *flags, "--device", "cpu", "--mode", "heterogeneous",
+                 "--expert-cache-slots", "2")
+    assert p.returncode == 0, p.stderr[-4000:]
+    (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]  # rank 0's report only
+    got = json.loads(line)
+    assert got["mode"] == "heterogeneous" and got["experts"]["stats"]["hits"] + got["experts"]["stats"]["misses"] > 0
+    assert got["token_ids"] == json.loads(one.stdout)["token_ids"]
