@@ -135,7 +135,7 @@ class DeepSeek4Ops:
 
     def hc_sinkhorn(self, p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         """comb [T, n, n] from the row softmax p (module function sinkhorn)."""
-        return torch.from_numpy(sinkhorn(p.numpy(), iters, eps))
+        return torch.from_numpy(sinkhorn(p.cpu().numpy(), iters, eps)).to(p.device)
 
     def hc_mix(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """sum_i w[:, i] * x[:, i] in stream order: x [T, n, D], w [T, n] -> [T, D]."""
