@@ -234,3 +234,28 @@ def test_native_hyper_connection_ops_are_the_reference_bitwise(t: int) -> None:
     assert torch.equal(nat.hc_sinkhorn(p, 20, 1e-6), comb)
     assert torch.equal(nat.hc_mix(x, w), ref.hc_mix(x, w))
     assert torch.equal(nat.hc_post(out, x, post, comb), ref.hc_post(out, x, post, comb))
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels")
+def test_native_dsv4_attend_is_the_torch_softmax_with_sinks() -> None:
+    """DeepSeek-V4's attention core on the native kernels: each query over its allowed keys (window rows and
+    entries at any value offsets of the cache), the head's sink logit in the softmax, against the torch path;
+    a query's output is bitwise the same alone or with others."""
+    from pocketmoe.ops.cpu import NativeOps
+
+    g = torch.Generator().manual_seed(5)
+    t, h, d, width, rows = 7, 6, 64, 200, 40
+    cache = torch.randn(rows, width, generator=g)
+    offsets = np.concatenate([np.arange(20) * width + 3, np.arange(20, 30) * width + 130]).astype(np.int64)
+    allowed = torch.rand(t, len(offsets), generator=g).numpy() < 0.6
+    allowed[np.arange(t), np.arange(t)] = True  # every query sees at least one key
+    q, sinks = torch.randn(t, h, d, generator=g), torch.randn(h, generator=g) * 3
+    ref, nat = ReferenceOps(), NativeOps()
+    want = ref.dsv4_attend(q, cache, offsets, allowed, sinks, 0.125)
+    got = nat.dsv4_attend(q, cache, offsets, allowed, sinks, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    no_sink = nat.dsv4_attend(q, cache, offsets, allowed, torch.full((h,), -1e30), 0.125)
+    assert (got - no_sink).abs().max() > 1e-3  # the sinks take mass
+    for i in (0, 4):
+        alone = nat.dsv4_attend(q[i:i + 1].contiguous(), cache, offsets, allowed[i:i + 1], sinks, 0.125)
+        assert torch.equal(alone[0], got[i])

@@ -27,6 +27,7 @@ template <class T>
 const char* dtype_name() {
   if constexpr (std::is_same_v<T, uint8_t>) return "uint8";
   if constexpr (std::is_same_v<T, int32_t>) return "int32";
+  if constexpr (std::is_same_v<T, int64_t>) return "int64";
   return "float32";
 }
 
@@ -297,6 +298,33 @@ py::array_t<float> rms_norm_py(const py::array& x, const py::array& w, float eps
   py::array_t<float> y({n, d});
   rms_norm(xa.data(), vector_of(w, "weight", d), static_cast<int>(n), static_cast<int>(d), eps, y.mutable_data());
   return y;
+}
+
+py::array_t<float> dsv4_attend_py(const py::array& q, const py::array& cache, const py::array& key_offsets,
+                                  const py::array& starts, const py::array& sinks, float scale) {
+  auto qa = checked<float>(q, "q", 3);
+  const py::ssize_t t = qa.shape(0), h = qa.shape(1), d = qa.shape(2);
+  auto ca = checked<float>(cache, "cache", -1);
+  auto ko = checked<int64_t>(key_offsets, "key_offsets", 1);
+  auto st = checked<int32_t>(starts, "starts", 1);
+  const float* sp = vector_of(sinks, "sinks", h);
+  if (st.shape(0) != t + 1) throw py::value_error("starts must hold T + 1 = " + std::to_string(t + 1) + " values");
+  const int32_t* s = st.data();
+  for (py::ssize_t i = 0; i < t; ++i)
+    if (s[i + 1] < s[i]) throw py::value_error("starts must not decrease");
+  if (t > 0 && s[t] != ko.shape(0))
+    throw py::value_error("starts ends at " + std::to_string(s[t]) + " but key_offsets holds " +
+                          std::to_string(ko.shape(0)) + " keys");
+  py::array_t<float> out({t, h, d});
+  const float *qp = qa.data(), *cp = ca.data();
+  const int64_t* kp = ko.data();
+  float* op = out.mutable_data();
+  const size_t n_values = static_cast<size_t>(ca.size());
+  run(static_cast<size_t>(ko.shape(0)) * d * 4, [&] {
+    dsv4_attention(qp, static_cast<int>(t), static_cast<int>(h), static_cast<int>(d), scale, sp, cp, n_values, kp, s,
+                   op);
+  });
+  return out;
 }
 
 // DeepSeek-V4 hyper-connections (ops.h hc_*): shapes checked here, arithmetic in hyper.cpp.
@@ -875,6 +903,10 @@ PYBIND11_MODULE(_native, m) {
            py::arg("n_experts"), py::arg("top_k"), py::arg("gating"), py::arg("n_groups"), py::arg("groups_used"),
            py::arg("norm"), py::arg("scale"), py::arg("weight_sum_min"), py::arg("gating_softmax"),
            py::arg("gating_sigmoid"));
+  m.def("dsv4_attend", &dsv4_attend_py, py::arg("q"), py::arg("cache"), py::arg("key_offsets"), py::arg("starts"),
+        py::arg("sinks"), py::arg("scale"),
+        "DeepSeek-V4 attention: q [T, H, d] over each query's keys (cache value offsets key_offsets[starts[t]:"
+        "starts[t+1]], K = V), softmax with the heads' sinks -> [T, H, d].");
   m.def("hc_sinkhorn", &hc_sinkhorn_py, py::arg("softmax"), py::arg("iters"), py::arg("eps"),
         "DeepSeek-V4 mHC: comb [T, n, n] from its row softmax (+ eps, columns, then iters - 1 rows and columns).");
   m.def("hc_mix", &hc_mix_py, py::arg("x"), py::arg("w"), "y [T, D] = sum_i w[:, i] * x[:, i] in stream order.");

@@ -385,6 +385,18 @@ class NativeOps(ReferenceOps):
                                     None if router.bias is None else router.bias.numpy(), g, types[0], u, types[1], d,
                                     types[2], bank.ffn, *shared)
 
+    @_not_replayed
+    def dsv4_attend(self, q: torch.Tensor, cache: torch.Tensor, offsets: np.ndarray, allowed: np.ndarray,
+                    sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        """One native call: each query over its allowed keys only (the mask as per-query key lists)."""
+        if cache.dtype != torch.float32 or not cache.is_cpu or not cache.is_contiguous() or q.shape[-1] % 8:
+            return super().dsv4_attend(q, cache, offsets, allowed, sinks, scale)
+        ti, si = np.nonzero(allowed)  # row-major: query by query, keys in order
+        starts = np.zeros(len(allowed) + 1, dtype=np.int32)
+        np.cumsum(np.bincount(ti, minlength=len(allowed)), out=starts[1:])
+        keys = np.ascontiguousarray(offsets[si], dtype=np.int64)
+        return torch.from_numpy(self.lib.dsv4_attend(_np(q), cache.numpy(), keys, starts, _np(sinks), scale))
+
     # -- DeepSeek-V4 hyper-connections: bitwise the reference's arithmetic, without its tiny tensor ops --------
     @_not_replayed
     def hc_sinkhorn(self, p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -262,21 +262,28 @@ class DeepSeek4Ops:
         """One sequence's queries q [t, H, d] at positions start..end-1 -> [t, H, d]: softmax over the window
         rows, the visible (and kept) entries and the head's sink logit (its mass dropped), K = V."""
         c = attn.cfg
-        lay = c.layout
+        lay, width = c.layout, cache.shape[1]
         raw = np.arange(max(0, start - c.window + 1), end)
-        keys = _slice(cache, seq_rows(ctx, i, raw), lay.kv)  # [S, d]
-        pos = torch.arange(start, end)[:, None]
-        kpos = torch.from_numpy(raw)[None, :]
-        allowed = (kpos <= pos) & (pos - kpos < c.window)
+        offsets = seq_rows(ctx, i, raw).numpy() * width + lay.kv[0]  # [S] value offsets of the keys in the cache
+        pos = np.arange(start, end)[:, None]
+        allowed = (raw[None, :] <= pos) & (pos - raw[None, :] < c.window)
         n_ent = end // c.ratio if c.ratio else 0
         if n_ent:
-            keys = torch.cat([keys, _slice(cache, seq_rows(ctx, i, np.arange(n_ent) * c.ratio + c.ratio - 1),
-                                           lay.comp_entry)])
-            visible = torch.arange(n_ent)[None, :] < (pos + 1) // c.ratio
-            allowed = torch.cat([allowed, visible if keep is None else visible & keep], dim=1)
-        scores = torch.einsum("thd,sd->hts", q, keys) * c.scale
-        scores = scores.masked_fill(~allowed[None], NEG_INF)
-        sink = attn.sinks[:, None, None].expand(-1, q.shape[0], 1)
+            ent = seq_rows(ctx, i, np.arange(n_ent) * c.ratio + c.ratio - 1).numpy() * width + lay.comp_entry[0]
+            offsets = np.concatenate([offsets, ent])
+            visible = np.arange(n_ent)[None, :] < (pos + 1) // c.ratio
+            allowed = np.concatenate([allowed, visible if keep is None else visible & keep.numpy()], axis=1)
+        return self.dsv4_attend(q, cache, offsets, allowed, attn.sinks, c.scale)
+
+    def dsv4_attend(self, q: torch.Tensor, cache: torch.Tensor, offsets: np.ndarray, allowed: np.ndarray,
+                    sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [t, H, d] over the keys at value offsets `offsets` [S] of the cache (K = V: d values each), query t
+        seeing those `allowed` [t, S] marks; softmax with each head's sink logit, its mass dropped -> [t, H, d]."""
+        d = q.shape[-1]
+        keys = cache.view(-1)[torch.from_numpy(offsets)[:, None] + torch.arange(d)].float()  # [S, d]
+        scores = torch.einsum("thd,sd->hts", q, keys) * scale
+        scores = scores.masked_fill(~torch.from_numpy(allowed)[None], NEG_INF)
+        sink = sinks[:, None, None].expand(-1, q.shape[0], 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
         return torch.einsum("hts,sd->thd", probs, keys)
 

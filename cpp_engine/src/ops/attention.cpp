@@ -32,9 +32,10 @@ float* grow(std::vector<float>& v, size_t n) {
 // scores, softmax, and the probability-weighted sum of the values. Each head's arithmetic is the same
 // for any G, any batch and any chunk the query came in, so it never depends on how the work was grouped.
 // rows[s]: key s's cache row; q[j]: w values; sc[j]: room for `keys` scores; o[j]: c outputs.
+// sinks (DeepSeek-V4): per head an extra logit in the softmax whose probability mass is dropped.
 template <int G>
 void attend(const float* const* rows, int keys, int w, int c, float scale, const float* const* q, float* const* sc,
-            float* const* o, int k_off = 0, int v_off = 0) {
+            float* const* o, int k_off = 0, int v_off = 0, const float* sinks = nullptr) {
   // Two accumulators per head (even / odd groups of 8): the FMA chains are half as long.
   for (int s = 0; s < keys; ++s) {
     const float* row = rows[s] + k_off;
@@ -58,7 +59,14 @@ void attend(const float* const* rows, int keys, int w, int c, float scale, const
   for (int j = 0; j < G; ++j) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int s = 0; s < keys; ++s) mx = std::max(mx, sc[j][s]);
-    inv[j] = 1.0f / exp_shifted(sc[j], keys, mx);
+    if (sinks == nullptr) {
+      inv[j] = 1.0f / exp_shifted(sc[j], keys, mx);
+    } else {
+      mx = std::max(mx, sinks[j]);
+      float sink = sinks[j];
+      const float z = exp_shifted(sc[j], keys, mx);
+      inv[j] = 1.0f / (z + exp_shifted(&sink, 1, mx));
+    }
   }
   // o[j] = sum_s p[j][s] * c_kv[s] / sum_j, 16 outputs of every head at a time (kept in registers).
   for (int i0 = 0; i0 < c; i0 += 16) {
@@ -85,12 +93,12 @@ void attend(const float* const* rows, int keys, int w, int c, float scale, const
 
 // attend<G> for g (1..4) heads.
 void attend_heads(int g, const float* const* rows, int keys, int w, int c, float scale, const float* const* q,
-                  float* const* sc, float* const* o, int k_off = 0, int v_off = 0) {
+                  float* const* sc, float* const* o, int k_off = 0, int v_off = 0, const float* sinks = nullptr) {
   switch (g) {
-    case 4: attend<4>(rows, keys, w, c, scale, q, sc, o, k_off, v_off); break;
-    case 3: attend<3>(rows, keys, w, c, scale, q, sc, o, k_off, v_off); break;
-    case 2: attend<2>(rows, keys, w, c, scale, q, sc, o, k_off, v_off); break;
-    default: attend<1>(rows, keys, w, c, scale, q, sc, o, k_off, v_off); break;
+    case 4: attend<4>(rows, keys, w, c, scale, q, sc, o, k_off, v_off, sinks); break;
+    case 3: attend<3>(rows, keys, w, c, scale, q, sc, o, k_off, v_off, sinks); break;
+    case 2: attend<2>(rows, keys, w, c, scale, q, sc, o, k_off, v_off, sinks); break;
+    default: attend<1>(rows, keys, w, c, scale, q, sc, o, k_off, v_off, sinks); break;
   }
 }
 
@@ -275,6 +283,62 @@ void gqa_attention(const GQAShape& sh, const float* q, const float* k, const flo
     attend_heads(cnt, key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off);
   };
   const int items = n * g * chunks;
+  if (work < kInlineAttention) {
+    for (int item = 0; item < items; ++item) one(item, 0);
+  } else {
+    pool.parallel_for(items, [&](int item, int thread) { one(item, thread); });
+  }
+}
+
+void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const float* sinks, const float* cache,
+                    size_t cache_values, const int64_t* key_offsets, const int32_t* starts, float* out) {
+  if (n_head <= 0 || d <= 0 || d % 8)
+    throw std::invalid_argument("dsv4 attention: " + std::to_string(n_head) + " heads of " + std::to_string(d) +
+                                " dims (heads positive, dims a positive multiple of 8)");
+  if (n <= 0) return;
+  if (starts[0] != 0) throw std::invalid_argument("dsv4 attention: the first query's keys must start at 0");
+  int max_keys = 0;
+  size_t work = 0;
+  for (int t = 0; t < n; ++t) {
+    const int keys = starts[t + 1] - starts[t];
+    if (keys <= 0)
+      throw std::invalid_argument("dsv4 attention: query " + std::to_string(t) + " has " + std::to_string(keys) +
+                                  " keys; every query sees at least its own row");
+    max_keys = std::max(max_keys, keys);
+    work += static_cast<size_t>(n_head) * keys * 2 * d;
+  }
+  std::vector<const float*> ptrs(starts[n]);
+  for (int i = 0; i < starts[n]; ++i) {
+    if (key_offsets[i] < 0 || static_cast<size_t>(key_offsets[i]) + d > cache_values)
+      throw std::invalid_argument("dsv4 attention: key " + std::to_string(i) + " at value offset " +
+                                  std::to_string(key_offsets[i]) + " runs past the cache's " +
+                                  std::to_string(cache_values) + " values");
+    ptrs[i] = cache + key_offsets[i];
+  }
+  std::unique_lock<std::mutex> lock;
+  Runtime& rt = acquire_runtime(lock);
+  ThreadPool& pool = *rt.pool;
+  static thread_local std::vector<std::vector<float>> scores_;
+  if (scores_.size() < static_cast<size_t>(pool.size())) scores_.resize(pool.size());
+  std::vector<std::vector<float>>& scores = scores_;  // this thread's: the workers' thread_local ones are empty
+  for (auto& s : scores) grow(s, static_cast<size_t>(kGroup) * max_keys);
+  // Work items: (query, up to 4 heads); K = V, the d values at each key's offset.
+  const int chunks = (n_head + kGroup - 1) / kGroup;
+  const auto one = [&](int item, int thread) {
+    const int t = item / chunks, h0 = (item % chunks) * kGroup, cnt = std::min(kGroup, n_head - h0);
+    const int keys = starts[t + 1] - starts[t];
+    const float* qp[kGroup];
+    float* sc[kGroup];
+    float* o[kGroup];
+    for (int j = 0; j < cnt; ++j) {
+      const size_t th = static_cast<size_t>(t) * n_head + h0 + j;
+      qp[j] = q + th * d;
+      sc[j] = scores[thread].data() + static_cast<size_t>(j) * keys;
+      o[j] = out + th * d;
+    }
+    attend_heads(cnt, ptrs.data() + starts[t], keys, d, d, scale, qp, sc, o, 0, 0, sinks + h0);
+  };
+  const int items = n * chunks;
   if (work < kInlineAttention) {
     for (int item = 0; item < items; ++item) one(item, 0);
   } else {
