@@ -27,6 +27,25 @@ float* grow(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
+// One score buffer of kGroup x max_keys floats per pool thread, kept by the calling thread (the workers'
+// thread_local ones stay empty).
+std::vector<std::vector<float>>& score_buffers(ThreadPool& pool, int max_keys) {
+  static thread_local std::vector<std::vector<float>> scores;
+  if (scores.size() < static_cast<size_t>(pool.size())) scores.resize(pool.size());
+  for (auto& s : scores) grow(s, static_cast<size_t>(kGroup) * max_keys);
+  return scores;
+}
+
+// one(item, thread) for every item: on the caller alone when the work is small (waking the pool costs more).
+template <class F>
+void run_items(ThreadPool& pool, int items, size_t work, const F& one) {
+  if (work < kInlineAttention) {
+    for (int item = 0; item < items; ++item) one(item, 0);
+  } else {
+    pool.parallel_for(items, [&](int item, int thread) { one(item, thread); });
+  }
+}
+
 // Attention of one query for G heads (G <= 4) over `keys` cache rows: the key is the w values at
 // k_off of a row, the value the c values at v_off (MLA: both 0, c_kv being the key's first c values):
 // scores, softmax, and the probability-weighted sum of the values. Each head's arithmetic is the same
@@ -153,7 +172,6 @@ void mla_attention(const MLAShape& sh, const float* q, const float* kv, const fl
   std::unique_lock<std::mutex> lock;
   Runtime& rt = acquire_runtime(lock);
   static thread_local std::vector<float> qn_, qc_, qlat_, olat_, ov_;
-  static thread_local std::vector<std::vector<float>> scores_;
 
   // Cache rows of these tokens: normed c_kv, then roped k_pe.
   for (int t = 0; t < n; ++t) {
@@ -192,9 +210,7 @@ void mla_attention(const MLAShape& sh, const float* q, const float* kv, const fl
     max_keys = std::max(max_keys, layout.keys[t]);
     work += static_cast<size_t>(h) * layout.keys[t] * w;
   }
-  if (scores_.size() < static_cast<size_t>(pool.size())) scores_.resize(pool.size());
-  std::vector<std::vector<float>>& scores = scores_;
-  for (auto& s : scores) grow(s, static_cast<size_t>(kGroup) * max_keys);
+  std::vector<std::vector<float>>& scores = score_buffers(pool, max_keys);
   const float scale = sh.scale;
   const auto one = [&](int item, int thread) {
     const int t = item / groups, h0 = (item % groups) * kGroup, g = std::min(kGroup, h - h0);
@@ -212,11 +228,7 @@ void mla_attention(const MLAShape& sh, const float* q, const float* kv, const fl
     attend_heads(g, key_rows, keys, w, c, scale, qp, sc, o);
   };
   const int items = n * groups;
-  if (work < kInlineAttention) {
-    for (int item = 0; item < items; ++item) one(item, 0);
-  } else {
-    pool.parallel_for(items, [&](int item, int thread) { one(item, thread); });
-  }
+  run_items(pool, items, work, one);
 
   // o_lat [H, n, C] -> per head v [H, n, V] -> out [n, H*V].
   float* ov = grow(ov_, static_cast<size_t>(h) * n * v);
@@ -241,7 +253,6 @@ void gqa_attention(const GQAShape& sh, const float* q, const float* k, const flo
   const auto rows = key_rows(layout, n, cache, w);
   std::unique_lock<std::mutex> lock;
   Runtime& rt = acquire_runtime(lock);
-  static thread_local std::vector<std::vector<float>> scores_;
 
   // Cache rows of these tokens: roped K of every KV head, then V.
   for (int t = 0; t < n; ++t) {
@@ -262,9 +273,7 @@ void gqa_attention(const GQAShape& sh, const float* q, const float* k, const flo
     max_keys = std::max(max_keys, layout.keys[t]);
     work += static_cast<size_t>(h) * layout.keys[t] * (dh + dv);
   }
-  if (scores_.size() < static_cast<size_t>(pool.size())) scores_.resize(pool.size());
-  std::vector<std::vector<float>>& scores = scores_;  // this thread's: the workers' thread_local ones are empty
-  for (auto& s : scores) grow(s, static_cast<size_t>(kGroup) * max_keys);
+  std::vector<std::vector<float>>& scores = score_buffers(pool, max_keys);
   const auto one = [&](int item, int thread) {
     const int t = item / (g * chunks), rem = item % (g * chunks), kv = rem / chunks;
     const int h0 = kv * per + (rem % chunks) * kGroup, cnt = std::min(kGroup, (kv + 1) * per - h0);
@@ -283,11 +292,7 @@ void gqa_attention(const GQAShape& sh, const float* q, const float* k, const flo
     attend_heads(cnt, key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off);
   };
   const int items = n * g * chunks;
-  if (work < kInlineAttention) {
-    for (int item = 0; item < items; ++item) one(item, 0);
-  } else {
-    pool.parallel_for(items, [&](int item, int thread) { one(item, thread); });
-  }
+  run_items(pool, items, work, one);
 }
 
 void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const float* sinks, const float* cache,
@@ -318,10 +323,7 @@ void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const
   std::unique_lock<std::mutex> lock;
   Runtime& rt = acquire_runtime(lock);
   ThreadPool& pool = *rt.pool;
-  static thread_local std::vector<std::vector<float>> scores_;
-  if (scores_.size() < static_cast<size_t>(pool.size())) scores_.resize(pool.size());
-  std::vector<std::vector<float>>& scores = scores_;  // this thread's: the workers' thread_local ones are empty
-  for (auto& s : scores) grow(s, static_cast<size_t>(kGroup) * max_keys);
+  std::vector<std::vector<float>>& scores = score_buffers(pool, max_keys);
   // Work items: (query, up to 4 heads); K = V, the d values at each key's offset.
   const int chunks = (n_head + kGroup - 1) / kGroup;
   const auto one = [&](int item, int thread) {
@@ -339,11 +341,7 @@ void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const
     attend_heads(cnt, ptrs.data() + starts[t], keys, d, d, scale, qp, sc, o, 0, 0, sinks + h0);
   };
   const int items = n * chunks;
-  if (work < kInlineAttention) {
-    for (int item = 0; item < items; ++item) one(item, 0);
-  } else {
-    pool.parallel_for(items, [&](int item, int thread) { one(item, thread); });
-  }
+  run_items(pool, items, work, one);
 }
 
 }  // namespace pocketmoe
