@@ -42,6 +42,17 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         return 130
 
 
+def int_list(text: str, flag: str, what: str = "value") -> list[int]:
+    """A flag's comma-separated integers; one-sentence errors when it holds something else or nothing."""
+    try:
+        values = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise PocketMoEError(f"{flag} must be comma-separated integers, got {text!r}.") from None
+    if not values:
+        raise PocketMoEError(f"{flag} is empty; give at least one {what}.")
+    return values
+
+
 def gib(nbytes: float, digits: int = 2) -> str:
     """Bytes as GiB text: `1.25 GiB`."""
     return f"{nbytes / GIB:.{digits}f} GiB"

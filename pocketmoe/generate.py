@@ -18,8 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from pocketmoe.cli_util import add_placement_args, placement_from_args, run_cli
-from pocketmoe.errors import PocketMoEError
+from pocketmoe.cli_util import add_placement_args, int_list, placement_from_args, run_cli
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -53,13 +52,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def parse_token_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise PocketMoEError(f"--token-ids must be comma-separated integers, got {text!r}.") from None
-    if not ids:
-        raise PocketMoEError("--token-ids is empty; give at least one token id.")
-    return ids
+    return int_list(text, "--token-ids", "token id")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pocketmoe.cli_util import EXIT_OK, run_cli
+from pocketmoe.cli_util import EXIT_OK, int_list, run_cli, table
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.parallel.group import init_parallel, shutdown_parallel
 
@@ -73,19 +73,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise PocketMoEError(f"{flag} takes positive integers separated by commas, got {text!r}.")
+def _positive(text: str, flag: str) -> list[int]:
+    values = int_list(text, flag)
+    if min(values) < 1:
+        raise PocketMoEError(f"{flag} takes positive integers, got {text!r}.")
     return values
 
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    tokens, ranks = _ints(args.tokens, "--tokens"), _ints(args.ranks, "--ranks")
+    tokens, ranks = _positive(args.tokens, "--tokens"), _positive(args.ranks, "--ranks")
     try:
         res = measure(args.hidden, args.layers, tokens, max(1, args.iters), args.pcie_gbps, ranks)
     finally:
@@ -97,10 +94,9 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_OK
     print(f"all_reduce on {res['backend']} ({res['device']}), world size {res['world_size']}, "
           f"{res['calls_per_step']} calls per step")
-    for s in res["steps"]:
-        est = ", ".join(f"TP={r}: {v} ms" for r, v in s["estimate_ms_per_step"].items())
-        print(f"  T={s['tokens']:5d}  {s['bytes_per_call']:9d} B/call  {s['measured_us_per_call']:9.1f} us/call"
-              f"  {s['measured_ms_per_step']:8.3f} ms/step measured;  on paper {est}")
+    headers = ["tokens", "bytes/call", "us/call", "ms/step", *(f"TP={r} ms/step (paper)" for r in ranks)]
+    print(table(headers, [[s["tokens"], s["bytes_per_call"], s["measured_us_per_call"], s["measured_ms_per_step"],
+                           *s["estimate_ms_per_step"].values()] for s in res["steps"]]))
     return EXIT_OK
 
 
