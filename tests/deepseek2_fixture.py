@@ -138,3 +138,16 @@ def quantize_experts(model: torch.nn.Module, t: Tiny, ggml_type: int, seed: int 
             ex.gate_up_proj.copy_(torch.cat([gate, up], dim=1))
             ex.down_proj.copy_(make(b + "ffn_down_exps.weight", (e, d, f)))
     return blocks, {name: ggml_type for name in blocks}
+
+
+def fuse_gate_up(t: Tiny, sd: dict[str, torch.Tensor], blocks: dict[str, np.ndarray], types: dict[str, int]) -> None:
+    """In place: each MoE layer's gate and up experts as one `ffn_gate_up_exps` tensor (gate rows first), in the
+    state dict and the quantized blocks, as newer converters write them."""
+    for i in range(t.dense_lead, t.layers):
+        b = f"blk.{i}."
+        gate, up = (blocks.pop(b + f"ffn_{p}_exps.weight").reshape(t.experts, t.moe_ff, -1) for p in ("gate", "up"))
+        blocks[b + "ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
+        types[b + "ffn_gate_up_exps.weight"] = types.pop(b + "ffn_gate_exps.weight")
+        types.pop(b + "ffn_up_exps.weight")
+        sd[b + "ffn_gate_up_exps.weight"] = torch.cat([sd.pop(b + "ffn_gate_exps.weight"),
+                                                       sd.pop(b + "ffn_up_exps.weight")], dim=1)

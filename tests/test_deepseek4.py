@@ -19,9 +19,10 @@ import llama_parity
 import numpy as np
 import pytest
 import torch
+from batch_check import assert_batched_step_is_solo
 
 from pocketmoe import native
-from pocketmoe.engine import ModelRunner, RunnerConfig, SeqChunk, Step
+from pocketmoe.engine import ModelRunner, RunnerConfig
 from pocketmoe.gguf import open_bundle
 from pocketmoe.testing.synth import write_fixture
 
@@ -171,20 +172,7 @@ def test_native_is_the_reference_on_f32(fixtures: dict[str, Path]) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_batched_step_gives_each_sequence_its_solo_logits(fixtures: dict[str, Path], backend: str) -> None:
     prompts = {"a": PROMPT[:131], "b": PROMPT[5:12], "c": PROMPT[40:47]}
-    solo = {}
-    r = runner(fixtures["MXFP4_MOE"], backend, max_seqs=3)
-    for s, p in prompts.items():
-        solo[s] = (r.forward(Step([SeqChunk(s, p, 0, "all")])),
-                   r.forward(Step([SeqChunk(s, [11], len(p), "all")])))
-        r.free(s)
-    r = runner(fixtures["MXFP4_MOE"], backend, max_seqs=3)
-    first = r.forward(Step([SeqChunk(s, p, 0, "all") for s, p in prompts.items()]))
-    second = r.forward(Step([SeqChunk(s, [11], len(p), "all") for s, p in prompts.items()]))
-    i = 0
-    for j, (s, p) in enumerate(prompts.items()):
-        assert torch.equal(first[i:i + len(p)], solo[s][0]), s
-        assert torch.equal(second[j:j + 1], solo[s][1]), s
-        i += len(p)
+    assert_batched_step_is_solo(lambda: runner(fixtures["MXFP4_MOE"], backend, max_seqs=3), prompts)
 
 
 def test_cache_row_and_capability(fixtures: dict[str, Path]) -> None:

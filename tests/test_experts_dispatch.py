@@ -12,10 +12,17 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
-from deepseek2_fixture import Tiny, ds2_config, gguf_state_dict, hf_model, quantize_experts, write_gguf
+from deepseek2_fixture import (
+    Tiny,
+    ds2_config,
+    fuse_gate_up,
+    gguf_state_dict,
+    hf_model,
+    quantize_experts,
+    write_gguf,
+)
 from gguf import GGMLQuantizationType as Q
 
 from pocketmoe import native
@@ -43,13 +50,7 @@ def write_v3_fused(path):
     model = hf_model(V3, seed=2)
     blocks, types = quantize_experts(model, V3, int(Q.Q8_0), seed=6)
     sd = gguf_state_dict(model, V3)
-    for i in range(V3.dense_lead, V3.layers):
-        b = f"blk.{i}."
-        gate, up = (blocks.pop(b + f"ffn_{p}_exps.weight").reshape(V3.experts, V3.moe_ff, -1) for p in ("gate", "up"))
-        blocks[b + "ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
-        types[b + "ffn_gate_up_exps.weight"] = int(Q.Q8_0)
-        sd[b + "ffn_gate_up_exps.weight"] = torch.cat([sd.pop(b + "ffn_gate_exps.weight"),
-                                                       sd.pop(b + "ffn_up_exps.weight")], dim=1)
+    fuse_gate_up(V3, sd, blocks, types)
     return write_gguf(path, ds2_config(V3), sd, blocks, types)
 
 

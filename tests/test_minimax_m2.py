@@ -15,6 +15,7 @@ import llama_parity
 import numpy as np
 import pytest
 import torch
+from batch_check import assert_batched_step_is_solo
 
 from pocketmoe import native
 from pocketmoe.engine import ModelRunner, RunnerConfig, SeqChunk, Step
@@ -65,19 +66,7 @@ def test_batched_step_gives_each_sequence_its_solo_logits(tmp_path_factory: pyte
     path = fixture(tmp_path_factory, "Q4_K_M", seed=4)
     cfg = RunnerConfig(n_ctx=64, backend=backend, max_seqs=3)
     prompts = {"a": PROMPT, "b": PROMPT[3:10], "c": [9, 8, 7]}
-    solo = {}
-    r = ModelRunner(open_bundle(path), cfg)
-    for s, p in prompts.items():
-        solo[s] = (r.forward(Step([SeqChunk(s, p, 0, "all")])), r.forward(Step([SeqChunk(s, [11], len(p), "all")])))
-        r.free(s)
-    r = ModelRunner(open_bundle(path), cfg)
-    first = r.forward(Step([SeqChunk(s, p, 0, "all") for s, p in prompts.items()]))
-    second = r.forward(Step([SeqChunk(s, [11], len(p), "all") for s, p in prompts.items()]))
-    i = 0
-    for j, (s, p) in enumerate(prompts.items()):
-        assert torch.equal(first[i:i + len(p)], solo[s][0]), s
-        assert torch.equal(second[j:j + 1], solo[s][1]), s
-        i += len(p)
+    assert_batched_step_is_solo(lambda: ModelRunner(open_bundle(path), cfg), prompts)
 
 
 def test_served(tmp_path_factory: pytest.TempPathFactory) -> None:

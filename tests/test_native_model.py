@@ -31,7 +31,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from deepseek2_fixture import Tiny, ds2_config, gguf_state_dict, hf_model, quantize_experts, write_gguf
+from deepseek2_fixture import (
+    Tiny,
+    ds2_config,
+    fuse_gate_up,
+    gguf_state_dict,
+    hf_model,
+    quantize_experts,
+    write_gguf,
+)
 from gguf import GGMLQuantizationType as Q
 
 from pocketmoe import native
@@ -383,13 +391,7 @@ def test_fused_gate_up_experts_run_natively_and_match_two_tensors(tmp_path: Path
     blocks, types = quantize_experts(model, QT, int(Q.Q4_K), seed=11)
     sd = gguf_state_dict(model, QT)
     split = write_gguf(tmp_path / "split.gguf", ds2_config(QT), sd, blocks, types)
-    for i in range(QT.dense_lead, QT.layers):
-        b = f"blk.{i}."
-        gate, up = (blocks.pop(b + f"ffn_{p}_exps.weight").reshape(QT.experts, QT.moe_ff, -1) for p in ("gate", "up"))
-        blocks[b + "ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
-        types[b + "ffn_gate_up_exps.weight"] = int(Q.Q4_K)
-        sd[b + "ffn_gate_up_exps.weight"] = torch.cat([sd.pop(b + "ffn_gate_exps.weight"),
-                                                       sd.pop(b + "ffn_up_exps.weight")], dim=1)
+    fuse_gate_up(QT, sd, blocks, types)
     fused = write_gguf(tmp_path / "fused.gguf", ds2_config(QT), sd, blocks, types)
     r = runner(fused, "native")
     assert "blk.1.ffn_gate_up_exps.weight" in r.bundle.tensors
