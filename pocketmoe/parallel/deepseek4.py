@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from pocketmoe.layers.dsv4_attention import DSV4Attention
@@ -31,7 +30,7 @@ from pocketmoe.parallel.linear import (
     block_geometry,
     split_range,
 )
-from pocketmoe.parallel.model import Constraint, LocalExperts, _mlp, _row_blocks, check_size
+from pocketmoe.parallel.model import Constraint, LocalExperts, _mlp, _row_blocks, check_size, local_embedding
 
 if TYPE_CHECKING:
     from pocketmoe.engine.step import StepContext
@@ -103,12 +102,7 @@ class ParallelDeepSeek4:
 
     def __call__(self, ctx: StepContext) -> torch.Tensor:
         base, ops, eps, n = self.base, self.ops, self.cfg.rms_eps, self.cfg.hc_count
-        e, toks = self.embed, ctx.tokens
-        mine = (toks >= e.start) & (toks < e.stop)
-        x0 = torch.zeros(len(toks), e.shape[1], dtype=torch.float32, device=base.norm.device)
-        if mine.any():
-            x0[torch.from_numpy(mine)] = ops.embed(e, (toks[mine] - e.start).astype(np.int32))
-        pending = self.tp.all_reduce_async(x0)
+        pending = self.tp.all_reduce_async(local_embedding(ops, self.embed, ctx.tokens, base.norm.device))
         base.rope.prepare(ctx.positions)  # independent of the reduce in flight
         tokens = torch.from_numpy(ctx.tokens).long()
         x = pending.wait()[:, None, :].expand(-1, n, -1).contiguous()  # the residual streams [T, n, D]

@@ -199,6 +199,18 @@ class ParallelMoE:
         part.add_(self.ops.moe(self.experts, x, ids, weights))
 
 
+def local_embedding(ops: Any, e: VocabParallelEmbedding, tokens: np.ndarray, device: torch.device) -> torch.Tensor:
+    """[T, D]: the rows of the tokens in this rank's vocab range, zeros for the rest (the sum over the ranks
+    is every row)."""
+    mine = (tokens >= e.start) & (tokens < e.stop)
+    if mine.all():
+        return ops.embed(e, (tokens - e.start).astype(np.int32)).contiguous()
+    x = torch.zeros(len(tokens), e.shape[1], dtype=torch.float32, device=device)
+    if mine.any():
+        x[torch.from_numpy(mine)] = ops.embed(e, (tokens[mine] - e.start).astype(np.int32))
+    return x
+
+
 @dataclass
 class ParallelBlock:
     attn_norm: torch.Tensor
@@ -242,17 +254,8 @@ class ParallelDecoder:
         self.base.prepare(ctx)
 
     def _embed(self, ctx: StepContext) -> torch.Tensor:
-        """Each rank embeds the tokens of its vocab rows (zeros for the rest); the sum is every row. The rope
-        tables are made while the reduce is in flight."""
-        e, tokens = self.embed, ctx.tokens
-        mine = (tokens >= e.start) & (tokens < e.stop)
-        if mine.all():
-            x = self.ops.embed(e, (tokens - e.start).astype(np.int32)).contiguous()
-        else:
-            x = torch.zeros(len(tokens), e.shape[1], dtype=torch.float32, device=self.norm.device)
-            if mine.any():
-                x[torch.from_numpy(mine)] = self.ops.embed(e, (tokens[mine] - e.start).astype(np.int32))
-        pending = self.tp.all_reduce_async(x)
+        """The embedding rows summed over the ranks; the rope tables are made while the reduce is in flight."""
+        pending = self.tp.all_reduce_async(local_embedding(self.ops, self.embed, ctx.tokens, self.norm.device))
         self.prepare(ctx)
         return pending.wait()
 
