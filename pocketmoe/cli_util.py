@@ -128,6 +128,9 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
                         "and keep hot ones), stage (stage every step, keep none), cpu (compute on the CPU)")
     g.add_argument("--expert-cache-slots", type=int, default=None, metavar="N",
                    help="hot-expert cache slots per MoE layer (default: the device memory the plan leaves free)")
+    g.add_argument("--numa", default="auto", choices=["auto", "interleave", "off"],
+                   help="the routed experts kept in host memory: interleave their pages over the NUMA memory nodes "
+                        "(auto: when the host has two or more)")
 
 
 def placement_from_args(args: argparse.Namespace) -> Any:
@@ -142,4 +145,4 @@ def placement_from_args(args: argparse.Namespace) -> Any:
             raise PocketMoEError(f"--gpu-memory-gib {args.gpu_memory_gib!r} is not a number or a comma-separated "
                                  "list of numbers; give e.g. 4 or 22,22.") from None
     return RunPlacement(device=args.device, mode=args.mode, gpu_memory_gib=sizes, expert_policy=args.expert_policy,
-                        expert_cache_slots=args.expert_cache_slots)
+                        expert_cache_slots=args.expert_cache_slots, numa=args.numa)

@@ -156,3 +156,57 @@ def test_auto_mode_picks_heterogeneous_when_the_device_is_small(model):
     assert plan.mode == "heterogeneous" and plan.devices[0].name == "cpu:0"
     assert 0 < plan.cache_slots < sum(len(v) for v in full.resident.values())  # half the experts' room
     assert "workspace" in plan.per_device_bytes["cpu:0"]
+
+
+def test_each_torchrun_rank_plans_for_its_own_gpu(monkeypatch):
+    """Under torchrun on GPUs a rank holds a tensor-parallel share of every layer on cuda:LOCAL_RANK (the device
+    the process group set): its plan has that one GPU, not a layer split over all the GPUs it sees."""
+    from pocketmoe.placement import run as run_mod
+
+    gib = 2**30
+    monkeypatch.setattr(run_mod, "cuda_memory_bytes", lambda: [24 * gib, 16 * gib])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    host = 64 * gib
+    got = run_mod.run_devices(RunPlacement(device="cuda"), "cuda", host)
+    assert [(g.name, g.memory_bytes) for g in got.gpus] == [("cuda:1", 16 * gib)]
+    for sizes, want in (((4.0,), 4 * gib), ((4.0, 8.0), 8 * gib)):
+        got = run_mod.run_devices(RunPlacement(device="cuda", gpu_memory_gib=sizes), "cuda", host)
+        assert [(g.name, g.memory_bytes) for g in got.gpus] == [("cuda:1", want)]
+    # a printed plan (inspect_gguf) still plans for every GPU given
+    assert len(run_mod.run_devices(RunPlacement(device="cuda", gpu_memory_gib=(4.0, 8.0)), "cuda", host,
+                                   plan_only=True).gpus) == 2
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(PlacementError, match="LOCAL_RANK 2 but torch sees 2 GPU"):
+        run_mod.run_devices(RunPlacement(device="cuda"), "cuda", host)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert len(run_mod.run_devices(RunPlacement(device="cuda"), "cuda", host).gpus) == 2
+
+
+def test_generate_split_over_two_devices_gives_the_same_tokens(model):
+    """--gpu-memory-gib 1,1 with the CPU as device: two devices, the layers split between them, in both modes."""
+    cpu = generate(model, "--mode", "cpu")["token_ids"]
+    for mode in ("all-device", "heterogeneous"):
+        run = generate(model, "--mode", mode, "--gpu-memory-gib", "1,1")
+        assert run["token_ids"] == cpu and run["mode"] == mode, run
+
+
+def test_an_architecture_without_cuda_ops_runs_on_the_cpu(tmp_path, monkeypatch):
+    """DeepSeek-V4 has no CUDA op backend: --device auto on a GPU machine plans it for the CPU, --device cuda is one
+    clear error (a printed plan may still plan GPUs for it)."""
+    from pocketmoe.engine.runner import load_spec
+    from pocketmoe.placement import PlanOptions
+    from pocketmoe.placement import run as run_mod
+
+    monkeypatch.setattr(run_mod, "cuda_runtime", lambda: True)
+    monkeypatch.setattr(run_mod, "cuda_memory_bytes", lambda: [24 * 2**30])
+    path = write_fixture("deepseek4", "tiny", "F32", tmp_path / "v4.gguf")[0]
+    with open_bundle(path) as b:
+        spec, opts = load_spec(b), PlanOptions(context_length=64)
+        assert run_mod.run_plan(spec, b.tensors, RunPlacement(device="auto"), opts).mode == "cpu"
+        with pytest.raises(PlacementError, match="runs deepseek2 and minimax-m2, not deepseek4; run deepseek4 with "
+                                                 "--device cpu"):
+            run_mod.run_plan(spec, b.tensors, RunPlacement(device="cuda"), opts)
+        printed = run_mod.run_plan(spec, b.tensors, RunPlacement(device="cuda"), opts, plan_only=True)
+        assert printed.mode == "all-device" and printed.devices[0].name == "cuda:0"

@@ -168,3 +168,25 @@ def test_decode_one_is_the_step_build_makes(model: Path) -> None:
         StepContext.decode_one("s", 100, 0, PagedKVCache(1, 8, 8, 64), 100)
     with pytest.raises(ContextLengthError, match="continues at position 3 but only 0"):
         StepContext.decode_one("t", 1, 3, PagedKVCache(1, 8, 8, 64), 100)
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "minimax-m2", "deepseek4"])
+def test_a_kv_cache_of_one_tensor_per_layer_gives_the_same_logits(tmp_path, arch: str) -> None:
+    """A model split by layer over several GPUs keeps each layer's cache rows on its own device (PagedKVCache with
+    one device per layer: `data` is None). Each attention kind (MLA, GQA, DeepSeek-V4's window + compressed rows)
+    writes and reads them through layer_rows: the batched schedule's logits are bitwise the one-tensor cache's."""
+    from pocketmoe.engine import PagedKVCache
+
+    path = write_fixture(arch, "tiny", "F32", tmp_path / "m.gguf", seed=5)[0]
+    with open_bundle(path) as b:
+        r = ModelRunner(b, RunnerConfig(n_ctx=64, max_seqs=3, backend="reference"))
+        tokens = {s: [int(t) % 50 + 3 for t in range(40 + i, 46 + i)] for i, s in enumerate(PROMPTS)}
+        one = run(r, SCHEDULE, tokens)
+        c = r.cache
+        r.cache = PagedKVCache(r.model.n_layer, c.layer_rows(0).shape[-1], c.n_pages, c.max_seq_len, c.dtype,
+                               device=["cpu"] * r.model.n_layer, page=c.page)
+        assert r.cache.data is None and r.cache.nbytes == c.nbytes
+        per_layer = run(r, SCHEDULE, tokens)
+    for s in PROMPTS:
+        for a, b_ in zip(one[s], per_layer[s], strict=True):
+            assert torch.equal(a, b_), s

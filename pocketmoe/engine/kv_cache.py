@@ -9,6 +9,8 @@ Legend: L layers, P cache rows (pages * page size), W values per row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -26,17 +28,30 @@ class KVPoolFullError(PocketMoEError):
 
 
 class PagedKVCache:
-    """rows [L, P, W]; sequences are keyed by any hashable id and grow a page at a time."""
+    """rows [L, P, W]; sequences are keyed by any hashable id and grow a page at a time.
+
+    `device` is one device for every layer (`data` is then the one [L, P, W] tensor), or one per layer (a model
+    split by layer over several GPUs: each layer's [P, W] rows on its own device, and `data` is None). Ops read
+    a layer's rows with `layer_rows(layer)` either way."""
 
     def __init__(self, n_layer: int, width: int, n_pages: int, max_seq_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", page: int = PAGE) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | Sequence[torch.device | str] = "cpu",
+                 page: int = PAGE) -> None:
         if max_seq_len <= 0 or n_pages <= 0:
             raise ContextLengthError(f"the context length ({max_seq_len}) and the KV pool ({n_pages} pages) "
                                      "must be > 0.")
         self.page = page
         self.max_seq_len = max_seq_len
         self.n_pages = n_pages
-        self.data = torch.zeros(n_layer, n_pages * page, width, dtype=dtype, device=device)  # [L, P, W]
+        self.dtype = dtype
+        if isinstance(device, (list, tuple)):
+            if len(device) != n_layer:
+                raise ValueError(f"{len(device)} devices were given for the KV cache of {n_layer} layers")
+            self.data: torch.Tensor | None = None
+            self._layers = [torch.zeros(n_pages * page, width, dtype=dtype, device=d) for d in device]
+        else:
+            self.data = torch.zeros(n_layer, n_pages * page, width, dtype=dtype, device=device)  # [L, P, W]
+            self._layers = list(self.data.unbind(0))
         self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out the lowest page first
         self._pages: dict[object, list[int]] = {}
         self._length: dict[object, int] = {}
@@ -44,7 +59,7 @@ class PagedKVCache:
     @classmethod
     def for_bytes(cls, n_layer: int, width: int, budget_bytes: int, max_seq_len: int,
                   dtype: torch.dtype = torch.float32, page: int = PAGE,
-                  device: torch.device | str = "cpu") -> PagedKVCache:
+                  device: torch.device | str | Sequence[torch.device | str] = "cpu") -> PagedKVCache:
         """As many pages as `budget_bytes` holds (at least one sequence of max_seq_len)."""
         row = n_layer * width * torch.tensor([], dtype=dtype).element_size()
         pages = budget_bytes // (row * page)
@@ -58,7 +73,11 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return sum(t.numel() * t.element_size() for t in self._layers)
+
+    def layer_rows(self, layer: int) -> torch.Tensor:
+        """[P, W]: every cache row of one layer (a view of `data`, or the layer's own tensor on its device)."""
+        return self._layers[layer]
 
     @property
     def free_pages(self) -> int:
@@ -118,5 +137,6 @@ class PagedKVCache:
 
     def keys(self, layer: int, seq_rows: np.ndarray) -> torch.Tensor:
         """float32 [S, W]: the cached rows `seq_rows` of one layer (for the reference attention)."""
-        out = self.data[layer, torch.from_numpy(seq_rows).long()]
+        rows = self._layers[layer]
+        out = rows[torch.from_numpy(seq_rows).long().to(rows.device)]
         return out if out.dtype == torch.float32 else out.float()

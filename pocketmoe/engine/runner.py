@@ -23,12 +23,14 @@ from pocketmoe.gguf import GGUFBundle
 from pocketmoe.layers.experts import ExpertsFactory, host_experts_factory
 from pocketmoe.layers.linear import QuantLinear
 from pocketmoe.models import model_builder
+from pocketmoe.numa import NumaReport, place_experts
 from pocketmoe.ops import BACKENDS, ReferenceOps, make_ops
 from pocketmoe.ops.cuda import plan_backend
 from pocketmoe.parallel import init_parallel, shutdown_parallel
 from pocketmoe.parallel.model import local_experts_factory, shard_model
 from pocketmoe.parallel.steps import HELLO, StepChannel
 from pocketmoe.placement import Devices, PlacementPlan, PlanOptions, make_plan
+from pocketmoe.placement.plan import torch_device
 from pocketmoe.placement.run import RunPlacement, run_plan
 from pocketmoe.specs import spec_from_bundle
 from pocketmoe.specs.base import ModelSpec, Role
@@ -130,6 +132,7 @@ class ModelRunner:
         self.parallel = init_parallel()
         self.channel: StepChannel | None = None
         build = model_builder(bundle.architecture)
+        layer_devices = self._place_layers()
         make_experts = self._experts_factory()
         if self.parallel.world > 1:
             make_experts = local_experts_factory(make_experts, self.parallel)
@@ -139,13 +142,17 @@ class ModelRunner:
             self.model = shard_model(self.model, self.parallel, width)
             width = self.model.kv_width
         dtype = KV_DTYPES[cfg.kv_dtype]
-        kv_device = getattr(self.ops, "device", "cpu")  # the CUDA backend's device; the CPU otherwise
+        # the CUDA backend's device, or each layer's where the model spans several GPUs; the CPU otherwise
+        kv_device: Any = getattr(self.ops, "device", "cpu")
+        if len(set(layer_devices)) > 1 and self.parallel.world == 1:
+            kv_device = layer_devices
         if cfg.kv_cache_bytes is None:
             pages = cfg.max_seqs * -(-cfg.n_ctx // PAGE)
             self.cache = PagedKVCache(self.model.n_layer, width, pages, cfg.n_ctx, dtype, device=kv_device)
         else:
             self.cache = PagedKVCache.for_bytes(self.model.n_layer, width, cfg.kv_cache_bytes, cfg.n_ctx, dtype,
                                                 device=kv_device)
+        self.numa = self._place_host_experts()
         # Embedding rows are read one per token in no order: without this, each new token id of a large
         # model faults its page in from disk in decode (V2-Lite: ~2 ms a token).
         if "token_embd.weight" in bundle.tensors and self.parallel.world == 1:
@@ -200,6 +207,24 @@ class ModelRunner:
                                  "torchrun; the other ranks call ModelRunner.serve_steps() (python -m pocketmoe.serve "
                                  "and pocketmoe.bench do).")
         return self.channel.run_step(ctx, lambda: self.model(ctx))
+
+    def _place_layers(self) -> list[torch.device]:
+        """Tell the ops the plan's device of each layer and of the head (a model split by layer over several GPUs
+        runs each layer on its own); each layer's torch device, for its KV cache rows."""
+        plan, n = self.plan, self.spec.config.n_layer
+        if not plan.devices:
+            return [torch.device("cpu")] * n
+        names = [plan.devices[plan.layer_device.get(i, 0)].name for i in range(n)]
+        self.ops.place_layers(names, plan.devices[-1].name)
+        return [torch_device(name) for name in names]
+
+    def _place_host_experts(self) -> NumaReport:
+        """The routed experts kept in host memory (cpu and heterogeneous plans) spread over the NUMA memory
+        nodes as --numa says (pocketmoe.numa)."""
+        policy = self.cfg.placement.numa if self.cfg.placement is not None else "auto"
+        host = self.plan.mode != "all-device"
+        names = [n for n, role in self._roles.items() if role == Role.ROUTED_EXPERT and host and n in self.bundle.tensors]
+        return place_experts([self.bundle.raw(n) for n in names], policy)
 
     def _experts_factory(self) -> ExpertsFactory:
         """The ExpertBank of each MoE layer, as the plan places the routed experts."""

@@ -19,12 +19,12 @@ from pocketmoe.experts.resident import resident_bank
 from pocketmoe.experts.staging import CopyDelay, CopyEngine, SlotPool
 from pocketmoe.experts.stats import ExpertStats
 from pocketmoe.layers.experts import ExpertBank, ExpertsFactory, ExpertWeights, host_experts_factory
+from pocketmoe.placement.plan import torch_device
 
 
 def plan_device(plan: Any, layer: int) -> torch.device:
     """The torch device of the plan's device that holds `layer` (its name: cpu:i or cuda:i)."""
-    name = plan.devices[plan.layer_device.get(layer, 0)].name
-    return torch.device("cpu") if name.startswith("cpu") else torch.device(name)
+    return torch_device(plan.devices[plan.layer_device.get(layer, 0)].name)
 
 
 @dataclass

@@ -30,6 +30,9 @@ def expert_report(runner: Any, stats: Any = None) -> dict[str, Any]:
     policy = rt.policy if rt is not None else "cpu"
     out: dict[str, Any] = {"mode": plan.mode, "devices": [d.name for d in plan.devices], "expert_policy": policy,
                            "cache_slots": plan.cache_slots, "plan_decode_tok_s": plan_estimate(plan, policy)}
+    numa = getattr(runner, "numa", None)
+    if numa is not None:
+        out["numa"] = numa.to_json()
     if rt is None:
         return out
     stats = stats if stats is not None else rt.stats

@@ -59,14 +59,16 @@ class DecoderModel(LayeredModel):
         """logits [L, V] float32 of the step's tokens that need them; writes every token's cache rows."""
         ops, eps = self.ops, self.cfg.rms_eps
         self.prepare(ctx)
-        x = ops.embed(self.embed, ctx.tokens)  # [T, D], the residual stream (updated in place)
+        x, = ops.enter_layer(0, ops.embed(self.embed, ctx.tokens))  # [T, D], the residual stream (updated in place)
         xn = ops.rms_norm(x, self.blocks[0].attn_norm, eps)
         for i, block in enumerate(self.blocks):
+            x, xn = ops.enter_layer(i, x, xn)  # a model split over GPUs: the stream moves to the layer's device
             xn = block.attn(xn, ctx, i, Residual(x, block.ffn_norm, eps))
             last = i + 1 == len(self.blocks)
             xn = block.ffn(xn, Residual(x, None if last else self.blocks[i + 1].attn_norm, eps))
         rows = ctx.logit_rows
+        x = ops.enter_head(x)
         if len(rows) == 0:
             return x.new_zeros(0, self.vocab_size)
-        x = x if len(rows) == len(x) else x[torch.from_numpy(rows).long()].contiguous()
+        x = x if len(rows) == len(x) else x[torch.from_numpy(rows).long().to(x.device)].contiguous()
         return self.head(ops.rms_norm(x, self.norm, eps))

@@ -66,14 +66,16 @@ class DeepSeek4Model(LayeredModel):
         e = ops.embed(self.embed, ctx.tokens)  # [T, D]
         x = e[:, None, :].expand(-1, n, -1).contiguous()  # the residual streams [T, n, D]
         for i, blk in enumerate(self.blocks):
+            x, = ops.enter_layer(i, x)  # a model split over GPUs: the streams move to the layer's device
             y, post, comb = blk.hc_attn.pre(x)
             x = blk.hc_attn.post(blk.attn(ops.rms_norm(y, blk.attn_norm, eps), ctx, i, self.rope), x, post, comb)
             y, post, comb = blk.hc_ffn.pre(x)
             x = blk.hc_ffn.post(blk.moe(ops.rms_norm(y, blk.ffn_norm, eps), tokens), x, post, comb)
         rows = ctx.logit_rows
+        x = ops.enter_head(x)
         if len(rows) == 0:
             return x.new_zeros(0, self.vocab_size)
-        x = x if len(rows) == len(x) else x[torch.from_numpy(rows).long()]
+        x = x if len(rows) == len(x) else x[torch.from_numpy(rows).long().to(x.device)]
         return self.head(ops.rms_norm(self.head_hc(x), self.norm, eps))
 
 

@@ -295,7 +295,7 @@ class NativeOps(ReferenceOps):
         """The attention's arrays of this step, made at its first call (None: the cache is not native)."""
         if self._step[0] is not ctx:
             data = ctx.cache.data
-            if data.dtype != torch.float32 or not data.is_cpu:
+            if data is None or data.dtype != torch.float32 or not data.is_cpu:
                 args = None
             else:
                 if self._cache_layers[0] is not data:

@@ -80,6 +80,20 @@ class ReferenceOps(DeepSeek4Ops, ReferenceBackend):
         """The model's forward over this step (a backend may run a recorded step instead, bitwise the same)."""
         return model(ctx)
 
+    # -- where each layer runs -------------------------------------------------------------------
+    def place_layers(self, layers: Sequence[str], head: str) -> None:
+        """The plan's device (by name: cuda:i, or cpu:i for the CPU as device) of each layer and of the head.
+        On the host every name is the host: nothing moves."""
+
+    def enter_layer(self, layer: int, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Before a layer runs: its device becomes the ops' device, and ts (the residual stream and the normed
+        input) move there. The models call it at each layer; on the host it returns ts as they are."""
+        return ts
+
+    def enter_head(self, x: torch.Tensor) -> torch.Tensor:
+        """As enter_layer, for the final norm and the head."""
+        return x
+
     # -- linear -------------------------------------------------------------------------------
     def linear_multi(self, weights: Sequence[QuantLinear], x: torch.Tensor) -> list[torch.Tensor]:
         """[x @ W.T for W in weights]: weights sharing one input."""
@@ -121,7 +135,8 @@ class ReferenceOps(DeepSeek4Ops, ReferenceBackend):
         c_kv, k_pe = kv.split([c.kv_lora, c.qk_rope], dim=-1)
         lat = torch.cat([rms_norm_rows(c_kv, attn.kv_a_norm, attn.eps), rope_rows(k_pe, ctx.cos2, ctx.sin2)], -1)
         cache = ctx.cache
-        cache.data[layer, torch.from_numpy(ctx.write_rows).long()] = lat.to(cache.data.dtype)
+        rows = cache.layer_rows(layer)
+        rows[torch.from_numpy(ctx.write_rows).long().to(rows.device)] = lat.to(rows.dtype)
         out = []
         for i, (a, b) in enumerate(ctx.seq_spans):
             start = int(ctx.positions[a])
@@ -167,8 +182,9 @@ class ReferenceOps(DeepSeek4Ops, ReferenceBackend):
         q = torch.cat([rope_rows(q[..., :r], cos2, sin2, c.neox), q[..., r:]], dim=-1)
         k = torch.cat([rope_rows(k[..., :r], cos2, sin2, c.neox), k[..., r:]], dim=-1)
         cache = ctx.cache
-        cache.data[layer, torch.from_numpy(ctx.write_rows).long()] = torch.cat(
-            [k.reshape(t, -1), v.reshape(t, -1)], dim=-1).to(cache.data.dtype)
+        rows = cache.layer_rows(layer)
+        rows[torch.from_numpy(ctx.write_rows).long().to(rows.device)] = torch.cat(
+            [k.reshape(t, -1), v.reshape(t, -1)], dim=-1).to(rows.dtype)
         nk = c.n_head_kv * c.head_dim
         group = c.n_head // c.n_head_kv
         out = []

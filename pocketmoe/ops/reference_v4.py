@@ -169,8 +169,8 @@ class DeepSeek4Ops:
         q = F.rms_norm(self.linear(attn.wq_b, qr).view(t, c.n_head, d), (d,), eps=eps)  # unweighted, per head
         q = rope_tail(q, cos2[:, None], sin2[:, None])
         kv = rope_tail(self.rms_norm(kv, attn.kv_norm, eps), cos2, sin2)
-        cache = ctx.cache.data[layer]  # [P, W]
-        rows = torch.from_numpy(ctx.write_rows).long()
+        cache = ctx.cache.layer_rows(layer)  # [P, W]
+        rows = torch.from_numpy(ctx.write_rows).long().to(cache.device)
         cache[rows, c.layout.kv[0]:c.layout.kv[1]] = kv.to(cache.dtype)
         idx = attn.indexer
         comps = [k for k in (attn.compressor, idx.compressor if idx else None) if k is not None]

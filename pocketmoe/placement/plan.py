@@ -19,6 +19,13 @@ class PlacementError(PocketMoEError):
     """The model cannot be placed on the given devices and host memory."""
 
 
+def torch_device(name: str) -> Any:
+    """The torch device of a plan's device name: cuda:i, or the host for cpu:i (the CPU as device)."""
+    import torch
+
+    return torch.device("cpu") if name.startswith("cpu") else torch.device(name)
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     name: str

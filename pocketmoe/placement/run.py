@@ -8,12 +8,13 @@ with the CPU device and no `--gpu-memory-gib` is the CPU-only plan, as before th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from pocketmoe.cli_util import cuda_memory_bytes
-from pocketmoe.placement.plan import GIB, Devices, PlacementError, PlacementPlan, PlanOptions
+from pocketmoe.placement.plan import GIB, Devices, DeviceSpec, PlacementError, PlacementPlan, PlanOptions
 from pocketmoe.placement.planner import make_plan
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -28,12 +29,15 @@ class RunPlacement:
     expert_policy: str = "auto"
     expert_cache_slots: int | None = None             # per MoE layer; None: the plan's share of free memory
     num_devices: int | None = None                    # None: as many as --gpu-memory-gib sizes (or GPUs seen)
+    numa: str = "auto"                                # host experts' pages over the memory nodes (pocketmoe.numa)
 
     def __post_init__(self) -> None:
         from pocketmoe.experts.cost import POLICIES
+        from pocketmoe.numa import NUMA_POLICIES
 
         for flag, value, allowed in (("--device", self.device, DEVICES), ("--mode", self.mode, RUN_MODES),
-                                     ("--expert-policy", self.expert_policy, POLICIES)):
+                                     ("--expert-policy", self.expert_policy, POLICIES),
+                                     ("--numa", self.numa, NUMA_POLICIES)):
             if value not in allowed:
                 raise PlacementError(f"{flag} {value!r} is not one of {', '.join(allowed)}.")
         if self.gpu_memory_gib is not None:
@@ -68,6 +72,8 @@ def run_devices(rp: RunPlacement, kind: str, host_bytes: int, plan_only: bool = 
     """The devices the plan may use: none for --mode cpu (or the CPU device with nothing asked of it)."""
     if rp.mode == "cpu" or (kind == "cpu" and rp.mode == "auto" and rp.gpu_memory_gib is None):
         return Devices((), host_bytes)
+    if kind == "cuda" and not plan_only and tensor_parallel_ranks() > 1:
+        return _rank_device(rp, host_bytes)
     if rp.gpu_memory_gib is not None:
         sizes = list(rp.gpu_memory_gib)
     elif kind == "cuda":
@@ -89,6 +95,28 @@ def run_devices(rp: RunPlacement, kind: str, host_bytes: int, plan_only: bool = 
     return Devices.from_gib(n, sizes, host_bytes / GIB, kind=kind)
 
 
+def tensor_parallel_ranks() -> int:
+    """torchrun's world size (1 outside torchrun), read before the process group exists."""
+    from pocketmoe.parallel.group import under_torchrun
+
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+
+
+def _rank_device(rp: RunPlacement, host_bytes: int) -> Devices:
+    """Under torchrun on GPUs each rank plans for its own GPU (cuda:LOCAL_RANK, as the process group set it):
+    it holds a tensor-parallel share of every layer there. --gpu-memory-gib: one size, or one per local rank."""
+    local, seen = int(os.environ.get("LOCAL_RANK", "0")), cuda_memory_bytes()
+    if local >= len(seen):
+        raise PlacementError(f"rank {os.environ.get('RANK')} has LOCAL_RANK {local} but torch sees {len(seen)} GPU(s); "
+                             f"start at most {len(seen)} ranks per node (--nproc-per-node).")
+    sizes = rp.gpu_memory_gib
+    if sizes is not None and 1 < len(sizes) <= local:
+        raise PlacementError(f"--gpu-memory-gib gives {len(sizes)} sizes but this is local rank {local}; give one "
+                             "size for every GPU or one per GPU of the node.")
+    gib = seen[local] / GIB if sizes is None else sizes[0 if len(sizes) == 1 else local]
+    return Devices((DeviceSpec(f"cuda:{local}", int(gib * GIB)),), host_bytes)
+
+
 def run_plan(spec: Any, tensors: Mapping[str, Any], rp: RunPlacement, options: PlanOptions,
              host_memory_bytes: int | None = None, plan_only: bool = False) -> PlacementPlan:
     """The placement plan of a run with these flags (the one `inspect_gguf --placement-report` prints,
@@ -97,6 +125,15 @@ def run_plan(spec: Any, tensors: Mapping[str, Any], rp: RunPlacement, options: P
 
     host = host_memory_bytes if host_memory_bytes is not None else max(host_total() or 0, 1 << 30)
     kind = device_kind(rp.device, plan_only, rp.gpu_memory_gib is not None)
+    if kind == "cuda" and not plan_only:
+        from pocketmoe.ops.cuda import ARCHITECTURES
+
+        arch = getattr(spec, "architecture", None)
+        if arch is not None and arch not in ARCHITECTURES:
+            if rp.device == "cuda":
+                raise PlacementError(f"the CUDA op backend runs {' and '.join(ARCHITECTURES)}, not {arch}; run "
+                                     f"{arch} with --device cpu.")
+            kind = "cpu"  # --device auto: the CPU, where every architecture runs
     devices = run_devices(rp, kind, host, plan_only)
     if not devices.gpus:
         return make_plan(spec, tensors, devices, options)

@@ -138,19 +138,57 @@ class CudaOps(ReferenceOps):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if launcher is None else torch.device("cpu")
         self.device = torch.device(device)
+        self.device_name = f"{self.device.type}:{self.device.index or 0}"  # the plan's name of self.device
+        # the plan's device of each layer and of the head (place_layers); empty: everything on self.device
+        self._layers: list[tuple[str, torch.device]] = []
+        self._head: tuple[str, torch.device] | None = None
+        self.placed: dict[str, str] = {}  # weight name -> the device name its raw blocks were uploaded to
         self._step: tuple[object, tuple[torch.Tensor, ...]] = (None, ())
-        self._vectors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(host vector) -> (it, device copy)
+        # (id(host vector), device) -> (it, its device copy)
+        self._vectors: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: Any = None  # graphs.DecodeGraphs when CUDA graphs are on (enable_graphs)
         self._ctx: StepContext | None = None  # the step run() is running
 
+    # -- where each layer runs: a model split by layer over several GPUs ---------------------------
+    def place_layers(self, layers: Sequence[str], head: str) -> None:
+        """Each layer's weights and kernels go to its plan device, the head's to the head's: the weights upload
+        at first use on the device that is current then (enter_layer / enter_head make it so)."""
+        from pocketmoe.placement.plan import torch_device
+
+        self._layers = [(n, torch_device(n)) for n in layers]
+        self._head = (head, torch_device(head))
+        if self.graphs is not None and len({d for _, d in (*self._layers, self._head)}) > 1:
+            self.graphs = None  # a graph is captured on one device
+            self.detail = self.detail.replace("graphs on", "graphs off: the model spans several GPUs")
+        if self._layers:
+            self._use(*self._layers[0])
+
+    def _use(self, name: str, device: torch.device) -> None:
+        self.device_name = name
+        if device != self.device:
+            self.device = device
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the launcher launches on the current device's stream
+
+    def enter_layer(self, layer: int, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._layers:
+            self._use(*self._layers[layer])
+        return tuple(t.to(self.device) for t in ts)
+
+    def enter_head(self, x: torch.Tensor) -> torch.Tensor:
+        if self._head is not None:
+            self._use(*self._head)
+        return x.to(self.device)
+
     # -- placement of what the kernels read --------------------------------------------------------
     def on_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A weight-like tensor (norm weight, bias) on the device: a copy made once per tensor."""
+        """A weight-like tensor (norm weight, bias) on the current device: a copy made once per tensor and device."""
         if t.device == self.device:
             return t
-        got = self._vectors.get(id(t))
+        key = (id(t), self.device)
+        got = self._vectors.get(key)
         if got is None or got[0] is not t:
-            got = self._vectors[id(t)] = (t, t.to(self.device).contiguous())
+            got = self._vectors[key] = (t, t.to(self.device).contiguous())
         return got[1]
 
     def weight(self, layer: QuantLinear) -> torch.Tensor | bool:
@@ -172,6 +210,8 @@ class CudaOps(ReferenceOps):
                 return False
             raw = raw.contiguous().view(torch.uint8)
         raw = raw.reshape(*layer.shape[:-1], -1)
+        if layer.name:
+            self.placed[layer.name] = self.device_name
         return raw.to(self.device).contiguous()
 
     def _acts(self, x: torch.Tensor, block: int) -> list[torch.Tensor]:
@@ -264,6 +304,8 @@ class CudaOps(ReferenceOps):
         """The step on the device (a captured CUDA graph when graphs are on and the step's shape has one);
         the logits come back to the host, as every backend returns them."""
         self._ctx = ctx
+        if self._layers:
+            self._use(*self._layers[0])  # the step's inputs go to the first layer's device
         try:
             if self.graphs is not None:
                 out = self.graphs.run(model, ctx)
@@ -378,12 +420,12 @@ class CudaOps(ReferenceOps):
     def mla_attention(self, attn: MLAttention, q: torch.Tensor, kv: torch.Tensor, ctx: StepContext,
                       layer: int) -> torch.Tensor:
         c, cache = attn.cfg, ctx.cache
-        if (not attn.absorbed or cache.data.dtype != torch.float32 or not _f32(q, kv)
+        if (not attn.absorbed or cache.dtype != torch.float32 or not _f32(q, kv)
                 or c.kv_lora > ATT_ACC * ATT_THREADS):
             return super().mla_attention(attn, q, kv, ctx, layer)
         t, dev, width = q.shape[0], q.device, c.kv_lora + c.qk_rope
         seq, keys, table, write_rows, cos2, sin2 = self._step_arrays(ctx, dev)
-        rows = cache.data[layer]  # [P, C+R]
+        rows = cache.layer_rows(layer)  # [P, C+R]
         self.launch("attention.cu", "mla_latent_f32", (t, 1, 1), (ROW_THREADS, 1, 1),
                     [kv.contiguous(), self.on_device(attn.kv_a_norm.float()), cos2, sin2, write_rows, rows,
                      c.kv_lora, c.qk_rope, attn.eps], 0)
@@ -401,7 +443,7 @@ class CudaOps(ReferenceOps):
     def gqa_attention(self, attn: GQAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
                       layer: int) -> torch.Tensor:
         c, cache = attn.cfg, ctx.cache
-        if cache.data.dtype != torch.float32 or not _f32(q, k, v) or c.v_dim > ATT_ACC * ATT_THREADS:
+        if cache.dtype != torch.float32 or not _f32(q, k, v) or c.v_dim > ATT_ACC * ATT_THREADS:
             return super().gqa_attention(attn, q, k, v, ctx, layer)
         t, dev = q.shape[0], q.device
         seq, keys, table, write_rows, cos2, sin2 = self._step_arrays(ctx, dev)
@@ -409,7 +451,7 @@ class CudaOps(ReferenceOps):
         kr = k.reshape(t, c.n_head_kv, c.head_dim).contiguous().clone()
         self._rope_into(qr, cos2, sin2, c.neox)
         self._rope_into(kr, cos2, sin2, c.neox)
-        rows = cache.data[layer]  # [P, G*(Dh+Dv)]
+        rows = cache.layer_rows(layer)  # [P, G*(Dh+Dv)]
         rows.index_copy_(0, write_rows.long(), torch.cat([kr.view(t, -1), v.reshape(t, -1)], dim=-1))
         out = torch.empty(t, c.n_head, c.v_dim, dtype=torch.float32, device=dev)
         self.launch("attention.cu", "gqa_attention_f32", (t, c.n_head, 1), (ATT_THREADS, 1, 1),
