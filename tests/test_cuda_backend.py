@@ -40,13 +40,15 @@ REF = ReferenceOps(tile_rows=None)
 class CountingShimLauncher:
     """CudaOps' launcher on the CPU shim (one module per source), counting launches per kernel."""
 
-    def __init__(self) -> None:
+    def __init__(self, src=None) -> None:  # noqa: ANN001
+        """src: a folder holding (a copy of) the kernel sources (default: the package's own)."""
+        self.src = src
         self.modules: dict[str, ShimModule] = {}
         self.calls: dict[str, int] = {}
 
     def __call__(self, source, kernel, grid, block, args, shared_mem=0) -> None:  # noqa: ANN001
         if source not in self.modules:
-            self.modules[source] = ShimModule([source])
+            self.modules[source] = ShimModule([source if self.src is None else self.src / source])
         self.calls[kernel] = self.calls.get(kernel, 0) + 1
         self.modules[source].launch(kernel, grid=grid, block=block, args=args, shared_mem=shared_mem)
 
@@ -99,6 +101,49 @@ def test_linear_every_type_gemv_and_gemm(sub, name: str) -> None:
     assert isinstance(layer.backend_data, torch.Tensor) and layer.backend_data.device.type == dev.type
     check_linear(y13, raw, name, layer, x)
     np.testing.assert_array_equal(y3, y13[:3])
+
+
+# Mutation check on the engine's own kernels: each mutant of the sources must fail check_linear.
+MUTANTS = {
+    "nibbles swapped (Q4_0 GEMV)": ("quant.cuh", ("q[k] = to_signed(v & 0x0F0F0F0Fu, 8);\n"
+                                                  "      q[k + 4] = to_signed((v >> 4) & 0x0F0F0F0Fu, 8);"),
+                                    ("q[k] = to_signed((v >> 4) & 0x0F0F0F0Fu, 8);\n"
+                                     "      q[k + 4] = to_signed(v & 0x0F0F0F0Fu, 8);"), "q4_0", 3),
+    "staging barrier removed (grouped GEMM)": ("gemm.cuh", "      __syncthreads();\n      const ActRows a{",
+                                               "      const ActRows a{", "q4_k", 13),
+}
+
+
+@pytest.mark.parametrize("mutant", [None, *MUTANTS])
+def test_a_mutated_kernel_source_fails_the_linear_check(tmp_path, mutant: str | None) -> None:
+    """A copy of src/ with two nibbles swapped in the Q4_0 decode, or the barrier between staging the activation
+    tile in shared memory and reading it removed: the results leave the bound. The unmutated copy passes."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    import shutil
+
+    from pocketmoe.ops.cuda.compile import SRC
+
+    src = tmp_path / "src"
+    shutil.copytree(SRC, src)
+    name, tokens = ("q4_k", 13) if mutant is None else MUTANTS[mutant][3:]
+    if mutant is not None:
+        path, old, new = src / MUTANTS[mutant][0], *MUTANTS[mutant][1:3]
+        text = path.read_text()
+        assert text.count(old) == 1, f"the mutation site of {mutant!r} moved"
+        path.write_text(text.replace(old, new))
+    ops = CudaOps(tile_rows=None, launcher=CountingShimLauncher(src))
+    ggml_type, _ = TYPES[name]
+    rng = np.random.default_rng([ggml_type, 6])
+    raw = random_blocks(ggml_type, (24, 512), rng)
+    layer = layer_of(raw, ggml_type, (24, 512))
+    x = random_acts(rng, tokens, 512)
+    y = ops.linear(layer, torch.from_numpy(x)).numpy()
+    if mutant is None:
+        check_linear(y, raw, name, layer, x)
+    else:
+        with pytest.raises(AssertionError, match="over the bound"):
+            check_linear(y, raw, name, layer, x)
 
 
 def test_linear_multi_quantizes_each_block_size_once() -> None:
@@ -346,13 +391,10 @@ def _cpu_tokens(bundle) -> list[int]:  # noqa: ANN001
     return ModelRunner(bundle, RunnerConfig(n_ctx=64, backend=backend)).generate_greedy(PROMPT, 4)
 
 
-@pytest.mark.parametrize("mode", ["cpu", "all-device", "heterogeneous"])
-def test_model_on_cuda_ops_gives_the_cpu_greedy_tokens(tiny_bundle, monkeypatch, mode: str) -> None:
-    """DeepSeek-V2 tiny (Q4_K_M) with every op on CudaOps under the shim: the CPU-only path's greedy tokens.
-    all-device / heterogeneous: the plan's banks on the CPU device with their device kernels swapped for the CUDA
-    expert kernels (resident bank; dispatch over slots, every miss staged), as on a GPU."""
-    if REASON is not None:
-        pytest.skip(REASON)
+def _runner_on_cuda_ops(bundle, monkeypatch, mode: str, gpu_memory_gib=None):  # noqa: ANN001, ANN202
+    """A ModelRunner with every op on CudaOps under the shim. all-device / heterogeneous: the plan's banks on the
+    CPU device with their device kernels swapped for the CUDA expert kernels (resident bank; dispatch over slots,
+    every miss staged), as on a GPU."""
     from pocketmoe.engine.runner import ModelRunner, RunnerConfig
     from pocketmoe.experts import resident
     from pocketmoe.experts.cost import Rates
@@ -362,12 +404,22 @@ def test_model_on_cuda_ops_gives_the_cpu_greedy_tokens(tiny_bundle, monkeypatch,
     kernels = CudaExpertKernels(ops.launch)
     placement = None
     if mode != "cpu":
-        placement = RunPlacement(device="cpu", mode=mode, expert_policy="cache", expert_cache_slots=2)
+        placement = RunPlacement(device="cpu", mode=mode, expert_policy="cache", expert_cache_slots=2,
+                                 gpu_memory_gib=gpu_memory_gib)
         monkeypatch.setattr(build, "device_kernels", lambda ops_, device, host: kernels)
         monkeypatch.setattr(build, "resident_bank", lambda store, k, device, stats, tile_rows, counts:
                             resident.ResidentExperts(store, k, stats, counts))
     rates = Rates(4.0, 6.0, 6.0, 20.0, 200.0)
-    r = ModelRunner(tiny_bundle, RunnerConfig(n_ctx=64, placement=placement, expert_rates=rates), ops=ops)
+    return ModelRunner(bundle, RunnerConfig(n_ctx=64, placement=placement, expert_rates=rates), ops=ops)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "all-device", "heterogeneous"])
+def test_model_on_cuda_ops_gives_the_cpu_greedy_tokens(tiny_bundle, monkeypatch, mode: str) -> None:
+    """DeepSeek-V2 tiny (Q4_K_M) with every op on CudaOps under the shim: the CPU-only path's greedy tokens."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    r = _runner_on_cuda_ops(tiny_bundle, monkeypatch, mode)
+    ops = r.ops
     assert r.cache.data.device == ops.device
     assert r.generate_greedy(PROMPT, 4) == _cpu_tokens(tiny_bundle)
     calls = ops.launch.calls
@@ -377,6 +429,24 @@ def test_model_on_cuda_ops_gives_the_cpu_greedy_tokens(tiny_bundle, monkeypatch,
         if mode == "heterogeneous":
             st = r.experts.stats
             assert st.staged > 0 and st.hits > 0 and st.cpu_experts == 0
+
+
+@pytest.mark.parametrize("mode", ["all-device", "heterogeneous"])
+def test_model_split_by_layer_over_two_devices(tiny_bundle, monkeypatch, mode: str) -> None:
+    """Two devices (the CPU standing in for each): the plan splits the layers, every layer's weights are uploaded
+    while its plan device is current and the head's on the last, and the greedy tokens are the CPU path's."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    r = _runner_on_cuda_ops(tiny_bundle, monkeypatch, mode, gpu_memory_gib=(1.0, 1.0))
+    plan = r.plan
+    assert [d.name for d in plan.devices] == ["cpu:0", "cpu:1"] and len(set(plan.layer_device.values())) == 2
+    assert r.generate_greedy(PROMPT, 4) == _cpu_tokens(tiny_bundle)
+    placed = r.ops.placed
+    want = {name: plan.devices[plan.layer_device[int(name.split(".")[1])]].name
+            for name in placed if name.startswith("blk.")}
+    assert want and {n: d for n, d in placed.items() if n.startswith("blk.")} == want
+    assert placed["output.weight"] == "cpu:1"
+    assert {d for n, d in placed.items() if n.startswith("blk.")} == {"cpu:0", "cpu:1"}
 
 
 class _FakeGraph:
