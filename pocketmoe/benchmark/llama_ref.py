@@ -28,6 +28,9 @@ DEFAULT_UBATCH = 512  # llama.cpp's default physical batch
 
 
 LLAMA_PYTHON_ENV = "POCKETMOE_LLAMA_PYTHON"  # an interpreter whose llama-cpp-python runs the reference
+# "0": llama.cpp without its extra weight buffers (the CPU repack of Q4_K / Q4_0 / IQ4_NL into interleaved rows,
+# AMX): the plain ggml CPU kernels, as `llama-cli --no-repack` runs; default "1", llama.cpp's default
+EXTRA_BUFTS_ENV = "POCKETMOE_LLAMA_EXTRA_BUFTS"
 
 
 def llama_python() -> str:
@@ -66,10 +69,28 @@ class _LlamaStepper:
         return self._argmax()
 
 
+def extra_bufts() -> bool:
+    raw = os.environ.get(EXTRA_BUFTS_ENV, "1")
+    if raw not in ("0", "1"):
+        raise PocketMoEError(f"${EXTRA_BUFTS_ENV} is {raw!r}; give 1 (llama.cpp's repacked weight buffers, its "
+                             "default) or 0 (without them).")
+    return raw == "1"
+
+
 def load_llama(model: str | Path, s: BenchSettings) -> Any:
     import llama_cpp
+    import llama_cpp.llama_cpp as low
 
     n_batch = min(max(s.prompt_tokens, DEFAULT_UBATCH), s.n_ctx)
+    if not extra_bufts():  # the high-level Llama takes no such argument: its default model params do
+        defaults = low.llama_model_default_params
+
+        def no_extra_bufts() -> Any:
+            p = defaults()
+            p.use_extra_bufts = False
+            return p
+
+        low.llama_model_default_params = no_extra_bufts
     try:
         return llama_cpp.Llama(
             model_path=str(model), n_ctx=s.n_ctx, n_threads=s.threads, n_threads_batch=s.threads,
@@ -91,6 +112,7 @@ def run_llama_cpp(model: str | Path, ids: Sequence[int], s: BenchSettings) -> tu
     result = engine_result("llama.cpp cpu", m, mem, load_s)
     result["version"] = f"llama-cpp-python {llama_cpp.__version__}"
     result["system_info"] = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+    result["extra_bufts"] = extra_bufts()
     llm.close()
     return result, m.tokens
 
