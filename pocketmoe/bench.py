@@ -1,8 +1,12 @@
 """Benchmark prefill and decode speed against llama.cpp and the host's memory-bandwidth bound.
 
     python -m pocketmoe.bench --model PATH [--prompt-tokens 128] [--gen-tokens 128] [--threads N]
-        [--llama-cpp] [--json] [--profile] [--per-op] [--repeats N] [--backend auto|native|reference] [--n-ctx C]
+        [--llama-cpp] [--json] [--profile] [--repeats N] [--backend auto|native|reference] [--n-ctx C]
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
+        [--numa auto|interleave|off]
+
+llama.cpp's interpreter: $POCKETMOE_LLAMA_PYTHON (a venv with llama-cpp-python built for this CPU); without its
+repacked weight buffers: POCKETMOE_LLAMA_EXTRA_BUFTS=0.
 
 Both engines get the same fixed pseudo-random prompt of ordinary token ids (no BOS). Prefill is one
 pass over the prompt from position 0; decode is --gen-tokens greedy single-token steps. A warm-up
