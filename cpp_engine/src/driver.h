@@ -13,6 +13,11 @@ namespace pocketmoe::PM_ISA::driver {
 // time are decoded once into the family's canonical form and reused for every token.
 constexpr int kFusedMaxTokens = 4;
 
+// Rows decoded together for the repacked tiles: 2 on 256-bit vectors, 4 on 512-bit ones (twice the
+// registers); the scratch area holds the most any build uses.
+constexpr int kRepackRows = PM_AVX512 ? 4 : 2;
+constexpr int kMaxRepackRows = 4;
+
 template <class Fam, class Dec, int R>
 PM_INLINE void dot_rows(const uint8_t* w, size_t w_stride, const uint8_t* const* acts, int n_tok, int cols,
                         float* out, ptrdiff_t out_stride) {
@@ -36,7 +41,7 @@ PM_INLINE void dot_rows(const uint8_t* w, size_t w_stride, const uint8_t* const*
 template <class Fam>
 size_t scratch_bytes(int cols) {
   if constexpr (Fam::kRepack) {
-    return 2 * static_cast<size_t>(cols / Fam::kBlockValues) * sizeof(typename Fam::CanonBlock);
+    return kMaxRepackRows * static_cast<size_t>(cols / Fam::kBlockValues) * sizeof(typename Fam::CanonBlock);
   } else {
     return 0;
   }
@@ -68,15 +73,15 @@ void matmul(const MatmulTask& t) {
     auto* canon = reinterpret_cast<typename Fam::CanonBlock*>(t.scratch);
     const auto* cw = reinterpret_cast<const uint8_t*>(canon);
     const size_t canon_stride = static_cast<size_t>(nb) * sizeof(typename Fam::CanonBlock);
-    for (; r < t.row_end; r += 2) {
-      const int n_rows = t.row_end - r >= 2 ? 2 : 1;
+    for (; r < t.row_end; r += kRepackRows) {
+      const int n_rows = t.row_end - r >= kRepackRows ? kRepackRows : t.row_end - r;
       for (int i = 0; i < n_rows; ++i)
         Fam::template repack_row<Dec>(t.weight + (r + i) * t.row_bytes, nb, canon + i * nb);
       float* out = t.out + (r - t.row_begin);
-      if (n_rows == 2)
-        dot_rows<Fam, Canon, 2>(cw, canon_stride, t.acts, t.n_tokens, t.cols, out, t.out_stride);
-      else
-        dot_rows<Fam, Canon, 1>(cw, canon_stride, t.acts, t.n_tokens, t.cols, out, t.out_stride);
+      simd::static_for<kRepackRows>([&](auto rc) {
+        constexpr int R = decltype(rc)::value + 1;
+        if (n_rows == R) dot_rows<Fam, Canon, R>(cw, canon_stride, t.acts, t.n_tokens, t.cols, out, t.out_stride);
+      });
     }
   }
 }

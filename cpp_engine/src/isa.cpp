@@ -24,10 +24,10 @@ struct Candidate {
 
 bool cpu_has_avx512vnni() {
   __builtin_cpu_init();
-  // The kernels are compiled for F + BW + VL + VNNI and may use any of them. libgcc's check also
+  // The kernels are compiled for F + BW + DQ + VL + VNNI and may use any of them. libgcc's check also
   // asks the OS (XCR0) whether it saves the AVX-512 state.
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
 bool cpu_has_avxvnni() {

@@ -70,6 +70,75 @@ struct Canon {
   }
 };
 
+#if PM_AVX512
+// The repacked tile on 512-bit vectors: groups 2P and 2P+1 of a block side by side in one register,
+// so each maddubs / vpdpwssd does twice the work. The low and high halves of a sum then add (exact
+// integers) into the same eight int32 lanes the 256-bit tile forms, and the float steps are the
+// 256-bit tile's, two tokens per register: results are bitwise those of every other build.
+template <class Dec, int R, int C>
+__attribute__((noinline)) void dot_tile_zmm(const uint8_t* w, size_t w_stride, const ActQ8K* a, int cols, float* out,
+                                            ptrdiff_t out_stride) {
+  static_assert(Dec::kCanonical, "the 512-bit tile reads repacked blocks");
+  constexpr int CP = (C + 1) / 2;   // token pairs
+  const int nb = cols / 256;
+  __m512 acc[R][CP];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < CP; ++p) acc[r][p] = _mm512_setzero_ps();
+
+  for (int b = 0; b < nb; ++b) {
+    const CanonBlock* blk[R];
+    for (int r = 0; r < R; ++r)
+      blk[r] = reinterpret_cast<const CanonBlock*>(w + r * w_stride + static_cast<size_t>(b) * sizeof(CanonBlock));
+    __m512i isum[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
+
+    static_for<4>([&](auto pc) {
+      constexpr int P = decltype(pc)::value;
+      for (int r = 0; r < R; ++r) {
+        const __m512i q = _mm512_loadu_si512(blk[r]->q[2 * P]);
+        const __m512i s = _mm512_loadu_si512(blk[r]->scale[2 * P]);
+        const __m512i qu = Dec::kSigned ? _mm512_abs_epi8(q) : q;
+        [[maybe_unused]] const __mmask64 neg = Dec::kSigned ? _mm512_movepi8_mask(q) : 0;
+        for (int c = 0; c < C; ++c) {
+          __m512i av = _mm512_loadu_si512(a[c].qs + 256 * b + 64 * P);
+          // sign(a, q): a negated where q < 0 (where q == 0 the product is 0 either way).
+          if constexpr (Dec::kSigned) av = _mm512_mask_sub_epi8(av, neg, _mm512_setzero_si512(), av);
+          isum[r][c] = _mm512_dpwssd_epi32(isum[r][c], _mm512_maddubs_epi16(qu, av), s);
+          keep_in_register(isum[r][c]);
+        }
+      }
+    });
+
+    for (int p = 0; p < CP; ++p) {
+      const int c0 = 2 * p, c1 = c0 + 1 < C ? c0 + 1 : c0;
+      const __m512i bs = _mm512_inserti64x4(_mm512_broadcast_i64x4(load256(a[c0].bsums + 16 * b)),
+                                            load256(a[c1].bsums + 16 * b), 1);
+      const __m512 da = _mm512_insertf32x8(_mm512_set1_ps(a[c0].d[b]), _mm256_set1_ps(a[c1].d[b]), 1);
+      for (int r = 0; r < R; ++r) {
+        // [sum of c0's halves | sum of c1's halves]: the 256-bit tile's lanes for both tokens.
+        const __m512i x = isum[r][c0], y = isum[r][c1];
+        __m512i is = _mm512_add_epi32(_mm512_shuffle_i64x2(x, y, 0x44), _mm512_shuffle_i64x2(x, y, 0xEE));
+        const __m512i corr = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk[r]->corr)));
+        if constexpr (Dec::kOffset) is = _mm512_dpwssd_epi32(is, corr, bs);
+        acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(_mm512_set1_ps(blk[r]->d), da), acc[r][p]);
+        if constexpr (Dec::kMin) {
+          const __m512i m = _mm512_madd_epi16(corr, bs);
+          acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(_mm512_set1_ps(blk[r]->dmin), da), acc[r][p]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const __m512 v = acc[r][c / 2];
+      const __m256 half = c % 2 == 0 ? _mm512_castps512_ps256(v)
+                                     : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+      out[c * out_stride + r] = hsum(half);
+    }
+}
+#endif
+
 struct Family {
   static constexpr int kBlockValues = 256;
   static constexpr bool kRepack = true;
@@ -102,6 +171,9 @@ struct Family {
   template <class Dec, int R, int C>
   static __attribute__((noinline)) void dot_tile(const uint8_t* w, size_t w_stride, const Act* a, int cols,
                                                  float* out, ptrdiff_t out_stride) {
+#if PM_AVX512
+    if constexpr (Dec::kCanonical) return dot_tile_zmm<Dec, R, C>(w, w_stride, a, cols, out, out_stride);
+#endif
     const int nb = cols / 256;
     __m256 acc[R][C];
     for (int r = 0; r < R; ++r)

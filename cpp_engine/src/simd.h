@@ -14,6 +14,10 @@
 #ifndef PM_VNNI
 #define PM_VNNI 0
 #endif
+// 1 where the set has AVX-512 F/BW/DQ/VL: the repacked (prefill) tiles then use 512-bit vectors.
+#ifndef PM_AVX512
+#define PM_AVX512 0
+#endif
 
 #include <immintrin.h>
 
@@ -106,6 +110,11 @@ PM_INLINE void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const 
 // reassociation of integer sums across it (it emits no instruction). "v": any vector register,
 // ymm16-31 included where the build has AVX-512.
 PM_INLINE void keep_in_register(__m256i& v) { asm("" : "+v"(v)); }
+#if PM_AVX512_EMULATED
+PM_INLINE void keep_in_register(__m512i& v) { asm("" : "+m"(v)); }   // SIMDe's type is no register
+#elif PM_AVX512
+PM_INLINE void keep_in_register(__m512i& v) { asm("" : "+v"(v)); }
+#endif
 
 // Sum of 8 float lanes in one fixed order.
 PM_INLINE float hsum(__m256 v) {

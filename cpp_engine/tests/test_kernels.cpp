@@ -30,6 +30,9 @@ using namespace pocketmoe;
 namespace pocketmoe::vnni_emu {
 MatmulFn integer_kernel(int ggml_type);
 }  // namespace pocketmoe::vnni_emu
+namespace pocketmoe::avx512_emu {
+MatmulFn integer_kernel(int ggml_type);
+}  // namespace pocketmoe::avx512_emu
 #endif
 
 namespace {
@@ -356,6 +359,9 @@ void check_matches_avx2(const char* name, KernelTable table, uint32_t seed) {
 // The VNNI kernel source with SIMDe standing in for vpdpbusd and vpdpwssd, on any CPU.
 #if PM_TEST_VNNI_EMU
 void test_vnni_kernels_match_avx2() { check_matches_avx2("vnni_emu", vnni_emu::integer_kernel, 11); }
+
+// The AVX-512 set's source (512-bit repacked tiles) with SIMDe standing in for every AVX-512 instruction.
+void test_avx512_kernels_match_avx2() { check_matches_avx2("avx512_emu", avx512_emu::integer_kernel, 13); }
 #endif
 
 // The VNNI kernels on this CPU's own vpdpbusd / vpdpwssd, where it has them (and the dispatcher then
@@ -389,6 +395,7 @@ int main() {
       {"errors", test_errors},
 #if PM_TEST_VNNI_EMU
       {"vnni_kernels_match_avx2", test_vnni_kernels_match_avx2},
+      {"avx512_kernels_match_avx2", test_avx512_kernels_match_avx2},
 #endif
       {"native_vnni_kernels_match_avx2", test_native_vnni_kernels_match_avx2},
   };
@@ -399,6 +406,7 @@ int main() {
   }
 #if !PM_TEST_VNNI_EMU
   std::printf("%-32s %s\n", "vnni_kernels_match_avx2", "skipped (SIMDe not found)");
+  std::printf("%-32s %s\n", "avx512_kernels_match_avx2", "skipped (SIMDe not found)");
 #endif
   std::printf("%s\n", g_failures ? "FAILED" : "all passed");
   return g_failures ? 1 : 0;
