@@ -422,9 +422,9 @@ def _isa_in_subprocess(env_value: str | None) -> dict:
 
 
 def test_kernel_isa_is_the_widest_the_cpu_has() -> None:
-    """The dispatcher against /proc/cpuinfo: AVX-512 VNNI (with F, BW, VL), then AVX-VNNI, then AVX2."""
+    """The dispatcher against /proc/cpuinfo: AVX-512 VNNI (with F, BW, DQ, VL), then AVX-VNNI, then AVX2."""
     flags = native._cpu_flags() or frozenset()
-    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags:
         expected = "avx512vnni"
     elif "avx_vnni" in flags:
         expected = "avxvnni"
