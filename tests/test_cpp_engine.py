@@ -1,7 +1,7 @@
 """The standalone C++ tests of cpp_engine/ (kernels vs the scalar reference, bitwise stability, gemm_multi,
 gemm_batched and MoE against gemm, the VNNI kernels against AVX2 through SIMDe's portable vpdpbusd /
-vpdpwssd, and the AVX-512 set's 512-bit tiles against AVX2 through SIMDe's AVX-512), built with CMake into a
-temporary folder and run."""
+vpdpwssd, the AVX-512 set's 512-bit tiles against AVX2 through SIMDe's AVX-512, and the AMX set over an
+emulation of the tile instructions), built with CMake into a temporary folder and run."""
 
 from __future__ import annotations
 
@@ -30,3 +30,4 @@ def test_cpp_kernel_tests(tmp_path: Path) -> None:
     if Path("/usr/include/simde/x86/avx512/dpbusd.h").exists():
         assert re.search(r"^vnni_kernels_match_avx2\s+ok$", run.stdout, re.M), run.stdout[-4000:]
         assert re.search(r"^avx512_kernels_match_avx2\s+ok$", run.stdout, re.M), run.stdout[-4000:]
+        assert re.search(r"^amx_kernels_match_avx2\s+ok$", run.stdout, re.M), run.stdout[-4000:]

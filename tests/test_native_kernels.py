@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -421,10 +422,21 @@ def _isa_in_subprocess(env_value: str | None) -> dict:
     return json.loads(run.stdout)
 
 
+def _amx_permitted() -> bool:
+    """Whether Linux lets this process use the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, feature 18)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    return libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
+
+
 def test_kernel_isa_is_the_widest_the_cpu_has() -> None:
-    """The dispatcher against /proc/cpuinfo: AVX-512 VNNI (with F, BW, DQ, VL), then AVX-VNNI, then AVX2."""
+    """The dispatcher against /proc/cpuinfo: AMX-INT8 (with AVX-512 VNNI, where the kernel lets the process
+    use the tiles), then AVX-512 VNNI (with F, BW, DQ, VL), then AVX-VNNI, then AVX2."""
     flags = native._cpu_flags() or frozenset()
-    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags:
+    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags
+    if avx512 and {"amx_tile", "amx_int8"} <= flags and _amx_permitted():
+        expected = "amx"
+    elif avx512:
         expected = "avx512vnni"
     elif "avx_vnni" in flags:
         expected = "avxvnni"
@@ -443,13 +455,13 @@ def test_pocketmoe_isa_caps_the_kernels() -> None:
         isa = _isa_in_subprocess("avx512vnni")
         assert isa["name"] in ("avxvnni", "avx2") and "lacks" in isa["note"], isa
     bad = _isa_in_subprocess("avx9")
-    assert "POCKETMOE_ISA=avx9" in bad["error"] and "avx512vnni, avxvnni or avx2" in bad["error"], bad
+    assert "POCKETMOE_ISA=avx9" in bad["error"] and "amx, avx512vnni, avxvnni or avx2" in bad["error"], bad
 
 
 def test_wide_instructions_stay_in_the_dispatched_kernels() -> None:
-    """The extension runs on any AVX2 CPU: every AVX-512 or VNNI instruction in it lies in the kernels
-    compiled for those sets (namespaces avx512vnni / avxvnni), which run only after the CPU check, and
-    both sets are built (vpdpbusd / vpdpwssd present)."""
+    """The extension runs on any AVX2 CPU: every AVX-512, VNNI or AMX instruction in it lies in the kernels
+    compiled for those sets (namespaces amx / avx512vnni / avxvnni), which run only after the CPU check, and
+    every set is built (vpdpbusd / vpdpwssd present; tdpbssd in the AMX set)."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump (binutils) is not installed")
@@ -457,8 +469,8 @@ def test_wide_instructions_stay_in_the_dispatched_kernels() -> None:
     text = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", _native.__file__], capture_output=True,
                           text=True, check=True, timeout=600).stdout
     wide = re.compile(r"%zmm|%[xy]mm(1[6-9]|2\d|3[01])\b|%k[0-7]\b|\{1to\d+\}|\{evex\}|vpdpbusd|vpdpwssd|"
-                      r"vpternlog|vmovdqu(8|16|32|64)\b|vmovdqa(32|64)\b|vperm[it]2|vpbroadcastm")
-    func, outside, vnni = "", set(), {"avx512vnni": 0, "avxvnni": 0}
+                      r"vpternlog|vmovdqu(8|16|32|64)\b|vmovdqa(32|64)\b|vperm[it]2|vpbroadcastm|%tmm\d|tilecfg|tilerelease")
+    func, outside, vnni = "", set(), {"amx": 0, "avx512vnni": 0, "avxvnni": 0}
     for line in text.splitlines():
         if line.endswith(">:"):
             func = line
@@ -466,7 +478,8 @@ def test_wide_instructions_stay_in_the_dispatched_kernels() -> None:
             owner = next((ns for ns in vnni if f"pocketmoe::{ns}::" in func), None)
             if owner is None:
                 outside.add(func)
-            elif "vpdp" in line:
+            elif "vpdp" in line or "tdpbssd" in line:
                 vnni[owner] += 1
     assert not outside, sorted(outside)[:10]
-    assert vnni["avx512vnni"] > 0 and vnni["avxvnni"] > 0, vnni
+    assert all(count > 0 for count in vnni.values()), vnni
+    assert "tdpbssd" in text

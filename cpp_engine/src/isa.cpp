@@ -1,5 +1,8 @@
 #include "pocketmoe/isa.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -30,6 +33,19 @@ bool cpu_has_avx512vnni() {
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
+// AMX also needs the kernel's leave to use the tile state (Linux 5.16+): asked for once, for the
+// whole process, here.
+bool cpu_has_amx() {
+#if defined(__clang__) ? __clang_major__ < 14 : __GNUC__ < 12
+  return false;
+#endif
+  __builtin_cpu_init();
+  if (!cpu_has_avx512vnni() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
 bool cpu_has_avxvnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avxvnni");
@@ -39,6 +55,7 @@ bool cpu_has_avx2() { return cpu_supported(); }
 
 // Widest first.
 const Candidate kCandidates[] = {
+    {"amx", "AMX-INT8", amx::integer_kernel, cpu_has_amx},
     {"avx512vnni", "AVX-512 VNNI", avx512vnni::integer_kernel, cpu_has_avx512vnni},
     {"avxvnni", "AVX-VNNI", avxvnni::integer_kernel, cpu_has_avxvnni},
     {"avx2", "AVX2", avx2::integer_kernel, cpu_has_avx2},
@@ -60,7 +77,7 @@ Chosen choose() {
     while (first < kNumCandidates && want != kCandidates[first].name) ++first;
     if (first == kNumCandidates)
       throw std::invalid_argument("POCKETMOE_ISA=" + want +
-                                  " names no instruction set; use auto, avx512vnni, avxvnni or avx2");
+                                  " names no instruction set; use auto, amx, avx512vnni, avxvnni or avx2");
   }
   std::string note;
   if (want != "auto" && !kCandidates[first].cpu_has())

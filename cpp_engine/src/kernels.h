@@ -1,6 +1,7 @@
 // The kernels of each instruction set, by ggml type (isa_*.cpp), and the set chosen at run time
-// (isa.cpp). The integer-weight kernels exist for AVX2, AVX-VNNI and AVX-512 VNNI and give bitwise
-// the same results; the float-weight ones (F32, F16, BF16) are AVX2 only.
+// (isa.cpp). The integer-weight kernels exist for AVX2, AVX-VNNI, AVX-512 VNNI and AMX (the 32-value
+// types; AVX-512 VNNI for the rest) and give bitwise the same results; the float-weight ones (F32, F16,
+// BF16) are AVX2 only.
 #pragma once
 
 #include <cstddef>
@@ -25,6 +26,9 @@ MatmulFn integer_kernel(int ggml_type);
 namespace avx512vnni {
 MatmulFn integer_kernel(int ggml_type);
 }  // namespace avx512vnni
+namespace amx {
+MatmulFn integer_kernel(int ggml_type);
+}  // namespace amx
 
 // Whether this CPU (and its OS) can run the set named as POCKETMOE_ISA names it; false for other names.
 bool cpu_has_isa(const std::string& name);

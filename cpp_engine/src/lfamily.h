@@ -233,86 +233,13 @@ __attribute__((noinline)) void tile8(const CanonX8* w, const ActQ8_0* a, int nb,
   for (int c = 0; c < C; ++c) store_rows(out + c * out_stride, acc[c], n_rows);
 }
 
+}  // namespace pocketmoe::PM_ISA::lfamily
+
 #if PM_AVX512
-// Sixteen rows of one block for 512-bit tiles: q[s] holds values 4s..4s+3 of rows 0..15 in turn, as
-// unsigned bytes; signed weights (kOffset == 0) are stored as q + 128, which tile16 takes back out
-// of the exact integer dot with the activation sums.
-struct alignas(64) CanonX16 {
-  uint8_t q[8][64];
-  float d[16];
-};
-static_assert(sizeof(CanonX16) == 576);
-
-template <class Dec>
-constexpr int kBias16 = Dec::kOffset > 0 ? Dec::kOffset : 128;
-
-template <class Dec>
-void repack16(const uint8_t* const (&w)[16], size_t row_bytes, int nb, CanonX16* dst) {
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(Dec::kOffset > 0 ? 0 : 0x80));
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* next = w[0] + 16 * row_bytes + static_cast<size_t>(b) * 16 * Dec::kBytes;
-    for (int off = 0; off < 16 * Dec::kBytes; off += 64) prefetch(next + off);
-    for (int half = 0; half < 2; ++half) {
-      const uint8_t* blk[8];
-      __m256i v[8];
-      for (int r = 0; r < 8; ++r) {
-        blk[r] = w[8 * half + r] + static_cast<size_t>(b) * Dec::kBytes;
-        v[r] = Dec::quants(blk[r]);
-      }
-      transpose8x8(v);
-      for (int s = 0; s < 8; ++s)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dst[b].q[s] + 32 * half), _mm256_xor_si256(v[s], flip));
-      _mm256_store_ps(dst[b].d + 8 * half, Dec::scales8(blk));
-    }
-  }
-}
-
-// Sixteen repacked rows x C tokens: the exact integer dot of each row, then tile8's float steps,
-// one row per lane.
-template <class Dec, int C>
-__attribute__((noinline)) void tile16(const CanonX16* w, const ActQ8_0* a, int nb, float* out, ptrdiff_t out_stride) {
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    __m512i dot[C];
-    for (int c = 0; c < C; ++c) dot[c] = _mm512_setzero_si512();
-    static_for<8>([&](auto sc) {
-      constexpr int s = decltype(sc)::value;
-      const __m512i q = _mm512_load_si512(w[b].q[s]);
-      for (int c = 0; c < C; ++c) {
-        const __m512i av = _mm512_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(a[c].qs + 32 * b + 4 * s))));
-        dot[c] = _mm512_dpbusd_epi32(dot[c], q, av);
-        keep_in_register(dot[c]);
-      }
-    });
-    const __m512 dw = _mm512_load_ps(w[b].d);
-    for (int c = 0; c < C; ++c) {
-      dot[c] = _mm512_sub_epi32(dot[c], _mm512_set1_epi32(kBias16<Dec> * a[c].sums[b]));
-      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(dw, _mm512_set1_ps(a[c].d[b])), acc[c]);
-    }
-  }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * out_stride, acc[c]);
-}
-
-template <class Dec>
-void repacked16(const uint8_t* weight, size_t row_bytes, int nb, const MatmulTask& t, int r, CanonX16* canon) {
-  const uint8_t* w[16];
-  for (int i = 0; i < 16; ++i) w[i] = weight + static_cast<size_t>(r + i) * row_bytes;
-  repack16<Dec>(w, row_bytes, nb, canon);
-  ActQ8_0 a[4];
-  for (int tk = 0; tk < t.n_tokens; tk += 4) {
-    const int n = t.n_tokens - tk < 4 ? t.n_tokens - tk : 4;
-    for (int i = 0; i < n; ++i) a[i] = act_view(t.acts[tk + i], t.cols);
-    float* o = t.out + (r - t.row_begin) + tk * t.out_stride;
-    switch (n) {
-      case 4: tile16<Dec, 4>(canon, a, nb, o, t.out_stride); break;
-      case 3: tile16<Dec, 3>(canon, a, nb, o, t.out_stride); break;
-      case 2: tile16<Dec, 2>(canon, a, nb, o, t.out_stride); break;
-      default: tile16<Dec, 1>(canon, a, nb, o, t.out_stride); break;
-    }
-  }
-}
+#include "lfamily512.h"
 #endif
+
+namespace pocketmoe::PM_ISA::lfamily {
 
 // Up to this many tokens the rows are decoded on the fly; above, repacked once per 8 rows (16 rows
 // in 512-bit builds, where 16 remain).
@@ -326,10 +253,17 @@ void matmul(const MatmulTask& t) {
   const int nb = t.cols / 32;
   auto* canon = reinterpret_cast<CanonX8*>(t.scratch);
   int r = t.row_begin;
+#if PM_AMX
+  size_t stride;
+  if (t.n_tokens > kFusedMaxTokens && r + 16 <= t.row_end && evenly_spaced(t.acts, t.n_tokens, &stride)) {
+    int configured = 0;
+    for (; r + 16 <= t.row_end; r += 16) amx_rows16<Dec>(t, r, stride, reinterpret_cast<CanonX16*>(t.scratch), &configured);
+    PM_TILE_RELEASE();
+  }
+#endif
 #if PM_AVX512
   if (t.n_tokens > kFusedMaxTokens)
-    for (; r + 16 <= t.row_end; r += 16)
-      repacked16<Dec>(t.weight, t.row_bytes, nb, t, r, reinterpret_cast<CanonX16*>(t.scratch));
+    for (; r + 16 <= t.row_end; r += 16) rows16<Dec>(t, r, reinterpret_cast<CanonX16*>(t.scratch));
 #endif
   for (; r < t.row_end; r += 8) {
     const int n_rows = t.row_end - r < 8 ? t.row_end - r : 8;

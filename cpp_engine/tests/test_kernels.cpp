@@ -33,6 +33,9 @@ MatmulFn integer_kernel(int ggml_type);
 namespace pocketmoe::avx512_emu {
 MatmulFn integer_kernel(int ggml_type);
 }  // namespace pocketmoe::avx512_emu
+namespace pocketmoe::amx_emu {
+MatmulFn integer_kernel(int ggml_type);
+}  // namespace pocketmoe::amx_emu
 #endif
 
 namespace {
@@ -362,12 +365,16 @@ void test_vnni_kernels_match_avx2() { check_matches_avx2("vnni_emu", vnni_emu::i
 
 // The AVX-512 set's source (512-bit repacked tiles) with SIMDe standing in for every AVX-512 instruction.
 void test_avx512_kernels_match_avx2() { check_matches_avx2("avx512_emu", avx512_emu::integer_kernel, 13); }
+
+// The AMX set's source with the tile instructions emulated (and SIMDe's AVX-512).
+void test_amx_kernels_match_avx2() { check_matches_avx2("amx_emu", amx_emu::integer_kernel, 17); }
 #endif
 
 // The VNNI kernels on this CPU's own vpdpbusd / vpdpwssd, where it has them (and the dispatcher then
 // runs every other test here on them too).
 void test_native_vnni_kernels_match_avx2() {
   const std::pair<const char*, KernelTable> sets[] = {
+      {"amx", amx::integer_kernel},
       {"avx512vnni", avx512vnni::integer_kernel},
       {"avxvnni", avxvnni::integer_kernel},
   };
@@ -396,6 +403,7 @@ int main() {
 #if PM_TEST_VNNI_EMU
       {"vnni_kernels_match_avx2", test_vnni_kernels_match_avx2},
       {"avx512_kernels_match_avx2", test_avx512_kernels_match_avx2},
+      {"amx_kernels_match_avx2", test_amx_kernels_match_avx2},
 #endif
       {"native_vnni_kernels_match_avx2", test_native_vnni_kernels_match_avx2},
   };
@@ -407,6 +415,7 @@ int main() {
 #if !PM_TEST_VNNI_EMU
   std::printf("%-32s %s\n", "vnni_kernels_match_avx2", "skipped (SIMDe not found)");
   std::printf("%-32s %s\n", "avx512_kernels_match_avx2", "skipped (SIMDe not found)");
+  std::printf("%-32s %s\n", "amx_kernels_match_avx2", "skipped (SIMDe not found)");
 #endif
   std::printf("%s\n", g_failures ? "FAILED" : "all passed");
   return g_failures ? 1 : 0;
