@@ -1,7 +1,7 @@
 """Native CPU kernels (pocketmoe._native): GEMM and routed MoE experts on raw GGUF blocks.
 
 The C++ engine (cpp_engine/) quantizes activations to Q8_K / Q8_0 once per row and runs integer
-dot products on the weights as stored in the file: AVX2, or AVX-VNNI / AVX-512 VNNI where the CPU
+dot products on the weights as stored in the file: AVX2, or AVX-VNNI / AVX-512 VNNI / AMX where the CPU
 has them (chosen at run time, bitwise the same results; see kernel_isa()). Float weights
 (F32/F16/BF16) use float activations. It has its own thread pool (default: one thread per physical core). Results are
 bitwise repeatable for any thread count and batch composition.
@@ -72,11 +72,11 @@ def describe() -> str:
 
 
 def kernel_isa() -> dict[str, str]:
-    """{"name": "avx512vnni" | "avxvnni" | "avx2", "note": why a wider set this CPU has is unused}.
+    """{"name": "amx" | "avx512vnni" | "avxvnni" | "avx2", "note": why a wider set this CPU has is unused}.
 
     The widest set the CPU has is used once its kernels pass a start-up check (bitwise equal to the
     AVX2 kernels on random blocks of every integer type). The environment variable POCKETMOE_ISA
-    (auto, avx512vnni, avxvnni, avx2) caps it; an unknown value raises NativeKernelError.
+    (auto, amx, avx512vnni, avxvnni, avx2) caps it; an unknown value raises NativeKernelError.
     """
     return dict(_call(_lib().kernel_isa))
 

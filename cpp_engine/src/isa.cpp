@@ -94,7 +94,7 @@ Chosen choose() {
         add_note(note, std::string(c.label) + " kernels not built (the compiler could not target them)");
         continue;
       }
-      const std::string diff = compare_with_avx2(c.table, {1, 3, 8}, 17, 20261130u);
+      const std::string diff = compare_with_avx2(c.table, {1, 3, 8, 17, 30}, 17, 20261130u);
       if (!diff.empty()) {
         add_note(note, std::string(c.label) + " kernels failed the start-up check against AVX2 (" + diff + ")");
         continue;

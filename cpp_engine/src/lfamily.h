@@ -255,7 +255,7 @@ void matmul(const MatmulTask& t) {
   int r = t.row_begin;
 #if PM_AMX
   size_t stride;
-  if (t.n_tokens > kFusedMaxTokens && r + 16 <= t.row_end && evenly_spaced(t.acts, t.n_tokens, &stride)) {
+  if (t.n_tokens >= kAmxMinTokens && r + 16 <= t.row_end && evenly_spaced(t.acts, t.n_tokens, &stride)) {
     int configured = 0;
     for (; r + 16 <= t.row_end; r += 16) amx_rows16<Dec>(t, r, stride, reinterpret_cast<CanonX16*>(t.scratch), &configured);
     PM_TILE_RELEASE();

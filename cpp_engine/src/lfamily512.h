@@ -41,8 +41,10 @@ void repack16(const uint8_t* const (&w)[16], size_t row_bytes, int nb, CanonX16*
 
 // Sixteen repacked rows x C tokens: the exact integer dot of each row, then tile8's float steps,
 // one row per lane.
-template <class Dec, int C>
+// kSignedWeights: the rows were repacked signed (for AMX); they are moved to unsigned (+128) on load.
+template <class Dec, int C, bool kSignedWeights = false>
 __attribute__((noinline)) void tile16(const CanonX16* w, const ActQ8_0* a, int nb, float* out, ptrdiff_t out_stride) {
+  constexpr int kBias = kSignedWeights ? 128 : kBias16<Dec>;
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int b = 0; b < nb; ++b) {
@@ -50,7 +52,8 @@ __attribute__((noinline)) void tile16(const CanonX16* w, const ActQ8_0* a, int n
     for (int c = 0; c < C; ++c) dot[c] = _mm512_setzero_si512();
     static_for<8>([&](auto sc) {
       constexpr int s = decltype(sc)::value;
-      const __m512i q = _mm512_load_si512(w[b].q[s]);
+      __m512i q = _mm512_load_si512(w[b].q[s]);
+      if constexpr (kSignedWeights) q = _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80)));
       for (int c = 0; c < C; ++c) {
         const __m512i av = _mm512_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(a[c].qs + 32 * b + 4 * s))));
         dot[c] = _mm512_dpbusd_epi32(dot[c], q, av);
@@ -59,7 +62,7 @@ __attribute__((noinline)) void tile16(const CanonX16* w, const ActQ8_0* a, int n
     });
     const __m512 dw = _mm512_load_ps(w[b].d);
     for (int c = 0; c < C; ++c) {
-      dot[c] = _mm512_sub_epi32(dot[c], _mm512_set1_epi32(kBias16<Dec> * a[c].sums[b]));
+      dot[c] = _mm512_sub_epi32(dot[c], _mm512_set1_epi32(kBias * a[c].sums[b]));
       acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(dw, _mm512_set1_ps(a[c].d[b])), acc[c]);
     }
   }
@@ -73,23 +76,29 @@ void repack_rows16(const uint8_t* weight, size_t row_bytes, int nb, int r, Canon
   repack16<Dec, kSignedWeights>(w, row_bytes, nb, canon);
 }
 
-// Rows r..r+15 of the task, repacked, against every token, four at a time.
-template <class Dec>
-void rows16(const MatmulTask& t, int r, CanonX16* canon) {
+// Repacked rows r..r+15 of the task against its tokens tk0..tk1-1, four at a time.
+template <class Dec, bool kSignedWeights = false>
+void tiles16(const MatmulTask& t, int r, const CanonX16* canon, int tk0, int tk1) {
   const int nb = t.cols / 32;
-  repack_rows16<Dec>(t.weight, t.row_bytes, nb, r, canon);
   ActQ8_0 a[4];
-  for (int tk = 0; tk < t.n_tokens; tk += 4) {
-    const int n = t.n_tokens - tk < 4 ? t.n_tokens - tk : 4;
+  for (int tk = tk0; tk < tk1; tk += 4) {
+    const int n = tk1 - tk < 4 ? tk1 - tk : 4;
     for (int i = 0; i < n; ++i) a[i] = act_view(t.acts[tk + i], t.cols);
     float* o = t.out + (r - t.row_begin) + tk * t.out_stride;
     switch (n) {
-      case 4: tile16<Dec, 4>(canon, a, nb, o, t.out_stride); break;
-      case 3: tile16<Dec, 3>(canon, a, nb, o, t.out_stride); break;
-      case 2: tile16<Dec, 2>(canon, a, nb, o, t.out_stride); break;
-      default: tile16<Dec, 1>(canon, a, nb, o, t.out_stride); break;
+      case 4: tile16<Dec, 4, kSignedWeights>(canon, a, nb, o, t.out_stride); break;
+      case 3: tile16<Dec, 3, kSignedWeights>(canon, a, nb, o, t.out_stride); break;
+      case 2: tile16<Dec, 2, kSignedWeights>(canon, a, nb, o, t.out_stride); break;
+      default: tile16<Dec, 1, kSignedWeights>(canon, a, nb, o, t.out_stride); break;
     }
   }
+}
+
+// Rows r..r+15 of the task, repacked, against every token.
+template <class Dec>
+void rows16(const MatmulTask& t, int r, CanonX16* canon) {
+  repack_rows16<Dec>(t.weight, t.row_bytes, t.cols / 32, r, canon);
+  tiles16<Dec>(t, r, canon, 0, t.n_tokens);
 }
 
 #if PM_AMX
@@ -184,15 +193,22 @@ __attribute__((noinline)) inline void amx_tile16(const CanonX16* w, const uint8_
 }
 #undef PM_AMX_DOTS
 
-// Rows r..r+15 of the task, repacked, against every token, sixteen at a time through AMX.
+// An AMX block costs about what tile16 takes for 12-14 tokens (one Sapphire Rapids core), so fewer
+// tokens than this in a chunk go to tile16.
+constexpr int kAmxMinTokens = 13;
+
+// Rows r..r+15 of the task, repacked signed, against every token: sixteen at a time through AMX, a
+// short remainder through tile16.
 template <class Dec>
 void amx_rows16(const MatmulTask& t, int r, size_t stride, CanonX16* canon, int* configured) {
   repack_rows16<Dec, true>(t.weight, t.row_bytes, t.cols / 32, r, canon);
-  for (int tk = 0; tk < t.n_tokens; tk += 16) {
+  int tk = 0;
+  for (; t.n_tokens - tk >= kAmxMinTokens; tk += 16) {
     const int n = t.n_tokens - tk < 16 ? t.n_tokens - tk : 16;
     if (n != *configured) configure_tiles(*configured = n);
     amx_tile16(canon, t.acts + tk, n, stride, t.cols, t.out + (r - t.row_begin) + tk * t.out_stride, t.out_stride);
   }
+  if (tk < t.n_tokens) tiles16<Dec, true>(t, r, canon, tk, t.n_tokens);
 }
 #endif
 
