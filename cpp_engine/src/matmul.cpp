@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "kernels.h"
+#include "pocketmoe/isa.h"
 #include "pocketmoe/types.h"
 
 namespace pocketmoe {
@@ -15,5 +16,9 @@ MatmulFn matmul_kernel(int ggml_type) {
 }
 
 size_t matmul_scratch_bytes(int ggml_type, int cols) { return avx2::scratch_bytes(ggml_type, cols); }
+
+bool matmul_wants_even_rows(int ggml_type) {
+  return kernel_isa().name == "amx" && type_info(ggml_type).act == ActFormat::kQ8_0;
+}
 
 }  // namespace pocketmoe

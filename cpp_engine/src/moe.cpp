@@ -2,6 +2,7 @@
 // block over all experts, combined per token in slot order.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -16,6 +17,10 @@ namespace pocketmoe {
 namespace {
 
 int round_up(int v, int m) { return (v + m - 1) / m * m; }
+
+// Slots per active expert from which gate's and up's activation rows are copied per slot for a kernel
+// that wants evenly spaced rows (the AMX tiles pay off from 13 tokens).
+constexpr int kEvenRowsMinPairs = 13;
 
 // Rows per work item: about 8 items per thread, a multiple of `align`, at most max(align, cap).
 int block_rows(int total_rows, int rows, int threads, int align, int cap) {
@@ -116,6 +121,7 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
   const uint8_t* act_rows[2];
   size_t act_stride[2];
   const uint8_t** slot_acts[2];
+  bool copied[2] = {false, false};
   for (int i = 0; i < 2; ++i) {
     if (formats[i] == ActFormat::kF32) {
       act_rows[i] = reinterpret_cast<const uint8_t*>(x);
@@ -129,6 +135,21 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
     }
     slot_acts[i] = ws.act_ptrs[i].get_as<const uint8_t*>(n_pairs);
     for (int s = 0; s < n_pairs; ++s) slot_acts[i][s] = act_rows[i] + act_stride[i] * (rt.pair[s] / top_k);
+    // A kernel that loads many rows with one stride (AMX) gets each expert's tokens as consecutive rows:
+    // a copy per slot, a small cost beside the experts' GEMMs when they see enough tokens for it.
+    const int type = i == 0 ? gate.ggml_type : up.ggml_type;
+    if (n_pairs < kEvenRowsMinPairs * rt.n_active || formats[i] == ActFormat::kF32 || !matmul_wants_even_rows(type))
+      continue;
+    if (i == 1 && act_rows[1] == act_rows[0] && copied[0]) {
+      std::copy(slot_acts[0], slot_acts[0] + n_pairs, slot_acts[1]);
+    } else {
+      uint8_t* rows = ws.slot_rows[i].get(act_stride[i] * n_pairs);
+      for (int s = 0; s < n_pairs; ++s) {
+        std::memcpy(rows + act_stride[i] * s, slot_acts[i][s], act_stride[i]);
+        slot_acts[i][s] = rows + act_stride[i] * s;
+      }
+    }
+    copied[i] = true;
   }
 
   // Phase A: h[slot] = silu(gate x) * up x, written straight into down's activation format.

@@ -34,6 +34,7 @@ class Buffer {
 struct Workspace {
   Buffer acts[2];
   Buffer act_ptrs[3];   // row pointers: [0] Q8_K / generic, [1] Q8_0, [2] float rows (gemm_multi)
+  Buffer slot_rows[2];   // moe_forward: gate's / up's activation rows copied per sorted slot
   Buffer hidden;
   Buffer hidden_ptrs;
   Buffer ints;
