@@ -42,6 +42,11 @@ class NativeDeepSeek4Ops(ReferenceOps):
     handle: Any
     _record: Any
 
+    def __init__(self, tile_rows: int | None = 8) -> None:
+        super().__init__(tile_rows)
+        # numpy views made once a step: (ctx, {compressed: (cos2, sin2) [P, R]}, {layer: cache rows [P, W]})
+        self._v4_step: tuple[Any, dict[bool, tuple[np.ndarray, np.ndarray]], dict[int, np.ndarray]] = (None, {}, {})
+
     # -- hyper-connections: one call a site, the fine ones bitwise the reference's arithmetic -----------------
     def _hc_site(self, site: HyperConnection | HyperHead) -> Any:
         op = site.native
@@ -93,12 +98,23 @@ class NativeDeepSeek4Ops(ReferenceOps):
         op = attn.native
         if op is None:
             op = attn.native = self._attention_op(attn)
-        cache = ctx.cache.layer_rows(layer)
-        if op is False or not x.is_cpu or cache.dtype != torch.float32 or not cache.is_cpu:
+        step = self._v4_step
+        if step[0] is not ctx:
+            step = self._v4_step = (ctx, {}, {})
+        cache = step[2].get(layer)
+        if cache is None:
+            rows = ctx.cache.layer_rows(layer)
+            ok = rows.dtype == torch.float32 and rows.is_cpu and rows.is_contiguous()
+            cache = step[2][layer] = rows.numpy() if ok else False
+        if op is False or cache is False or not x.is_cpu:
             return super().dsv4_attention(attn, x, ctx, layer, rope)
-        cos2, sin2 = rope.full(attn.cfg.ratio != 0)
-        return torch.from_numpy(op(_np(x), cache.numpy(), ctx.positions, ctx.seq, ctx.write_rows, ctx.page_table,
-                                   ctx.cache.page, cos2.numpy(), sin2.numpy()))
+        compressed = attn.cfg.ratio != 0
+        tables = step[1].get(compressed)
+        if tables is None:
+            cos2, sin2 = rope.full(compressed)
+            tables = step[1][compressed] = (cos2.numpy(), sin2.numpy())
+        return torch.from_numpy(op(_np(x), cache, ctx.positions, ctx.seq, ctx.write_rows, ctx.page_table,
+                                   ctx.cache.page, *tables))
 
     def _compressor_op(self, k: Compressor) -> Any:
         h = [self.handle(w) for w in (k.wkv, k.wgate)]

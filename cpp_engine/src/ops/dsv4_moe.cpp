@@ -24,14 +24,10 @@ float* grow(std::vector<float>& v, size_t n) {
 // torch.nn.functional.softplus (beta 1, threshold 20) in double.
 double softplus(double x) { return x > 20.0 ? x : std::log1p(std::exp(x)); }
 
-// The router's ids [T, K] and weights [T, K] of rows x [T, D].
-void route(const DSV4MoE& m, const float* x, const int64_t* tokens, int n, int32_t* ids, float* wts) {
+// The router's ids [T, K] and weights [T, K] from its logits [T, E] (made the probabilities in place).
+void route(const DSV4MoE& m, float* probs, const int64_t* tokens, int n, int32_t* ids, float* wts) {
   const int ne = m.n_experts, k = m.top_k;
-  static thread_local std::vector<float> logits_, select_;
-  float* probs = grow(logits_, static_cast<size_t>(n) * ne);
-  const Weight* ws[1] = {m.gate};
-  float* ys[1] = {probs};
-  linear_multi(ws, 1, x, n, ys);
+  static thread_local std::vector<float> select_;
   for (size_t i = 0; i < static_cast<size_t>(n) * ne; ++i)
     probs[i] = std::sqrt(static_cast<float>(softplus(static_cast<double>(probs[i]))));
   float* select = grow(select_, ne);
@@ -80,24 +76,27 @@ void dsv4_moe(const DSV4MoE& m, const float* x, const int64_t* tokens, int n, fl
         if (m.tid2eid[tokens[t] * k + j] < 0 || m.tid2eid[tokens[t] * k + j] >= ne)
           fail("the hash table sends token " + std::to_string(tokens[t]) + " to a missing expert");
     }
+  const int f = m.shared_gate ? m.shared_gate->rows : 0;
+  if (m.shared_gate != nullptr) {
+    check_weight("ffn_up_shexp", *m.shared_up, 1, f, dm);
+    check_weight("ffn_down_shexp", *m.shared_down, 1, dm, f);
+  }
   static thread_local std::vector<int32_t> ids_;
-  static thread_local std::vector<float> wts_, gate_, up_;
+  static thread_local std::vector<float> logits_, wts_, gate_, up_;
   const size_t nk = static_cast<size_t>(n) * k;
   if (ids_.size() < nk) ids_.resize(nk);
   float* wts = grow(wts_, nk);
-  route(m, x, tokens, n, ids_.data(), wts);
-  moe_forward(x, n, dm, ids_.data(), wts, k, m.gate_e, m.up, m.down, ne, m.ffn, y, m.limit);
-  if (m.shared_gate == nullptr) return;
-  const int f = m.shared_gate->rows;
-  check_weight("ffn_up_shexp", *m.shared_up, 1, f, dm);
-  check_weight("ffn_down_shexp", *m.shared_down, 1, dm, f);
+  float* logits = grow(logits_, static_cast<size_t>(n) * ne);
   float* g = grow(gate_, static_cast<size_t>(n) * f);
   float* u = grow(up_, static_cast<size_t>(n) * std::max(f, dm));
-  {
-    const Weight* ws[2] = {m.shared_gate, m.shared_up};
-    float* ys[2] = {g, u};
-    linear_multi(ws, 2, x, n, ys);
+  {  // one dispatch for what reads x: the router and the shared expert's gate and up
+    const Weight* ws[3] = {m.gate, m.shared_gate, m.shared_up};
+    float* ys[3] = {logits, g, u};
+    linear_multi(ws, m.shared_gate ? 3 : 1, x, n, ys);
   }
+  route(m, logits, tokens, n, ids_.data(), wts);
+  moe_forward(x, n, dm, ids_.data(), wts, k, m.gate_e, m.up, m.down, ne, m.ffn, y, m.limit);
+  if (m.shared_gate == nullptr) return;
   const float lim = m.shared_limit;
   for (size_t i = 0; i < static_cast<size_t>(n) * f; ++i) {
     float a = g[i], b = u[i];
