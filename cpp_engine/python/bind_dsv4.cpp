@@ -264,7 +264,8 @@ MoEHandle make_moe(const py::object& gate, const py::object& tid2eid, const py::
   m.shared_gate = optional_weight(shared_gate, h.keep);
   m.shared_up = optional_weight(shared_up, h.keep);
   m.shared_down = optional_weight(shared_down, h.keep);
-  if ((m.shared_gate == nullptr) != (m.shared_up == nullptr) || (m.shared_gate == nullptr) != (m.shared_down == nullptr))
+  const bool shared = m.shared_gate != nullptr;
+  if (shared != (m.shared_up != nullptr) || shared != (m.shared_down != nullptr))
     throw py::value_error("a shared expert needs all of gate, up and down");
   return h;
 }
@@ -303,7 +304,8 @@ void bind_dsv4(py::module_& m) {
   py::class_<HCSiteHandle>(m, "HCSite", "A DeepSeek-V4 mHC site (fn, scale, base): a sublayer's or the head's.")
       .def(py::init(&make_hc_site), py::arg("fn"), py::arg("scale"), py::arg("base"), py::arg("n"), py::arg("iters"),
            py::arg("eps"), py::arg("rms_eps"))
-      .def("pre", &hc_pre_py, py::arg("x"), "streams [T, n, D] -> (sum_i pre_i x_i [T, D], post [T, n], comb [T, n, n])")
+      .def("pre", &hc_pre_py, py::arg("x"),
+           "streams [T, n, D] -> (sum_i pre_i x_i [T, D], post [T, n], comb [T, n, n])")
       .def("head", &hc_head_py, py::arg("x"), "streams [T, n, D] -> sum_i pre_i x_i [T, D]");
   py::class_<CompressorHandle>(m, "DSV4Compressor", "A DeepSeek-V4 compressor's weights and cache offsets.")
       .def(py::init(&make_compressor), py::arg("wkv"), py::arg("wgate"), py::arg("ape"), py::arg("norm"),

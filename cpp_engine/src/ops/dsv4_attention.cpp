@@ -67,8 +67,7 @@ void check(const DSV4Attention& a, int width, const DSV4Step& st, int n) {
 void head_norms(float* x, int n, int heads, int d, float eps) {
   for (size_t r = 0; r < static_cast<size_t>(n) * heads; ++r) {
     float* v = x + r * d;
-    double ss = 0.0;
-    for (int i = 0; i < d; ++i) ss += static_cast<double>(v[i] * v[i]);
+    const double ss = dsv4::sum_squares(v, d);
     const float scale = 1.0f / std::sqrt(static_cast<float>(ss / d) + eps);
     for (int i = 0; i < d; ++i) v[i] = v[i] * scale;
   }
@@ -130,7 +129,7 @@ void dsv4_attention_sublayer(const DSV4Attention& a, const float* x, int n, floa
   // position order, then its visible (kept) entries in block order.
   static thread_local std::vector<int64_t> offsets;
   static thread_local std::vector<int32_t> starts;
-  static thread_local std::vector<uint8_t> keep;
+  static thread_local std::vector<int32_t> kept, count;
   offsets.clear();
   starts.assign(1, 0);
   for (int t0 = 0; t0 < n;) {
@@ -147,18 +146,22 @@ void dsv4_attention_sublayer(const DSV4Attention& a, const float* x, int n, floa
     }
     for (const DSV4Compressor* k : comps)
       if (k) dsv4::compress_blocks(*k, st.kv, s, start, end, cache, width, rot, st.cos2, st.sin2);
-    const int n_ent = a.ratio ? end / a.ratio : 0;
     if (a.idx)
       dsv4::indexer_keep(*a.idx, iq + static_cast<size_t>(t0) * iq_w, iw + static_cast<size_t>(t0) * ih, t1 - t0,
-                         start, end, st.kv, s, cache, width, keep);
+                         start, end, st.kv, s, cache, width, kept, count);
     for (int t = t0; t < t1; ++t) {
       const int p = st.positions[t];
       for (int k = std::max(0, p - a.window + 1); k <= p; ++k)
         offsets.push_back(cache_row(st.kv, s, k) * width + a.kv);
-      const int visible = a.ratio ? (p + 1) / a.ratio : 0;
-      for (int b = 0; b < visible; ++b)
-        if (!a.idx || keep[static_cast<size_t>(t - t0) * n_ent + b])
-          offsets.push_back(cache_row(st.kv, s, b * a.ratio + a.ratio - 1) * width + a.comp->entry);
+      const auto entry = [&](int b) {
+        offsets.push_back(cache_row(st.kv, s, b * a.ratio + a.ratio - 1) * width + a.comp->entry);
+      };
+      if (a.idx) {
+        const int32_t* ki = kept.data() + static_cast<size_t>(t - t0) * a.idx->top_k;
+        for (int j = 0; j < count[t - t0]; ++j) entry(ki[j]);
+      } else {
+        for (int b = 0; b < (a.ratio ? (p + 1) / a.ratio : 0); ++b) entry(b);
+      }
       starts.push_back(static_cast<int32_t>(offsets.size()));
     }
     t0 = t1;

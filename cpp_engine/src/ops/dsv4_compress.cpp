@@ -47,6 +47,25 @@ constexpr size_t kInlineIndexer = size_t{1} << 18;
 
 }  // namespace
 
+double sum_squares(const float* x, int n) {
+  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    const __m256 a2 = _mm256_mul_ps(a, a), b2 = _mm256_mul_ps(b, b);
+    acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(a2)));
+    acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(a2, 1)));
+    acc[2] = _mm256_add_pd(acc[2], _mm256_cvtps_pd(_mm256_castps256_ps128(b2)));
+    acc[3] = _mm256_add_pd(acc[3], _mm256_cvtps_pd(_mm256_extractf128_ps(b2, 1)));
+  }
+  alignas(32) double lanes[16];
+  for (int j = 0; j < 4; ++j) _mm256_store_pd(lanes + 4 * j, acc[j]);
+  double s = 0.0;
+  for (int j = 0; j < 16; ++j) s += lanes[j];
+  for (; i < n; ++i) s += static_cast<double>(x[i] * x[i]);
+  return s;
+}
+
 void rope_tail(float* x, int n, size_t stride, int heads, int d, int rot, const int32_t* pos, const float* cos2,
                const float* sin2, bool inverse) {
   for (int t = 0; t < n; ++t) {
@@ -54,7 +73,14 @@ void rope_tail(float* x, int n, size_t stride, int heads, int d, int rot, const 
     const float* s = sin2 + static_cast<size_t>(pos[t]) * rot;
     for (int h = 0; h < heads; ++h) {
       float* v = x + t * stride + static_cast<size_t>(h) * d + (d - rot);
-      for (int i = 0; i < rot; i += 2) {
+      int i = 0;
+      for (; i + 8 <= rot; i += 8) {  // x * cos2 +- (pairs swapped) * sin2, each product rounded, then the sum
+        const __m256 xv = _mm256_loadu_ps(v + i);
+        const __m256 a = _mm256_mul_ps(xv, _mm256_loadu_ps(c + i));
+        const __m256 b = _mm256_mul_ps(_mm256_permute_ps(xv, 0xB1), _mm256_loadu_ps(s + i));
+        _mm256_storeu_ps(v + i, inverse ? _mm256_sub_ps(a, b) : _mm256_add_ps(a, b));
+      }
+      for (; i < rot; i += 2) {
         const float x0 = v[i], x1 = v[i + 1];
         if (inverse) {
           v[i] = x0 * c[i] - x1 * s[i];
@@ -135,10 +161,12 @@ void compress_blocks(const DSV4Compressor& k, const KVLayout& kv, int s, int sta
 }
 
 void indexer_keep(const DSV4Indexer& idx, const float* q, const float* w, int t, int start, int end,
-                  const KVLayout& kv, int s, const float* cache, int width, std::vector<uint8_t>& keep) {
+                  const KVLayout& kv, int s, const float* cache, int width, std::vector<int32_t>& kept,
+                  std::vector<int32_t>& count) {
   const int r = idx.comp.ratio, n_ent = end / r, h = idx.n_head, hd = idx.head_dim;
-  keep.assign(static_cast<size_t>(t) * n_ent, 0);
+  count.assign(std::max(t, 0), 0);
   if (n_ent == 0 || t <= 0) return;
+  kept.resize(static_cast<size_t>(t) * idx.top_k);
   std::vector<const float*> keys(n_ent);
   for (int b = 0; b < n_ent; ++b)
     keys[b] = cache + static_cast<size_t>(cache_row(kv, s, b * r + r - 1)) * width + idx.comp.entry;
@@ -168,9 +196,12 @@ void indexer_keep(const DSV4Indexer& idx, const float* q, const float* w, int t,
     std::iota(order, order + n_ent, 0);
     // llama.cpp's top_k is std::partial_sort: exact ties at the boundary go as its heap takes them
     std::partial_sort(order, order + k, order + n_ent, [&](int a, int c) { return score[a] > score[c]; });
-    uint8_t* ki = keep.data() + static_cast<size_t>(i) * n_ent;
+    int32_t* ki = kept.data() + static_cast<size_t>(i) * idx.top_k;
+    int c = 0;
     for (int j = 0; j < k; ++j)
-      if (order[j] < visible) ki[order[j]] = 1;
+      if (order[j] < visible) ki[c++] = order[j];
+    std::sort(ki, ki + c);
+    count[i] = c;
   };
   if (static_cast<size_t>(t) * n_ent * h * hd < kInlineIndexer) {
     for (int i = 0; i < t; ++i) one(i);

@@ -10,6 +10,10 @@
 namespace pocketmoe {
 namespace dsv4 {
 
+// sum_i x[i]^2, each square rounded to float (as rms_norm's), summed in double over 16 lanes (i mod 16) and then
+// the lanes in order: one fixed order for a given n, four independent chains instead of one.
+double sum_squares(const float* x, int n);
+
 // Cache row of position p of the step's sequence s.
 inline int64_t cache_row(const KVLayout& kv, int s, int p) {
   return static_cast<int64_t>(kv.table[static_cast<size_t>(s) * kv.table_width + p / kv.page]) * kv.page +
@@ -31,10 +35,12 @@ void compressor_states(const DSV4Compressor& k, const float* kv, const float* sc
 void compress_blocks(const DSV4Compressor& k, const KVLayout& kv, int s, int start, int end, float* cache, int width,
                      int rot, const float* cos2, const float* sin2);
 
-// keep [t, n_ent] (1: kept) for the t queries of sequence s at positions start.. over its n_ent = end / r entries:
-// each query's top_k visible entries by sum_h w_h relu(q_h . k_s). q [t, h * hd] (roped), w [t, h].
+// The entries each of the t queries of sequence s at positions start.. keeps of its n_ent = end / r: its top_k
+// visible ones by sum_h w_h relu(q_h . k_s), in ascending order, query i's kept[i * top_k ..] (count[i] of them).
+// q [t, h * hd] (roped), w [t, h].
 void indexer_keep(const DSV4Indexer& idx, const float* q, const float* w, int t, int start, int end,
-                  const KVLayout& kv, int s, const float* cache, int width, std::vector<uint8_t>& keep);
+                  const KVLayout& kv, int s, const float* cache, int width, std::vector<int32_t>& kept,
+                  std::vector<int32_t>& count);
 
 }  // namespace dsv4
 }  // namespace pocketmoe

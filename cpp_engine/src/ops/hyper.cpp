@@ -1,9 +1,11 @@
 // DeepSeek-V4's hyper-connection mixing (pocketmoe/ops.h, dsv4.h): small per-token arithmetic that costs a Python
 // backend tens of tiny tensor ops a layer. Every product and sum is rounded on its own, in the reference's
 // order, so hc_sinkhorn, hc_mix and hc_post are bitwise those of reference_v4.py; hc_pre and hc_head add the
-// mixes (the flat norm's sum in double, as rms_norm) and a softmax on std::exp, within float rounding of it.
-// A row's results never depend on the others'.
+// mixes (the flat norm's squares summed in double over fixed lanes) and a softmax on std::exp, within float
+// rounding of it. A row's results never depend on the others'.
 #pragma GCC optimize("fp-contract=off")
+
+#include <immintrin.h>
 
 #include <cmath>
 #include <cstddef>
@@ -11,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "dsv4_parts.h"
 #include "pocketmoe/dsv4.h"
 #include "pocketmoe/ops.h"
 
@@ -20,6 +23,26 @@ namespace {
 float* grow(std::vector<float>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
+}
+
+// y[k] = x[k] * a, 8 lanes at a time (each product rounded on its own, as one by one).
+void scaled(const float* x, float a, int d, float* y) {
+  const __m256 av = _mm256_set1_ps(a);
+  int k = 0;
+  for (; k + 8 <= d; k += 8) _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_loadu_ps(x + k), av));
+  for (; k < d; ++k) y[k] = x[k] * a;
+}
+
+// y[k] = y[k] + x[k] * a: the product rounded, then the sum (no fused multiply-add).
+void add_scaled(const float* x, float a, int d, float* y) {
+  const __m256 av = _mm256_set1_ps(a);
+  int k = 0;
+  for (; k + 8 <= d; k += 8)
+    _mm256_storeu_ps(y + k, _mm256_add_ps(_mm256_loadu_ps(y + k), _mm256_mul_ps(_mm256_loadu_ps(x + k), av)));
+  for (; k < d; ++k) {
+    const float p = x[k] * a;
+    y[k] = y[k] + p;
+  }
 }
 
 // sigmoid in double, rounded to float (the reference's rowwise(torch.sigmoid, .)).
@@ -36,8 +59,7 @@ const float* hc_mixes(const HCSite& s, const float* x, int n_rows, int d) {
   for (int t = 0; t < n_rows; ++t) {
     const float* xt = x + static_cast<size_t>(t) * f;
     float* yt = normed + static_cast<size_t>(t) * f;
-    double ss = 0.0;
-    for (int i = 0; i < f; ++i) ss += static_cast<double>(xt[i] * xt[i]);
+    const double ss = dsv4::sum_squares(xt, f);
     const float scale = 1.0f / std::sqrt(static_cast<float>(ss / f) + s.rms_eps);
     for (int i = 0; i < f; ++i) yt[i] = xt[i] * scale;
   }
@@ -84,14 +106,8 @@ void hc_mix(const float* x, const float* w, int n_rows, int n, int d, float* y) 
     const float* xt = x + static_cast<size_t>(t) * n * d;
     const float* wt = w + static_cast<size_t>(t) * n;
     float* yt = y + static_cast<size_t>(t) * d;
-    for (int k = 0; k < d; ++k) yt[k] = xt[k] * wt[0];
-    for (int i = 1; i < n; ++i) {
-      const float* xi = xt + static_cast<size_t>(i) * d;
-      for (int k = 0; k < d; ++k) {
-        const float p = xi[k] * wt[i];
-        yt[k] = yt[k] + p;
-      }
-    }
+    scaled(xt, wt[0], d, yt);
+    for (int i = 1; i < n; ++i) add_scaled(xt + static_cast<size_t>(i) * d, wt[i], d, yt);
   }
 }
 
@@ -103,16 +119,9 @@ void hc_post(const float* out, const float* x, const float* post, const float* c
     const float* ct = comb + static_cast<size_t>(t) * n * n;
     for (int j = 0; j < n; ++j) {
       float* yj = y + (static_cast<size_t>(t) * n + j) * d;
-      const float pj = post[static_cast<size_t>(t) * n + j];
-      for (int k = 0; k < d; ++k) yj[k] = ot[k] * pj;
-      for (int i = 0; i < n; ++i) {
-        const float* xi = xt + static_cast<size_t>(i) * d;
-        const float cij = ct[static_cast<size_t>(i) * n + j];
-        for (int k = 0; k < d; ++k) {
-          const float p = xi[k] * cij;
-          yj[k] = yj[k] + p;
-        }
-      }
+      scaled(ot, post[static_cast<size_t>(t) * n + j], d, yj);
+      for (int i = 0; i < n; ++i)
+        add_scaled(xt + static_cast<size_t>(i) * d, ct[static_cast<size_t>(i) * n + j], d, yj);
     }
   }
 }
