@@ -105,6 +105,7 @@ def test_layer0_rows_part_only_where_an_activation_rounds_across_a_tie(fixtures:
              "blk.0.attn_output_a.weight": "attn_derope-0", "blk.0.attn_output_b.weight": "attn_wo_a-0"}
     _, theirs = llama_parity.llama_tensors(path, PROMPT, {*sites.values(), "attn_out-0"})
     r = ModelRunner(open_bundle(path), RunnerConfig(n_ctx=N_CTX, backend="native", chunk_size=N_CTX, threads=1))
+    r.model.blocks[0].attn.native = False  # layer 0 op by op (the fine native ops), so its activations show
     ops, mine = r.ops, {}
     linear, linear_multi, grouped, attend = ops.linear, ops.linear_multi, ops._grouped_output, ops.dsv4_attention
 

@@ -17,32 +17,13 @@
 #include "pocketmoe/isa.h"
 #include "pocketmoe/matmul.h"
 #include "pocketmoe/types.h"
+#include "bind_util.h"
 
 namespace py = pybind11;
 using namespace pocketmoe;
+using namespace pocketmoe::bind;
 
 namespace {
-
-template <class T>
-const char* dtype_name() {
-  if constexpr (std::is_same_v<T, uint8_t>) return "uint8";
-  if constexpr (std::is_same_v<T, int32_t>) return "int32";
-  if constexpr (std::is_same_v<T, int64_t>) return "int64";
-  return "float32";
-}
-
-// The array itself when it is C-contiguous of dtype T with `ndim` dims (any when -1); else ValueError.
-template <class T>
-py::array_t<T> checked(const py::array& a, const char* name, int ndim) {
-  if (!a.dtype().is(py::dtype::of<T>()))
-    throw py::value_error(std::string(name) + " must be " + dtype_name<T>() + ", got " +
-                          std::string(py::str(a.dtype())));
-  if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + " must be C-contiguous");
-  if (ndim >= 0 && a.ndim() != ndim)
-    throw py::value_error(std::string(name) + " must have " + std::to_string(ndim) + " dimensions, got " +
-                          std::to_string(a.ndim()));
-  return py::reinterpret_borrow<py::array_t<T>>(a);
-}
 
 py::array_t<float> output(const py::object& out, py::ssize_t rows, py::ssize_t cols) {
   if (out.is_none()) return py::array_t<float>({rows, cols});
@@ -135,20 +116,6 @@ py::array_t<float> gemm_batched_py(const py::array& weight, int ggml_type, const
   return y;
 }
 
-// uint8 GGUF blocks, C-contiguous, or [E, rows, row_bytes] with each expert's rows contiguous and any
-// stride between experts (one half of a fused gate_up tensor, as numpy slices it).
-MoEWeights expert_weights(const py::array& a, const char* name, int ggml_type) {
-  if (a.ndim() == 3 && a.dtype().is(py::dtype::of<uint8_t>()) && !(a.flags() & py::array::c_style) &&
-      a.strides(2) == 1 && a.strides(1) == a.shape(2) && a.strides(0) >= a.shape(1) * a.shape(2)) {
-    const size_t expert = static_cast<size_t>(a.shape(1) * a.shape(2));
-    const size_t stride = static_cast<size_t>(a.strides(0));
-    const size_t span = a.shape(0) > 0 ? static_cast<size_t>(a.shape(0) - 1) * stride + expert : 0;
-    return {static_cast<const uint8_t*>(a.data()), span, ggml_type, stride};
-  }
-  auto w = checked<uint8_t>(a, name, -1);
-  return {w.data(), static_cast<size_t>(w.nbytes()), ggml_type};
-}
-
 // x, expert_ids, expert_weights: converted (to float32 / int32, C order) only when they are not already.
 py::array_t<float> moe_forward_py(const py::handle& x, const py::handle& expert_ids, const py::handle& expert_weights_,
                                   const py::array& gate, int gate_type, const py::array& up, int up_type,
@@ -232,12 +199,6 @@ py::array_t<float> activation_roundtrip_py(const py::array& x, int ggml_type) {
 // ---- Ops (pocketmoe/ops.h). Weights and fixed parameters are handles made once at load; the
 // per-call arrays are checked here.
 
-// A weight and the array it points into (kept alive by the handle).
-struct WeightHandle {
-  Weight w;
-  py::array keep;
-};
-
 WeightHandle make_weight(const py::array& blocks, int ggml_type, int cols) {
   auto a = checked<uint8_t>(blocks, "blocks", -1);
   if (a.ndim() != 2 && a.ndim() != 3) throw py::value_error("blocks must have 2 or 3 dimensions");
@@ -253,116 +214,11 @@ WeightHandle make_weight(const py::array& blocks, int ggml_type, int cols) {
   return h;
 }
 
-// x as float32 [T, d] (C order): T = rows; d must match when given.
-py::array_t<float> rows_of(const py::array& x, const char* name, py::ssize_t d) {
-  auto a = checked<float>(x, name, 2);
-  if (d >= 0 && a.shape(1) != d)
-    throw py::value_error(std::string(name) + " rows have " + std::to_string(a.shape(1)) + " values, expected " +
-                          std::to_string(d));
-  return a;
-}
-
-const float* vector_of(const py::object& v, const char* name, py::ssize_t n) {
-  if (v.is_none()) return nullptr;
-  auto a = checked<float>(v.cast<py::array>(), name, 1);
-  if (a.shape(0) != n)
-    throw py::value_error(std::string(name) + " has " + std::to_string(a.shape(0)) + " values, expected " +
-                          std::to_string(n));
-  return a.data();
-}
-
-const int32_t* ints_of(const py::array& v, const char* name, py::ssize_t n) {
-  auto a = checked<int32_t>(v, name, 1);
-  if (a.shape(0) != n)
-    throw py::value_error(std::string(name) + " has " + std::to_string(a.shape(0)) + " values, expected " +
-                          std::to_string(n));
-  return a.data();
-}
-
-// Runs f without the GIL when the call moves at least this many bytes of weights (else it is too short).
-template <class F>
-void run(size_t work, F&& f) {
-  if (work < (size_t{64} << 10)) {
-    f();
-  } else {
-    py::gil_scoped_release release;
-    f();
-  }
-}
-
-size_t weight_bytes(const Weight& w) { return static_cast<size_t>(w.heads) * w.rows * w.row_bytes; }
-
 py::array_t<float> rms_norm_py(const py::array& x, const py::array& w, float eps) {
   auto xa = rows_of(x, "x", -1);
   const py::ssize_t n = xa.shape(0), d = xa.shape(1);
   py::array_t<float> y({n, d});
   rms_norm(xa.data(), vector_of(w, "weight", d), static_cast<int>(n), static_cast<int>(d), eps, y.mutable_data());
-  return y;
-}
-
-py::array_t<float> dsv4_attend_py(const py::array& q, const py::array& cache, const py::array& key_offsets,
-                                  const py::array& starts, const py::array& sinks, float scale) {
-  auto qa = checked<float>(q, "q", 3);
-  const py::ssize_t t = qa.shape(0), h = qa.shape(1), d = qa.shape(2);
-  auto ca = checked<float>(cache, "cache", -1);
-  auto ko = checked<int64_t>(key_offsets, "key_offsets", 1);
-  auto st = checked<int32_t>(starts, "starts", 1);
-  const float* sp = vector_of(sinks, "sinks", h);
-  if (st.shape(0) != t + 1) throw py::value_error("starts must hold T + 1 = " + std::to_string(t + 1) + " values");
-  const int32_t* s = st.data();
-  for (py::ssize_t i = 0; i < t; ++i)
-    if (s[i + 1] < s[i]) throw py::value_error("starts must not decrease");
-  if (t > 0 && s[t] != ko.shape(0))
-    throw py::value_error("starts ends at " + std::to_string(s[t]) + " but key_offsets holds " +
-                          std::to_string(ko.shape(0)) + " keys");
-  py::array_t<float> out({t, h, d});
-  const float *qp = qa.data(), *cp = ca.data();
-  const int64_t* kp = ko.data();
-  float* op = out.mutable_data();
-  const size_t n_values = static_cast<size_t>(ca.size());
-  run(static_cast<size_t>(ko.shape(0)) * d * 4, [&] {
-    dsv4_attention(qp, static_cast<int>(t), static_cast<int>(h), static_cast<int>(d), scale, sp, cp, n_values, kp, s,
-                   op);
-  });
-  return out;
-}
-
-// DeepSeek-V4 hyper-connections (ops.h hc_*): shapes checked here, arithmetic in hyper.cpp.
-py::array_t<float> hc_sinkhorn_py(const py::array& softmax, int iters, float eps) {
-  auto a = checked<float>(softmax, "comb", 3);
-  const py::ssize_t t = a.shape(0), n = a.shape(1);
-  if (a.shape(2) != n) throw py::value_error("comb must be [T, n, n], got a last dimension of " +
-                                             std::to_string(a.shape(2)) + " for n = " + std::to_string(n));
-  if (iters < 1) throw py::value_error("hc_sinkhorn needs at least one iteration");
-  py::array_t<float> y({t, n, n});
-  std::copy(a.data(), a.data() + a.size(), y.mutable_data());
-  hc_sinkhorn(y.mutable_data(), static_cast<int>(t), static_cast<int>(n), iters, eps);
-  return y;
-}
-
-py::array_t<float> hc_mix_py(const py::array& x, const py::array& w) {
-  auto xa = checked<float>(x, "x", 3);
-  auto wa = checked<float>(w, "w", 2);
-  const py::ssize_t t = xa.shape(0), n = xa.shape(1), d = xa.shape(2);
-  if (wa.shape(0) != t || wa.shape(1) != n)
-    throw py::value_error("w must be [" + std::to_string(t) + ", " + std::to_string(n) + "] for x [T, n, D]");
-  py::array_t<float> y({t, d});
-  hc_mix(xa.data(), wa.data(), static_cast<int>(t), static_cast<int>(n), static_cast<int>(d), y.mutable_data());
-  return y;
-}
-
-py::array_t<float> hc_post_py(const py::array& out, const py::array& x, const py::array& post, const py::array& comb) {
-  auto xa = checked<float>(x, "x", 3);
-  const py::ssize_t t = xa.shape(0), n = xa.shape(1), d = xa.shape(2);
-  auto oa = rows_of(out, "out", d);
-  auto pa = rows_of(post, "post", n);
-  auto ca = checked<float>(comb, "comb", 3);
-  if (oa.shape(0) != t || pa.shape(0) != t || ca.shape(0) != t || ca.shape(1) != n || ca.shape(2) != n)
-    throw py::value_error("hc_post wants out [T, D], x [T, n, D], post [T, n] and comb [T, n, n] for T = " +
-                          std::to_string(t) + ", n = " + std::to_string(n));
-  py::array_t<float> y({t, n, d});
-  hc_post(oa.data(), xa.data(), pa.data(), ca.data(), static_cast<int>(t), static_cast<int>(n), static_cast<int>(d),
-          y.mutable_data());
   return y;
 }
 
@@ -544,18 +400,6 @@ ResidualArrays residual_of(const py::array& x, py::ssize_t n, py::ssize_t d, con
     out.next = std::move(next);
   }
   return out;
-}
-
-const Weight* optional_weight(const py::object& h, std::vector<py::object>& keep) {
-  if (h.is_none()) return nullptr;
-  keep.push_back(h);
-  return &h.cast<const WeightHandle&>().w;
-}
-
-const float* kept_vector(const py::object& v, const char* name, py::ssize_t n, std::vector<py::object>& keep) {
-  const float* p = vector_of(v, name, n);
-  if (p != nullptr) keep.push_back(v);
-  return p;
 }
 
 struct MLASublayerHandle {
@@ -903,15 +747,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("n_experts"), py::arg("top_k"), py::arg("gating"), py::arg("n_groups"), py::arg("groups_used"),
            py::arg("norm"), py::arg("scale"), py::arg("weight_sum_min"), py::arg("gating_softmax"),
            py::arg("gating_sigmoid"));
-  m.def("dsv4_attend", &dsv4_attend_py, py::arg("q"), py::arg("cache"), py::arg("key_offsets"), py::arg("starts"),
-        py::arg("sinks"), py::arg("scale"),
-        "DeepSeek-V4 attention: q [T, H, d] over each query's keys (cache value offsets key_offsets[starts[t]:"
-        "starts[t+1]], K = V), softmax with the heads' sinks -> [T, H, d].");
-  m.def("hc_sinkhorn", &hc_sinkhorn_py, py::arg("softmax"), py::arg("iters"), py::arg("eps"),
-        "DeepSeek-V4 mHC: comb [T, n, n] from its row softmax (+ eps, columns, then iters - 1 rows and columns).");
-  m.def("hc_mix", &hc_mix_py, py::arg("x"), py::arg("w"), "y [T, D] = sum_i w[:, i] * x[:, i] in stream order.");
-  m.def("hc_post", &hc_post_py, py::arg("out"), py::arg("x"), py::arg("post"), py::arg("comb"),
-        "streams [T, n, D]: stream j = out * post_j + sum_i x_i * comb[i, j].");
+  bind_dsv4(m);
   m.def("rms_norm", &rms_norm_py, py::arg("x"), py::arg("weight"), py::arg("eps"), "y = rms_norm(x) * weight per row.");
   m.def("add_rms_norm", &add_rms_norm_py, py::arg("x"), py::arg("add"), py::arg("weight"), py::arg("eps"),
         "x += add (in place), then y = rms_norm(x) * weight.");

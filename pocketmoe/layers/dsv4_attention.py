@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pocketmoe.layers.linear import QuantLinear
@@ -120,6 +121,7 @@ class DSV4Attention:
         self.wq_a, self.q_a_norm, self.wq_b, self.wkv, self.kv_norm = wq_a, q_a_norm, wq_b, wkv, kv_norm
         self.sinks, self.wo_a, self.wo_b = sinks, wo_a, wo_b  # wo_a: per-group weights [G, o_lora_rank, H*d/G]
         self.compressor, self.indexer = compressor, indexer
+        self.native: Any = None  # the backend's handle of the whole sublayer, made at first use
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, layer: int, rope: Any) -> torch.Tensor:
         """x [T, D] (normed) -> attention output [T, D]; writes the tokens' cache rows (ops.dsv4_attention)."""
@@ -127,16 +129,24 @@ class DSV4Attention:
 
 
 class DSV4Rope:
-    """The two rotaries of a DeepSeek-V4 model and one step's tables: `plain` for window-only layers, `compressed`
-    (compress_rope_freq_base, YaRN) for compressed layers, their indexers and entries; tables [T, R]."""
+    """The two rotaries of a DeepSeek-V4 model and one step's positions: `plain` for window-only layers,
+    `compressed` (compress_rope_freq_base, YaRN) for compressed layers, their indexers and entries."""
 
     def __init__(self, plain: Any, compressed: Any) -> None:
         self.plain, self.compressed = plain, compressed
+        self.positions = np.zeros(1, dtype=np.int32)
         self.step: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def prepare(self, positions: Any) -> None:
-        self.step = {False: self.plain.at(positions), True: self.compressed.at(positions)}
+    def prepare(self, positions: np.ndarray) -> None:
+        self.positions, self.step = positions, {}
 
     def tables(self, compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos2, sin2 [T, R] of the step's positions."""
-        return self.step[compressed]
+        """cos2, sin2 [T, R] of the step's positions (made at the step's first call)."""
+        t = self.step.get(compressed)
+        if t is None:
+            t = self.step[compressed] = (self.compressed if compressed else self.plain).at(self.positions)
+        return t
+
+    def full(self, compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos2, sin2 [P, R] by position, P past the step's last position (every entry's block start too)."""
+        return (self.compressed if compressed else self.plain).table(int(self.positions.max()) + 1)

@@ -43,6 +43,7 @@ class DSV4MoE:
         self.ops, self.gate, self.experts, self.shared = ops, gate, experts, shared
         self.top_k, self.norm, self.scale, self.shared_limit = top_k, norm, float(scale), float(shared_limit)
         self.tid2eid, self.bias = tid2eid, bias
+        self.native: Any = None  # the backend's handle of the whole sublayer, made at first use
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """x [T, D] (normed), tokens [T] -> routed + shared [T, D]."""

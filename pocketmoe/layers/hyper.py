@@ -30,6 +30,7 @@ class HyperConnection:
 
     def __init__(self, cfg: HyperConfig, ops: Any, fn: QuantLinear, scale: torch.Tensor, base: torch.Tensor) -> None:
         self.cfg, self.ops, self.fn, self.scale, self.base = cfg, ops, fn, scale, base
+        self.native: Any = None  # the backend's handle of the site, made at first use
 
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, D] -> sublayer input [T, D], post [T, n], comb [T, n src, n dst]."""
@@ -45,6 +46,7 @@ class HyperHead:
 
     def __init__(self, cfg: HyperConfig, ops: Any, fn: QuantLinear, scale: torch.Tensor, base: torch.Tensor) -> None:
         self.cfg, self.ops, self.fn, self.scale, self.base = cfg, ops, fn, scale, base
+        self.native: Any = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.hc_head(self, x)

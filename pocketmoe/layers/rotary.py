@@ -98,6 +98,11 @@ class Rotary:
         self._grow(start + n)
         return self._cos2[start:start + n], self._sin2[start:start + n]
 
+    def table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos2, sin2 [P, R] of positions 0..P-1, P >= end: the whole cached table (row p is position p)."""
+        self._grow(end)
+        return self._cos2, self._sin2
+
     def at(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """cos2, sin2 [T, R] of any positions (int [T])."""
         self._grow(int(positions.max()) + 1)

@@ -18,6 +18,7 @@ import torch
 from pocketmoe.layers.experts import NativeExperts, native_reads
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear
 from pocketmoe.layers.moe import GATING_SIGMOID, GATING_SOFTMAX, WEIGHT_SUM_MIN
+from pocketmoe.ops.cpu_v4 import NativeDeepSeek4Ops
 from pocketmoe.ops.reference import ReferenceOps
 from pocketmoe.specs.base import Role
 
@@ -46,7 +47,7 @@ def _not_replayed(op: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-class NativeOps(ReferenceOps):
+class NativeOps(NativeDeepSeek4Ops):
     name = "native"
     absorbs_legacy_mla = True  # attn_kv_b is split into float32 k_b / v_b at load (attention in latent space)
     dense_cache_roles = (Role.ATTENTION,)  # only fallbacks (types without a kernel) dequantize
@@ -384,37 +385,6 @@ class NativeOps(ReferenceOps):
         return self.lib.MoESublayer(self._route_params(router), gate_inp,
                                     None if router.bias is None else router.bias.numpy(), g, types[0], u, types[1], d,
                                     types[2], bank.ffn, *shared)
-
-    @_not_replayed
-    def dsv4_attend(self, q: torch.Tensor, cache: torch.Tensor, offsets: np.ndarray, allowed: np.ndarray,
-                    sinks: torch.Tensor, scale: float) -> torch.Tensor:
-        """One native call: each query over its allowed keys only (the mask as per-query key lists)."""
-        if cache.dtype != torch.float32 or not cache.is_cpu or not cache.is_contiguous() or q.shape[-1] % 8:
-            return super().dsv4_attend(q, cache, offsets, allowed, sinks, scale)
-        ti, si = np.nonzero(allowed)  # row-major: query by query, keys in order
-        starts = np.zeros(len(allowed) + 1, dtype=np.int32)
-        np.cumsum(np.bincount(ti, minlength=len(allowed)), out=starts[1:])
-        keys = np.ascontiguousarray(offsets[si], dtype=np.int64)
-        return torch.from_numpy(self.lib.dsv4_attend(_np(q), cache.numpy(), keys, starts, _np(sinks), scale))
-
-    # -- DeepSeek-V4 hyper-connections: bitwise the reference's arithmetic, without its tiny tensor ops --------
-    @_not_replayed
-    def hc_sinkhorn(self, p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        if not p.is_cpu:
-            return super().hc_sinkhorn(p, iters, eps)
-        return torch.from_numpy(self.lib.hc_sinkhorn(_np(p), iters, eps))
-
-    @_not_replayed
-    def hc_mix(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if not x.is_cpu:
-            return super().hc_mix(x, w)
-        return torch.from_numpy(self.lib.hc_mix(_np(x), _np(w)))
-
-    @_not_replayed
-    def hc_post(self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        if not x.is_cpu:
-            return super().hc_post(out, x, post, comb)
-        return torch.from_numpy(self.lib.hc_post(_np(out), _np(x), _np(post), _np(comb)))
 
 
 # Sublayer kinds as StepProgram numbers them.

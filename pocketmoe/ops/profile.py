@@ -13,7 +13,8 @@ from typing import Any
 
 OPS = ("embed", "rms_norm", "add_rms_norm", "finalize", "linear", "linear_multi", "batched", "rope", "mla_sublayer",
        "ffn_sublayer", "moe_sublayer", "gqa_sublayer",
-       "mla_attention", "gqa_attention", "route", "moe", "ffn")
+       "mla_attention", "gqa_attention", "route", "moe", "ffn", "hc_pre", "hc_post", "hc_head", "dsv4_attention",
+       "dsv4_moe")
 
 
 class OpProfile:
