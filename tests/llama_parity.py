@@ -106,3 +106,59 @@ def llama_tensors(path: Path, prompt: list[int], names: set[str], ubatch: int | 
         lib.llama_free(ctx)
         lib.llama_model_free(model)
     return logits, got
+
+
+def activation_codes(rows: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Activation rows [T, n] quantized as llama.cpp (x86) and our kernels do it before a quantized matmul:
+    int8 q [T, B, block] = rint(x * 127 / amax) per block (Q8_0: 32 values, an fp16 scale; Q8_K: 256, an F32
+    one), the fp16 scale d [T, B] (None for Q8_K: an F32 scale moves the product by an ulp, never a step),
+    and x * 127 / amax itself. Signs as ours; llama.cpp's Q8_K codes are these negated when the block's
+    largest-magnitude value is positive, which changes no comparison."""
+    x = rows.astype(np.float32).reshape(len(rows), -1, block)
+    amax = np.abs(x).max(-1)
+    v = (x * (np.float32(127) / amax[..., None])).astype(np.float32)
+    return np.rint(v), (amax / np.float32(127)).astype(np.float16) if block == 32 else None, v
+
+
+def fp16_midpoint_distance(d: float) -> float:
+    """Relative distance of d from the nearest midpoint between two adjacent fp16 values."""
+    lo = float(np.float16(d))
+    hi = float(np.nextafter(np.float16(lo), np.float16(np.inf if d > lo else -np.inf)))
+    return abs(d - (lo + hi) / 2) / abs(d)
+
+
+def activation_block(ggml_type: int) -> int | None:
+    """The activation block a weight of ggml_type quantizes its input to on llama.cpp's x86 CPU and ours: 32
+    (Q8_0 / Q8_1) for the 32-value types, 256 (Q8_K) for k-quants and IQ types, None for float weights."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][0]
+    return block if block in (32, 256) else None
+
+
+def rows_reached_by_ties(sites: list[tuple[str, np.ndarray, np.ndarray, set[int], bool]],
+                         tol: float = 1e-3) -> np.ndarray:
+    """Which rows a rounding tie reaches, from the quantizer inputs of one forward, in the order the forward
+    meets them: (name, ours [T, n], llama.cpp's [T, n], the activation blocks the site's weights use, whether
+    the site feeds later rows: attention's keys and values). A row's quantized activations may differ from
+    llama.cpp's only at a tie: an int8 value within `tol` of k + 0.5, or a Q8_0 fp16 scale within 1e-6 of a
+    midpoint, on llama.cpp's side (its value is the last-bit neighbour of ours). Asserted at each row's first
+    difference; from then on that row, and every later row when the site feeds them, differs by a whole
+    step, so it is reached and not checked further. Returns reached [T] bool."""
+    reached = np.zeros(len(sites[0][1]), dtype=bool)
+    for name, mine, theirs, blocks, feeds_later_rows in sites:
+        crossed = np.zeros_like(reached)
+        for block in blocks:
+            (qa, da, _), (qb, db, vb) = activation_codes(mine, block), activation_codes(theirs, block)
+            int8 = (qa != qb).any(-1)
+            scale = (da != db) if da is not None else np.zeros_like(int8)
+            crossed |= (int8 | scale).any(-1)
+            for row in np.nonzero((int8 | scale).any(-1) & ~reached)[0]:
+                v = vb[row][qa[row] != qb[row]]
+                assert (np.abs(np.abs(v) % 1 - 0.5) < tol).all(), f"{name} row {row}: {v} are no ties"
+                amax = np.abs(theirs[row].reshape(-1, block)).max(-1) / np.float32(127)
+                assert all(fp16_midpoint_distance(float(d)) < 1e-6 for d in amax[scale[row]]), (name, row)
+        if feeds_later_rows and crossed.any():
+            crossed[crossed.argmax():] = True
+        reached |= crossed
+    return reached

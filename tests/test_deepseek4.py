@@ -83,15 +83,6 @@ def test_mxfp4_q8_0_logits_match_llama_cpp(fixtures: dict[str, Path]) -> None:
     assert float(np.abs(ours - theirs).max()) <= 1e-3 * spread
 
 
-def q8_0(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q8_0 activation rows as llama.cpp (x86) and our kernels make them: int8 q [T, B, 32] = rint(x * 127 /
-    amax), the fp16 scale d [T, B], and x * 127 / amax itself."""
-    x = rows.astype(np.float32).reshape(len(rows), -1, 32)
-    amax = np.abs(x).max(-1)
-    v = (x * (np.float32(127) / amax[..., None])).astype(np.float32)
-    return np.rint(v), (amax / np.float32(127)).astype(np.float16), v
-
-
 @pytest.mark.parity
 @pytest.mark.skipif(not native.available(), reason="native kernels")
 def test_layer0_rows_part_only_where_an_activation_rounds_across_a_tie(fixtures: dict[str, Path]) -> None:
@@ -139,7 +130,8 @@ def test_layer0_rows_part_only_where_an_activation_rounds_across_a_tie(fixtures:
     their_rows = {k: (np.moveaxis(wo_a.reshape(-1, t, wo_a.shape[-1]), 1, 0) if v == "attn_wo_a-0" else theirs[v])
                   .reshape(t, -1) for k, v in sites.items()}
     names = list(sites)
-    quant = {k: (q8_0(mine[k]), q8_0(their_rows[k])) for k in names}
+    quant = {k: (llama_parity.activation_codes(mine[k], 32), llama_parity.activation_codes(their_rows[k], 32))
+             for k in names}
     crossed = np.stack([((qa != qb).any(-1) | (da != db)).any(-1) for (qa, da, _), (qb, db, _) in quant.values()])
     first = np.where(crossed.any(0), crossed.argmax(0), -1)  # per row: the first site whose activation differs
     out = theirs["attn_out-0"].reshape(t, -1)
@@ -152,14 +144,8 @@ def test_layer0_rows_part_only_where_an_activation_rounds_across_a_tie(fixtures:
         int8 = vb[qa != qb]
         assert (np.abs(np.abs(int8) % 1 - 0.5) < 1e-3).all(), (row, names[first[row]], int8)
         amax = np.abs(their_rows[names[first[row]]][row].reshape(-1, 32)).max(-1) / np.float32(127)
-        assert all(_fp16_midpoint_distance(float(d)) < 1e-6 for d in amax[da != db]), (row, names[first[row]])
-
-
-def _fp16_midpoint_distance(d: float) -> float:
-    """Relative distance of d from the nearest midpoint between two adjacent fp16 values."""
-    lo = float(np.float16(d))
-    hi = float(np.nextafter(np.float16(lo), np.float16(np.inf if d > lo else -np.inf)))
-    return abs(d - (lo + hi) / 2) / abs(d)
+        midpoint = llama_parity.fp16_midpoint_distance
+        assert all(midpoint(float(d)) < 1e-6 for d in amax[da != db]), (row, names[first[row]])
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels")

@@ -2,7 +2,9 @@
 
 F32 fixtures: max |dlogit| <= 1e-4 at every position and the same greedy tokens, on both backends (the
 reference attention in torch, the native linears and experts). Quantized fixtures: the native kernels
-quantize activations as llama.cpp does, so logits agree to float rounding and the greedy tokens match.
+quantize activations as llama.cpp does, so logits agree to float noise at every row that no activation
+rounding tie reaches (each row's first difference must be at a tie: docs/fidelity.md), and the greedy
+tokens match.
 Also: several sequences in one step give each its solo logits, and the server runs the architecture.
 """
 
@@ -51,13 +53,66 @@ def test_f32_matches_llama_cpp(tmp_path_factory: pytest.TempPathFactory, backend
 @pytest.mark.skipif(not native.available(), reason="native kernels")
 @pytest.mark.parametrize("quant", ["Q4_K_M", "IQ2_XXS", "Q8_0"])
 def test_quantized_matches_llama_cpp(tmp_path_factory: pytest.TempPathFactory, quant: str) -> None:
+    """Logits to float noise (1e-5 of their spread) at every row no rounding tie reaches, and the same greedy tokens.
+    Both sides quantize activations alike but sum in other float orders (docs/fidelity.md), so a value on a
+    tie may round the other way: each row whose activations first differ must do so at a tie."""
     path = fixture(tmp_path_factory, quant)
     theirs, their_tokens = llama_run(path, PROMPT, GEN)
     runner = ModelRunner(open_bundle(path), RunnerConfig(n_ctx=64, backend="native"))
     ours = runner.forward(PROMPT, 0).numpy()
+    reached = rows_reached_by_ties(path)
+    assert (~reached).sum() >= len(PROMPT) // 2, f"ties reach rows {np.nonzero(reached)[0]}: too few to compare"
     spread = float(theirs.max() - theirs.min())
-    assert float(np.abs(ours - theirs).max()) <= 1e-3 * spread
+    assert float(np.abs(ours - theirs)[~reached].max()) <= 1e-5 * spread  # measured: 1.2e-7 (x86, AMX and AVX2)
     assert runner.generate_greedy(PROMPT, GEN) == their_tokens
+
+
+def rows_reached_by_ties(path: Path) -> np.ndarray:
+    """llama_parity.rows_reached_by_ties over every quantizer input of the prompt's forward: each layer's
+    attention input (q, k, v; k and v feed later rows), attention output (kqv_out) and routed experts' input,
+    then the head's. Ours from an op-by-op attention (so kqv_out shows), which gives the fused logits bitwise.
+    The experts' own down-projection input stays inside the native expert kernel and is not compared."""
+    bundle = open_bundle(path)
+    runner = ModelRunner(bundle, RunnerConfig(n_ctx=64, backend="native"))
+    fused = runner.forward(PROMPT, 0).numpy()
+    runner = ModelRunner(bundle, RunnerConfig(n_ctx=64, backend="native"))
+    ops, mine = runner.ops, {}
+    linear, linear_multi, moe_sublayer = ops.linear, ops.linear_multi, ops.moe_sublayer
+    for block in runner.model.blocks:
+        block.attn.native_sublayer = False
+
+    def keep(name: str, x: torch.Tensor) -> None:
+        if x.shape[0] == len(PROMPT):
+            mine.setdefault(name, x.numpy().copy())
+
+    def hook_linear(w, x):  # noqa: ANN001, ANN202
+        keep(w.name, x)
+        return linear(w, x)
+
+    def hook_multi(ws, x):  # noqa: ANN001, ANN202
+        for w in ws:
+            keep(w.name, x)
+        return linear_multi(ws, x)
+
+    def hook_moe(block, x, residual):  # noqa: ANN001, ANN202
+        keep(block.router.gate.name.replace("ffn_gate_inp", "ffn_gate_exps"), x)
+        return moe_sublayer(block, x, residual)
+
+    ops.linear, ops.linear_multi, ops.moe_sublayer = hook_linear, hook_multi, hook_moe
+    assert np.array_equal(runner.forward(PROMPT, 0).numpy(), fused)
+    n_layer = len(runner.model.blocks)
+    sites = {f"attn_norm-{i}": ([f"blk.{i}.attn_{w}.weight" for w in "qkv"], True) for i in range(n_layer)}
+    for i in range(n_layer):
+        sites[f"kqv_out-{i}"] = ([f"blk.{i}.attn_output.weight"], False)
+        sites[f"ffn_norm-{i}"] = ([f"blk.{i}.ffn_{w}_exps.weight" for w in ("gate", "up")], False)
+    sites["result_norm"] = (["output.weight"], False)
+    _, theirs = llama_parity.llama_tensors(path, PROMPT, set(sites))
+    order = sorted(sites, key=lambda s: (int(s.rsplit("-", 1)[1]) if "-" in s else n_layer,
+                                         ("attn_norm", "kqv_out", "ffn_norm", "result_norm").index(s.split("-")[0])))
+    return llama_parity.rows_reached_by_ties([
+        (s, mine[sites[s][0][0]], theirs[s].reshape(len(PROMPT), -1),
+         {b for w in sites[s][0] if (b := llama_parity.activation_block(bundle.info(w).ggml_type))}, sites[s][1])
+        for s in order])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

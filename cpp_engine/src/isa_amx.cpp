@@ -1,7 +1,8 @@
 // AMX-INT8 (Intel Sapphire Rapids and later) on top of AVX-512 VNNI: the 32-value types' repacked
-// (prefill) rows go through AMX tiles (TDPBSUD), sixteen tokens x sixteen rows of exact integer dots
-// per instruction, then the same float steps as every other build; every other kernel is the
-// AVX-512 VNNI set's. Results are bitwise the AVX2 kernels'.
+// (prefill) rows go through AMX tiles (TDPBSSD), sixteen tokens x sixteen rows of exact integer dots
+// per instruction, and the 256-value types' through TDPBSSD / TDPBUSD (kfamily_amx.h), then the same
+// float steps as every other build; every other kernel is the AVX-512 VNNI set's. Results are
+// bitwise the AVX2 kernels'.
 #if defined(__clang__) ? __clang_major__ >= 14 : __GNUC__ >= 12
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")
 // GCC 12's AVX-512 headers: see isa_avx512vnni.cpp.

@@ -28,6 +28,11 @@ MatmulFn integer_kernel(int ggml_type);
 }  // namespace avx512vnni
 namespace amx {
 MatmulFn integer_kernel(int ggml_type);
+// Tokens per call from which the AMX tiles run: for the 32-value types (an AMX block costs about what
+// their 512-bit tile takes for 12-14 tokens on one Sapphire Rapids core), and for the 256-value ones
+// (sixteen rows x up to sixteen tokens cost about what their 512-bit tiles take for 9-10 tokens).
+constexpr int kLegacyMinTokens = 13;
+constexpr int kSuperMinTokens = 10;
 }  // namespace amx
 
 // Whether this CPU (and its OS) can run the set named as POCKETMOE_ISA names it; false for other names.

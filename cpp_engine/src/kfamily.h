@@ -1,14 +1,16 @@
 // Integer dot products of 256-value super-block weights (k-quants, IQ types) with Q8_K activations.
 //
 // A decoder Dec turns one weight block into eight groups of 32 int8 weights q (unsigned, or signed
-// when Dec::kSigned), an int16 scale per 16 weights, and a per-block correction vector `corr`
-// applied to the activation sums of 16 (bsums):
-//   block dot = d * da * (sum_g madd(maddubs(q_g, a_g), scale_g) [+ madd(corr, bsums) if kOffset])
-//             [+ dmin * da * madd(corr, bsums) if kMin]
-// With VNNI, vpdpwssd does each madd and the add after it in one step, with the same wrapping
-// result, so every build gives the same integers. All integer sums are exact; the float steps per
-// (row, token) are the same in every tile shape and in the repacked form, so a result never depends
-// on the instruction set, tiling, threads or the batch it came in.
+// when Dec::kSigned), an int16 scale per pair of weights (in practice one per 16 or 32 weights), and
+// a per-block correction vector `corr` applied to the activation sums of 16 (bsums):
+//   I    = sum_g madd(maddubs(q_g, a_g), scale_g) [+ madd(corr, bsums) if kOffset]   (all lanes)
+//   Imin = madd(corr, bsums)                                                         (if kMin)
+//   acc  = fma(float(I), d * da, acc), then [acc = fma(float(Imin), dmin * da, acc)]
+// per block, in block order. With VNNI, vpdpwssd does each madd and the add after it in one step,
+// with the same wrapping result; I and Imin are exact integers however they are summed (the AMX
+// tiles form them another way), and the float steps per (row, token) are the same in every tile
+// shape and form, so a result never depends on the instruction set, tiling, threads or the batch it
+// came in.
 #pragma once
 
 #include <cstddef>
@@ -20,6 +22,10 @@
 namespace pocketmoe::PM_ISA::kfamily {
 
 using namespace simd;
+
+// Scratch bytes per block of a row that the AMX set's tiles use (kfamily_amx.h: sixteen repacked rows
+// and 64 laid-out tokens), which the scratch area of every build makes room for.
+constexpr size_t kAmxScratchPerBlock = 27520;
 
 struct ActQ8K {
   const int8_t* qs;
@@ -70,6 +76,70 @@ struct Canon {
   }
 };
 
+// One block's float steps for R rows x C tokens (C <= 4): is[r][c] holds the exact integer dot of
+// row r and token c spread over eight lanes (before kOffset's correction), and acc[r] the C tokens'
+// sums in lanes 0..C-1.
+template <class Dec, int R, int C>
+PM_INLINE void block_step(__m256i (&is)[R][C], const ActQ8K* a, int b, const float (&d)[R], const float (&dmin)[R],
+                          const __m256i (&corr)[R], __m128 (&acc)[R]) {
+  static_assert(C >= 1 && C <= 4);
+  const __m128 da = _mm_setr_ps(a[0].d[b], a[C > 1 ? 1 : 0].d[b], a[C > 2 ? 2 : 0].d[b], a[C > 3 ? 3 : 0].d[b]);
+  __m256i bs[C];
+  for (int c = 0; c < C; ++c) bs[c] = load256(a[c].bsums + 16 * b);
+  const auto total = [](const __m256i(&v)[C]) {
+    return _mm_cvtepi32_ps(hsum4_epi32(v[0], v[C > 1 ? 1 : 0], v[C > 2 ? 2 : 0], v[C > 3 ? 3 : 0]));
+  };
+  for (int r = 0; r < R; ++r) {
+    if constexpr (Dec::kOffset) {
+      for (int c = 0; c < C; ++c) {
+#if PM_VNNI
+        is[r][c] = dpwssd(is[r][c], corr[r], bs[c]);
+#else
+        is[r][c] = _mm256_add_epi32(is[r][c], _mm256_madd_epi16(corr[r], bs[c]));
+#endif
+      }
+    }
+    const __m128 sd = _mm_mul_ps(_mm_set1_ps(d[r]), da);
+    if constexpr (!Dec::kMin) {
+      if constexpr (C == 1) {
+        __m128i v = _mm_add_epi32(_mm256_castsi256_si128(is[r][0]), _mm256_extracti128_si256(is[r][0], 1));
+        v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
+        v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 1));
+        acc[r] = _mm_fmadd_ss(_mm_cvtepi32_ps(v), sd, acc[r]);
+      } else {
+        acc[r] = _mm_fmadd_ps(total(is[r]), sd, acc[r]);
+      }
+    } else {
+      __m256i m[C];
+      for (int c = 0; c < C; ++c) m[c] = _mm256_madd_epi16(corr[r], bs[c]);
+      const __m128 smin = _mm_mul_ps(_mm_set1_ps(dmin[r]), da);
+      if constexpr (C == 1) {
+        // [I, Imin, I, Imin] in three steps.
+        const __m256i x = _mm256_hadd_epi32(is[r][0], m[0]);
+        const __m128i y = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+        const __m128 f = _mm_cvtepi32_ps(_mm_hadd_epi32(y, y));
+        acc[r] = _mm_fmadd_ss(_mm_movehdup_ps(f), smin, _mm_fmadd_ss(f, sd, acc[r]));
+      } else if constexpr (C == 2) {
+        // [I0, I1, Imin0, Imin1] in one sum.
+        const __m128 f = _mm_cvtepi32_ps(hsum4_epi32(is[r][0], is[r][1], m[0], m[1]));
+        acc[r] = _mm_fmadd_ps(_mm_movehl_ps(f, f), smin, _mm_fmadd_ps(f, sd, acc[r]));
+      } else {
+        acc[r] = _mm_fmadd_ps(total(m), smin, _mm_fmadd_ps(total(is[r]), sd, acc[r]));
+      }
+    }
+  }
+}
+
+// out[c * out_stride + r] = lane c of acc[r].
+template <int R, int C>
+PM_INLINE void store_tile(const __m128 (&acc)[R], float* out, ptrdiff_t out_stride) {
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float v[4];
+    _mm_store_ps(v, acc[r]);
+    for (int c = 0; c < C; ++c) out[c * out_stride + r] = v[c];
+  }
+}
+
 #if PM_AVX512
 // The repacked tile on 512-bit vectors: groups 2P and 2P+1 of a block side by side in one register,
 // so each maddubs / vpdpwssd does twice the work. The low and high halves of a sum then add (exact
@@ -79,11 +149,9 @@ template <class Dec, int R, int C>
 __attribute__((noinline)) void dot_tile_zmm(const uint8_t* w, size_t w_stride, const ActQ8K* a, int cols, float* out,
                                             ptrdiff_t out_stride) {
   static_assert(Dec::kCanonical, "the 512-bit tile reads repacked blocks");
-  constexpr int CP = (C + 1) / 2;   // token pairs
   const int nb = cols / 256;
-  __m512 acc[R][CP];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < CP; ++p) acc[r][p] = _mm512_setzero_ps();
+  __m128 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
 
   for (int b = 0; b < nb; ++b) {
     const CanonBlock* blk[R];
@@ -110,32 +178,19 @@ __attribute__((noinline)) void dot_tile_zmm(const uint8_t* w, size_t w_stride, c
       }
     });
 
-    for (int p = 0; p < CP; ++p) {
-      const int c0 = 2 * p, c1 = c0 + 1 < C ? c0 + 1 : c0;
-      const __m512i bs = _mm512_inserti64x4(_mm512_broadcast_i64x4(load256(a[c0].bsums + 16 * b)),
-                                            load256(a[c1].bsums + 16 * b), 1);
-      const __m512 da = _mm512_insertf32x8(_mm512_set1_ps(a[c0].d[b]), _mm256_set1_ps(a[c1].d[b]), 1);
-      for (int r = 0; r < R; ++r) {
-        // [sum of c0's halves | sum of c1's halves]: the 256-bit tile's lanes for both tokens.
-        const __m512i x = isum[r][c0], y = isum[r][c1];
-        __m512i is = _mm512_add_epi32(_mm512_shuffle_i64x2(x, y, 0x44), _mm512_shuffle_i64x2(x, y, 0xEE));
-        const __m512i corr = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk[r]->corr)));
-        if constexpr (Dec::kOffset) is = _mm512_dpwssd_epi32(is, corr, bs);
-        acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(_mm512_set1_ps(blk[r]->d), da), acc[r][p]);
-        if constexpr (Dec::kMin) {
-          const __m512i m = _mm512_madd_epi16(corr, bs);
-          acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(_mm512_set1_ps(blk[r]->dmin), da), acc[r][p]);
-        }
-      }
+    __m256i is[R][C];
+    float d[R], dmin[R];
+    __m256i corr[R];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c)
+        is[r][c] = _mm256_add_epi32(_mm512_castsi512_si256(isum[r][c]), _mm512_extracti64x4_epi64(isum[r][c], 1));
+      d[r] = blk[r]->d;
+      dmin[r] = blk[r]->dmin;
+      corr[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk[r]->corr));
     }
+    block_step<Dec, R, C>(is, a, b, d, dmin, corr, acc);
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      const __m512 v = acc[r][c / 2];
-      const __m256 half = c % 2 == 0 ? _mm512_castps512_ps256(v)
-                                     : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-      out[c * out_stride + r] = hsum(half);
-    }
+  store_tile<R, C>(acc, out, out_stride);
 }
 #endif
 
@@ -175,9 +230,8 @@ struct Family {
     if constexpr (Dec::kCanonical) return dot_tile_zmm<Dec, R, C>(w, w_stride, a, cols, out, out_stride);
 #endif
     const int nb = cols / 256;
-    __m256 acc[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    __m128 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
 
     for (int b = 0; b < nb; ++b) {
       const uint8_t* blk[R];
@@ -214,28 +268,16 @@ struct Family {
         }
       });
 
-      for (int c = 0; c < C; ++c) {
-        const __m256i bs = load256(a[c].bsums + 16 * b);
-        const float da = a[c].d[b];
-        for (int r = 0; r < R; ++r) {
-          __m256i is = isum[r][c];
-          if constexpr (Dec::kOffset) {
-#if PM_VNNI
-            is = dpwssd(is, h[r].corr, bs);
-#else
-            is = _mm256_add_epi32(is, _mm256_madd_epi16(h[r].corr, bs));
-#endif
-          }
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(h[r].d * da), acc[r][c]);
-          if constexpr (Dec::kMin) {
-            const __m256i m = _mm256_madd_epi16(h[r].corr, bs);
-            acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(h[r].dmin * da), acc[r][c]);
-          }
-        }
+      float d[R], dmin[R];
+      __m256i corr[R];
+      for (int r = 0; r < R; ++r) {
+        d[r] = h[r].d;
+        dmin[r] = h[r].dmin;
+        corr[r] = h[r].corr;
       }
+      block_step<Dec, R, C>(isum, a, b, d, dmin, corr, acc);
     }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) out[c * out_stride + r] = hsum(acc[r][c]);
+    store_tile<R, C>(acc, out, out_stride);
   }
 };
 

@@ -110,6 +110,7 @@ void rows16(const MatmulTask& t, int r, CanonX16* canon) {
 #define PM_TILE_LOADD(t, p, stride) _tile_loadd(t, p, stride)
 #define PM_TILE_STORED(t, p, stride) _tile_stored(t, p, stride)
 #define PM_TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define PM_TILE_DPBUSD(c, a, b) _tile_dpbusd(c, a, b)
 #endif
 
 // LDTILECFG's 64-byte operand, palette 1.
@@ -193,9 +194,8 @@ __attribute__((noinline)) inline void amx_tile16(const CanonX16* w, const uint8_
 }
 #undef PM_AMX_DOTS
 
-// An AMX block costs about what tile16 takes for 12-14 tokens (one Sapphire Rapids core), so fewer
-// tokens than this in a chunk go to tile16.
-constexpr int kAmxMinTokens = 13;
+// Fewer tokens than this in a chunk go to tile16 (kernels.h).
+constexpr int kAmxMinTokens = pocketmoe::amx::kLegacyMinTokens;
 
 // Rows r..r+15 of the task, repacked signed, against every token: sixteen at a time through AMX, a
 // short remainder through tile16.

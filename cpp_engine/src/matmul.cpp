@@ -17,8 +17,9 @@ MatmulFn matmul_kernel(int ggml_type) {
 
 size_t matmul_scratch_bytes(int ggml_type, int cols) { return avx2::scratch_bytes(ggml_type, cols); }
 
-bool matmul_wants_even_rows(int ggml_type) {
-  return kernel_isa().name == "amx" && type_info(ggml_type).act == ActFormat::kQ8_0;
+int matmul_even_rows_tokens(int ggml_type) {
+  const bool tiles = kernel_isa().name == "amx" && type_info(ggml_type).act == ActFormat::kQ8_0;
+  return tiles ? amx::kLegacyMinTokens : 0;
 }
 
 }  // namespace pocketmoe

@@ -18,10 +18,6 @@ namespace {
 
 int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
-// Slots per active expert from which gate's and up's activation rows are copied per slot for a kernel
-// that wants evenly spaced rows (the AMX tiles pay off from 13 tokens).
-constexpr int kEvenRowsMinPairs = 13;
-
 // Rows per work item: about 8 items per thread, a multiple of `align`, at most max(align, cap).
 int block_rows(int total_rows, int rows, int threads, int align, int cap) {
   const int want = round_up((total_rows + threads * 8 - 1) / (threads * 8), align);
@@ -138,8 +134,9 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
     // A kernel that loads many rows with one stride (AMX) gets each expert's tokens as consecutive rows:
     // a copy per slot, a small cost beside the experts' GEMMs when they see enough tokens for it.
     const int type = i == 0 ? gate.ggml_type : up.ggml_type;
-    if (n_pairs < kEvenRowsMinPairs * rt.n_active || formats[i] == ActFormat::kF32 || !matmul_wants_even_rows(type))
-      continue;
+    // Copied once the experts average the tokens from which the kernel takes that path.
+    const int even_from = matmul_even_rows_tokens(type);
+    if (even_from == 0 || n_pairs < even_from * rt.n_active || formats[i] == ActFormat::kF32) continue;
     if (i == 1 && act_rows[1] == act_rows[0] && copied[0]) {
       std::copy(slot_acts[0], slot_acts[0] + n_pairs, slot_acts[1]);
     } else {

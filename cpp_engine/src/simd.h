@@ -124,6 +124,13 @@ PM_INLINE float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The sums of the eight int32 lanes of a, b, c and d (exact integers, wrapping like vpaddd), as
+// lanes 0-3.
+PM_INLINE __m128i hsum4_epi32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
 PM_INLINE float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));

@@ -1,7 +1,7 @@
 // The AMX set's kernels compiled for a CPU without AMX (or AVX-512), so that this machine's tests run
-// them: the same source as isa_amx.cpp over SIMDe's AVX-512 and a plain emulation of the five tile
+// them: the same source as isa_amx.cpp over SIMDe's AVX-512 and a plain emulation of the six tile
 // instructions it uses, written from the Intel SDM's definitions (LDTILECFG palette 1, TILEZERO,
-// TILELOADD, TILESTORED, TDPBSSD). The kernels the set takes from AVX-512 VNNI come from the
+// TILELOADD, TILESTORED, TDPBSSD, TDPBUSD). The kernels the set takes from AVX-512 VNNI come from the
 // emulated build of that set (isa_avx512_emu.cpp).
 #include <cstddef>
 #include <cstdint>
@@ -54,6 +54,19 @@ inline void dpbssd(int c, int a, int b) {
     }
 }
 
+// The same with A's bytes unsigned (TDPBUSD).
+inline void dpbusd(int c, int a, int b) {
+  for (int m = 0; m < tiles.rows[c]; ++m)
+    for (int n = 0; n < tiles.colsb[c] / 4; ++n) {
+      int32_t acc;
+      std::memcpy(&acc, &tiles.data[c][m][4 * n], 4);
+      for (int k = 0; k < tiles.colsb[a] / 4; ++k)
+        for (int i = 0; i < 4; ++i)
+          acc += int32_t{tiles.data[a][m][4 * k + i]} * int32_t{static_cast<int8_t>(tiles.data[b][k][4 * n + i])};
+      std::memcpy(&tiles.data[c][m][4 * n], &acc, 4);
+    }
+}
+
 }  // namespace pm_tile_emu
 
 #define PM_TILE_LOADCONFIG(cfg) pm_tile_emu::loadconfig(cfg)
@@ -62,6 +75,7 @@ inline void dpbssd(int c, int a, int b) {
 #define PM_TILE_LOADD(t, p, stride) pm_tile_emu::loadd(t, p, stride)
 #define PM_TILE_STORED(t, p, stride) pm_tile_emu::stored(t, p, stride)
 #define PM_TILE_DPBSSD(c, a, b) pm_tile_emu::dpbssd(c, a, b)
+#define PM_TILE_DPBUSD(c, a, b) pm_tile_emu::dpbusd(c, a, b)
 
 #define PM_ISA amx_emu
 #define PM_VNNI 1

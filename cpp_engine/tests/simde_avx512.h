@@ -30,3 +30,5 @@ inline simde__m512i pm_shuffle_i64x2(simde__m512i a, simde__m512i b, int imm) {
   return simde_mm512_load_si512(r);
 }
 #define _mm512_shuffle_i64x2(a, b, imm) pm_shuffle_i64x2(a, b, imm)
+// ... nor vpmovzxbw on 512 bits: sign extension with the high bytes masked off is the same.
+#define _mm512_cvtepu8_epi16(v) simde_mm512_and_si512(simde_mm512_cvtepi8_epi16(v), simde_mm512_set1_epi16(0xFF))

@@ -354,7 +354,7 @@ void test_gemm_multi_matches_gemm() {
 // repacked paths, and row counts that leave tails of the 8-row groups.
 void check_matches_avx2(const char* name, KernelTable table, uint32_t seed) {
   for (int rows : {1, 7, 33, 257}) {
-    const std::string diff = compare_with_avx2(table, {1, 2, 3, 4, 5, 17, 30, 64}, rows, seed++);
+    const std::string diff = compare_with_avx2(table, {1, 2, 3, 4, 5, 17, 30, 64, 80}, rows, seed++);
     CHECK(diff.empty(), "%s, %d rows: %s", name, rows, diff.c_str());
   }
 }

@@ -26,9 +26,10 @@ using MatmulFn = void (*)(const MatmulTask& task);
 
 MatmulFn matmul_kernel(int ggml_type);               // throws std::invalid_argument when unsupported
 size_t matmul_scratch_bytes(int ggml_type, int cols);
-// Whether ggml_type's kernel runs faster when a call's activation rows lie evenly spaced in memory
-// (the AMX tiles load 16 of them with one stride; other rows take the 512-bit path).
-bool matmul_wants_even_rows(int ggml_type);
+// From how many tokens a call of ggml_type's kernel runs faster when its activation rows lie evenly
+// spaced in memory (the 32-value types' AMX tiles load up to 16 of them with one stride; other rows
+// take the 512-bit path), or 0 when never.
+int matmul_even_rows_tokens(int ggml_type);
 
 // Scalar dequantization of n values (n % block_values == 0); an independent reference for tests.
 void dequantize_row(int ggml_type, const uint8_t* src, int n, float* dst);
