@@ -4,7 +4,9 @@ also its quantizer, and its per-node tensors (the graph's eval callback) for fin
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -162,3 +164,20 @@ def rows_reached_by_ties(sites: list[tuple[str, np.ndarray, np.ndarray, set[int]
             crossed[crossed.argmax():] = True
         reached |= crossed
     return reached
+
+
+def record_linear_inputs(ops: Any, keep: Callable[[str, Any], None]) -> None:
+    """Has this ops object's linear and linear_multi hand each weight's name and input to keep(name, x)
+    before they run: our side of a comparison with llama_tensors."""
+    linear, linear_multi = ops.linear, ops.linear_multi
+
+    def hook_linear(w, x):  # noqa: ANN001, ANN202
+        keep(w.name, x)
+        return linear(w, x)
+
+    def hook_multi(ws, x):  # noqa: ANN001, ANN202
+        for w in ws:
+            keep(w.name, x)
+        return linear_multi(ws, x)
+
+    ops.linear, ops.linear_multi = hook_linear, hook_multi

@@ -98,20 +98,11 @@ def test_layer0_rows_part_only_where_an_activation_rounds_across_a_tie(fixtures:
     r = ModelRunner(open_bundle(path), RunnerConfig(n_ctx=N_CTX, backend="native", chunk_size=N_CTX, threads=1))
     r.model.blocks[0].attn.native = False  # layer 0 op by op (the fine native ops), so its activations show
     ops, mine = r.ops, {}
-    linear, linear_multi, grouped, attend = ops.linear, ops.linear_multi, ops._grouped_output, ops.dsv4_attention
+    grouped, attend = ops._grouped_output, ops.dsv4_attention
 
     def keep(name: str, x: torch.Tensor) -> None:
         if name in sites and x.shape[0] == t:
             mine.setdefault(name, x.reshape(t, -1).numpy().copy())
-
-    def hook_linear(w, x):  # noqa: ANN001, ANN202
-        keep(w.name, x)
-        return linear(w, x)
-
-    def hook_multi(ws, x):  # noqa: ANN001, ANN202
-        for w in ws:
-            keep(w.name, x)
-        return linear_multi(ws, x)
 
     def hook_grouped(attn, o):  # noqa: ANN001, ANN202
         keep(attn.wo_a.name, o)
@@ -123,8 +114,8 @@ def test_layer0_rows_part_only_where_an_activation_rounds_across_a_tie(fixtures:
             mine.setdefault("attn_out-0", y.numpy().copy())
         return y
 
-    ops.linear, ops.linear_multi, ops._grouped_output, ops.dsv4_attention = (hook_linear, hook_multi, hook_grouped,
-                                                                             hook_attend)
+    llama_parity.record_linear_inputs(ops, keep)
+    ops._grouped_output, ops.dsv4_attention = hook_grouped, hook_attend
     r.forward(PROMPT, 0)
     wo_a = theirs["attn_wo_a-0"]  # [G, T, r]: per group
     their_rows = {k: (np.moveaxis(wo_a.reshape(-1, t, wo_a.shape[-1]), 1, 0) if v == "attn_wo_a-0" else theirs[v])

@@ -77,7 +77,7 @@ def rows_reached_by_ties(path: Path) -> np.ndarray:
     fused = runner.forward(PROMPT, 0).numpy()
     runner = ModelRunner(bundle, RunnerConfig(n_ctx=64, backend="native"))
     ops, mine = runner.ops, {}
-    linear, linear_multi, moe_sublayer = ops.linear, ops.linear_multi, ops.moe_sublayer
+    moe_sublayer = ops.moe_sublayer
     for block in runner.model.blocks:
         block.attn.native_sublayer = False
 
@@ -85,20 +85,12 @@ def rows_reached_by_ties(path: Path) -> np.ndarray:
         if x.shape[0] == len(PROMPT):
             mine.setdefault(name, x.numpy().copy())
 
-    def hook_linear(w, x):  # noqa: ANN001, ANN202
-        keep(w.name, x)
-        return linear(w, x)
-
-    def hook_multi(ws, x):  # noqa: ANN001, ANN202
-        for w in ws:
-            keep(w.name, x)
-        return linear_multi(ws, x)
-
     def hook_moe(block, x, residual):  # noqa: ANN001, ANN202
         keep(block.router.gate.name.replace("ffn_gate_inp", "ffn_gate_exps"), x)
         return moe_sublayer(block, x, residual)
 
-    ops.linear, ops.linear_multi, ops.moe_sublayer = hook_linear, hook_multi, hook_moe
+    llama_parity.record_linear_inputs(ops, keep)
+    ops.moe_sublayer = hook_moe
     assert np.array_equal(runner.forward(PROMPT, 0).numpy(), fused)
     n_layer = len(runner.model.blocks)
     sites = {f"attn_norm-{i}": ([f"blk.{i}.attn_{w}.weight" for w in "qkv"], True) for i in range(n_layer)}

@@ -40,32 +40,24 @@ inline void stored(int t, void* base, size_t stride) {
     std::memcpy(static_cast<uint8_t*>(base) + r * stride, tiles.data[t][r], tiles.colsb[t]);
 }
 
-// C[m][n] += sum over k of A[m][4k + i] * B[k][4n + i], i < 4, bytes signed, int32 wrapping.
-inline void dpbssd(int c, int a, int b) {
+// C[m][n] += sum over k of A[m][4k + i] * B[k][4n + i], i < 4, B's bytes signed, A's signed (TDPBSSD) or
+// unsigned (TDPBUSD), int32 wrapping.
+template <typename AByte>
+inline void dpb_sd(int c, int a, int b) {
   for (int m = 0; m < tiles.rows[c]; ++m)
     for (int n = 0; n < tiles.colsb[c] / 4; ++n) {
       int32_t acc;
       std::memcpy(&acc, &tiles.data[c][m][4 * n], 4);
       for (int k = 0; k < tiles.colsb[a] / 4; ++k)
         for (int i = 0; i < 4; ++i)
-          acc += int32_t{static_cast<int8_t>(tiles.data[a][m][4 * k + i])} *
+          acc += int32_t{static_cast<AByte>(tiles.data[a][m][4 * k + i])} *
                  int32_t{static_cast<int8_t>(tiles.data[b][k][4 * n + i])};
       std::memcpy(&tiles.data[c][m][4 * n], &acc, 4);
     }
 }
 
-// The same with A's bytes unsigned (TDPBUSD).
-inline void dpbusd(int c, int a, int b) {
-  for (int m = 0; m < tiles.rows[c]; ++m)
-    for (int n = 0; n < tiles.colsb[c] / 4; ++n) {
-      int32_t acc;
-      std::memcpy(&acc, &tiles.data[c][m][4 * n], 4);
-      for (int k = 0; k < tiles.colsb[a] / 4; ++k)
-        for (int i = 0; i < 4; ++i)
-          acc += int32_t{tiles.data[a][m][4 * k + i]} * int32_t{static_cast<int8_t>(tiles.data[b][k][4 * n + i])};
-      std::memcpy(&tiles.data[c][m][4 * n], &acc, 4);
-    }
-}
+inline void dpbssd(int c, int a, int b) { dpb_sd<int8_t>(c, a, b); }
+inline void dpbusd(int c, int a, int b) { dpb_sd<uint8_t>(c, a, b); }
 
 }  // namespace pm_tile_emu
 
