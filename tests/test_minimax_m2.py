@@ -63,7 +63,7 @@ def test_quantized_matches_llama_cpp(tmp_path_factory: pytest.TempPathFactory, q
     reached = rows_reached_by_ties(path)
     assert (~reached).sum() >= len(PROMPT) // 2, f"ties reach rows {np.nonzero(reached)[0]}: too few to compare"
     spread = float(theirs.max() - theirs.min())
-    assert float(np.abs(ours - theirs)[~reached].max()) <= 1e-5 * spread  # measured: 1.2e-7 (x86, AMX and AVX2)
+    assert float(np.abs(ours - theirs)[~reached].max()) <= 1e-5 * spread  # measured: 1.4e-7 at most (x86, AMX and AVX2)
     assert runner.generate_greedy(PROMPT, GEN) == their_tokens
 
 
