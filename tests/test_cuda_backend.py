@@ -31,7 +31,7 @@ from pocketmoe.ops.cuda.experts import CudaExpertKernels
 from pocketmoe.ops.reference import ReferenceOps
 from pocketmoe.quant.quantize import random_blocks
 from pocketmoe.testing.cuda_matmul import TYPES, act_inputs, gamma, random_acts, reference_weight, tolerance
-from pocketmoe.testing.cuda_shim import ShimModule, shim_unavailable_reason
+from pocketmoe.testing.cuda_shim import ShimFaultError, ShimModule, shim_unavailable_reason
 
 REASON = shim_unavailable_reason()
 REF = ReferenceOps(tile_rows=None)
@@ -103,21 +103,28 @@ def test_linear_every_type_gemv_and_gemm(sub, name: str) -> None:
     np.testing.assert_array_equal(y3, y13[:3])
 
 
-# Mutation check on the engine's own kernels: each mutant of the sources must fail check_linear.
+# Mutation check on the engine's own kernels: each mutant of the sources must fail the linear check, by leaving
+# its bound or by a fault the GPU would raise (a 4-byte load from a Q8_0 block's 2-byte aligned quants).
+OVER_BOUND = (AssertionError, "over the bound")
 MUTANTS = {
     "nibbles swapped (Q4_0 GEMV)": ("quant.cuh", ("q[k] = to_signed(v & 0x0F0F0F0Fu, 8);\n"
                                                   "      q[k + 4] = to_signed((v >> 4) & 0x0F0F0F0Fu, 8);"),
                                     ("q[k] = to_signed((v >> 4) & 0x0F0F0F0Fu, 8);\n"
-                                     "      q[k + 4] = to_signed(v & 0x0F0F0F0Fu, 8);"), "q4_0", 3),
+                                     "      q[k + 4] = to_signed(v & 0x0F0F0F0Fu, 8);"), "q4_0", 3, OVER_BOUND),
     "staging barrier removed (grouped GEMM)": ("gemm.cuh", "      __syncthreads();\n      const ActRows a{",
-                                               "      const ActRows a{", "q4_k", 13),
+                                               "      const ActRows a{", "q4_k", 13, OVER_BOUND),
+    "misaligned 4-byte load (Q8_0 GEMV)": ("quant.cuh", "static_cast<int>(ld_u32_a2(b + 2 + 4 * k))",
+                                           "static_cast<int>(ld_u32(b + 2 + 4 * k))", "q8_0", 3,
+                                           (ShimFaultError, "made a misaligned load or store")),
 }
 
 
 @pytest.mark.parametrize("mutant", [None, *MUTANTS])
 def test_a_mutated_kernel_source_fails_the_linear_check(tmp_path, mutant: str | None) -> None:
-    """A copy of src/ with two nibbles swapped in the Q4_0 decode, or the barrier between staging the activation
-    tile in shared memory and reading it removed: the results leave the bound. The unmutated copy passes."""
+    """A copy of src/ with two nibbles swapped in the Q4_0 decode, the barrier between staging the activation
+    tile in shared memory and reading it removed, or a Q8_0 block's quants read as 4-byte words at 2-byte
+    aligned addresses: the results leave the bound, or the shim traps the misaligned load as a GPU would. The
+    unmutated copy passes."""
     if REASON is not None:
         pytest.skip(REASON)
     import shutil
@@ -126,7 +133,7 @@ def test_a_mutated_kernel_source_fails_the_linear_check(tmp_path, mutant: str | 
 
     src = tmp_path / "src"
     shutil.copytree(SRC, src)
-    name, tokens = ("q4_k", 13) if mutant is None else MUTANTS[mutant][3:]
+    name, tokens = ("q4_k", 13) if mutant is None else MUTANTS[mutant][3:5]
     if mutant is not None:
         path, old, new = src / MUTANTS[mutant][0], *MUTANTS[mutant][1:3]
         text = path.read_text()
@@ -138,12 +145,12 @@ def test_a_mutated_kernel_source_fails_the_linear_check(tmp_path, mutant: str | 
     raw = random_blocks(ggml_type, (24, 512), rng)
     layer = layer_of(raw, ggml_type, (24, 512))
     x = random_acts(rng, tokens, 512)
-    y = ops.linear(layer, torch.from_numpy(x)).numpy()
     if mutant is None:
-        check_linear(y, raw, name, layer, x)
+        check_linear(ops.linear(layer, torch.from_numpy(x)).numpy(), raw, name, layer, x)
     else:
-        with pytest.raises(AssertionError, match="over the bound"):
-            check_linear(y, raw, name, layer, x)
+        error, match = MUTANTS[mutant][5]
+        with pytest.raises(error, match=match):
+            check_linear(ops.linear(layer, torch.from_numpy(x)).numpy(), raw, name, layer, x)
 
 
 def test_linear_multi_quantizes_each_block_size_once() -> None:

@@ -208,6 +208,9 @@ def test_module_runs_again_after_an_error(errors: ShimModule) -> None:
     ("write_past_end", [None, 10], r"thread \(0,0,0\) accessed invalid memory at address 0x0"),
     ("huge_locals", [torch.zeros(64), 32768], r"thread \(0,0,0\) overflowed its 64 KiB stack"),
     ("divide", [torch.zeros(64, dtype=torch.int32), 0], r"thread \(0,0,0\) raised an arithmetic exception"),
+    ("misaligned_load", [torch.arange(64, dtype=torch.uint8), 2, torch.zeros(64, dtype=torch.int32)],
+     r"thread \(0,0,0\) made a misaligned load or store \(in misaligned_load\+0x[0-9a-f]+\).*"
+     r"cudaErrorMisalignedAddress"),
 ])
 @pytest.mark.skipif(SANITIZED, reason="AddressSanitizer reports faults itself")
 def test_faults_are_errors_not_crashes(errors: ShimModule, kernel: str, args: list, match: str) -> None:
@@ -216,6 +219,14 @@ def test_faults_are_errors_not_crashes(errors: ShimModule, kernel: str, args: li
     y = torch.zeros(64, dtype=torch.int32)
     errors.launch("divide", grid=1, block=64, args=[y, 7])  # the module still runs
     assert (y == 1000 // 7).all()
+
+
+@pytest.mark.skipif(SANITIZED, reason="the AddressSanitizer build does not check alignment")
+def test_aligned_loads_do_not_trap(errors: ShimModule) -> None:
+    """The alignment check is exact: a 4-byte load at offset 4 reads its word (offset 2 traps, above)."""
+    p, y = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.int32)
+    errors.launch("misaligned_load", grid=1, block=64, args=[p, 4, y])
+    assert (y == int.from_bytes(bytes(range(4, 8)), "little")).all()
 
 
 @pytest.mark.parametrize(("grid", "block", "shared", "match"), [

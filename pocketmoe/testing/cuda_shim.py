@@ -51,6 +51,10 @@ CUDA_DIR = Path(__file__).resolve().parent.parent / "ops" / "cuda"
 SRC_DIR, SHIM_DIR = CUDA_DIR / "src", CUDA_DIR / "shim"
 _FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fstack-clash-protection",
           "-Wno-attributes")
+# A load or store through a pointer not aligned to its type traps (SIGILL, raised as ShimFaultError): x86 reads
+# it, a GPU stops the kernel with cudaErrorMisalignedAddress. ASan builds leave it out (their fault handling is
+# ASan's own).
+_ALIGN_FLAGS = ("-fsanitize=alignment", "-fsanitize-undefined-trap-on-error")
 _ASAN_FLAGS = ("-fsanitize=address", "-fsanitize-recover=address", "-fno-omit-frame-pointer", "-g", "-O1",
                "-DPM_SHIM_ASAN")
 SANITIZE_ENV = "POCKETMOE_CUDA_SHIM_SANITIZE"  # "1": every ShimModule builds with sanitize=True
@@ -179,7 +183,7 @@ class ShimModule:
                             f"LD_PRELOAD={asan_runtime()} ASAN_OPTIONS=detect_leaks=0:halt_on_error=0, or run "
                             "pytest with python -m pocketmoe.testing.cuda_shim --asan")
         dirs = list(dict.fromkeys([*(p.parent for p in paths), SRC_DIR]))
-        flags = _FLAGS + (_ASAN_FLAGS if sanitize else ()) + tuple(f"-D{d}" for d in defines)
+        flags = _FLAGS + (_ASAN_FLAGS if sanitize else _ALIGN_FLAGS) + tuple(f"-D{d}" for d in defines)
         self.path = _build(units, _local_includes(paths, dirs), dirs, flags)
         self._lib = ctypes.CDLL(str(self.path))
 

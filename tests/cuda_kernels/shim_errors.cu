@@ -60,3 +60,8 @@ extern "C" __global__ void shared_past_end(float* y, int n) {
   __syncthreads();
   y[threadIdx.x] = dyn[threadIdx.x + n];
 }
+
+// A 4-byte load from p + off: misaligned for odd off or off = 2 (a GPU stops it; x86 would read it).
+extern "C" __global__ void misaligned_load(const unsigned char* p, int off, int32_t* y) {
+  y[threadIdx.x] = *reinterpret_cast<const int32_t*>(p + off);
+}

@@ -4,6 +4,7 @@
 // block whose live threads all wait at the same __syncthreads() is released. Anything else is an error.
 #include "cuda_shim.h"
 
+#include <dlfcn.h>
 #include <stdio.h>
 
 #include <algorithm>
@@ -262,6 +263,19 @@ std::string fault_description() {
   char hex[32];
   snprintf(hex, sizeof hex, "0x%lx", static_cast<unsigned long>(addr));
   if (g_trap.sig == SIGFPE) return who + " raised an arithmetic exception (integer division by zero?)";
+  if (g_trap.sig == SIGILL) {
+    // The build traps on a load or store through a pointer not aligned to its type (-fsanitize=alignment): x86
+    // would read it, a GPU stops the kernel with cudaErrorMisalignedAddress.
+    Dl_info where{};
+    char at[256];
+    if (dladdr(g_trap.addr, &where) && where.dli_sname)
+      snprintf(at, sizeof at, "%s+0x%lx", where.dli_sname,
+               static_cast<unsigned long>(addr - reinterpret_cast<uintptr_t>(where.dli_saddr)));
+    else
+      snprintf(at, sizeof at, "%s", hex);
+    return who + " made a misaligned load or store (in " + at + "): a value read or written at an address " +
+           "not a multiple of its type's alignment, which the GPU stops with cudaErrorMisalignedAddress";
+  }
   return who + (g_trap.sig == SIGBUS ? " got SIGBUS" : " accessed invalid memory") + " at address " + hex +
          " (a null or out-of-bounds pointer?); ShimModule(..., sanitize=True) shows where";
 }

@@ -6,7 +6,9 @@
 // __shared__ variables live in the linker section "pm_shim_shared", which is poisoned (0xFF bytes: NaN for
 // float and half) at the start of every block, as is the dynamic shared memory. The harness
 // (pocketmoe/testing/cuda_shim.py) rewrites `extern __shared__ T name[];` in the sources it is given into a
-// pointer to the dynamic buffer; that form is not supported in headers the sources include.
+// pointer to the dynamic buffer; that form is not supported in headers the sources include. The harness builds
+// with -fsanitize=alignment trapping: a load or store through a pointer not aligned to its type, which x86
+// would carry out and a GPU stops (cudaErrorMisalignedAddress), is a fault here too (fault.h).
 #pragma once
 
 #include <math.h>

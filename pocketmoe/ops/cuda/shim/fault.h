@@ -1,5 +1,6 @@
-// Turns a fault inside a kernel (SIGSEGV, SIGBUS, SIGFPE) into an error the harness raises, instead of a
-// crashed Python (cuda_shim.cpp only). While a launch runs, handlers on an alternate signal stack jump back
+// Turns a fault inside a kernel (SIGSEGV, SIGBUS, SIGFPE, and SIGILL: the trap of a misaligned access, which
+// the shim's build checks as a GPU does) into an error the harness raises, instead of a crashed Python
+// (cuda_shim.cpp only). While a launch runs, handlers on an alternate signal stack jump back
 // to the launch (sigsetjmp there); afterwards the previous handlers and alternate stack are restored. Not
 // used under AddressSanitizer, which reports faults itself.
 #pragma once
@@ -12,15 +13,16 @@
 namespace pm_shim {
 namespace {
 
-constexpr int kFaultSignals[3] = {SIGSEGV, SIGBUS, SIGFPE};
+constexpr int kNumFaultSignals = 4;
+constexpr int kFaultSignals[kNumFaultSignals] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
 
 struct FaultTrap {
   sigjmp_buf jump;
   volatile sig_atomic_t armed = 0;
   long tid = 0;
   int sig = 0;
-  void* addr = nullptr;
-  struct sigaction old[3];
+  void* addr = nullptr;  // the faulting address (SIGILL: the trapping instruction's)
+  struct sigaction old[kNumFaultSignals];
   stack_t old_stack;
   alignas(16) char alt_stack[64 * 1024];
 };
@@ -28,7 +30,7 @@ struct FaultTrap {
 FaultTrap g_trap;
 
 void restore_fault_handlers() {
-  for (int i = 0; i < 3; ++i) sigaction(kFaultSignals[i], &g_trap.old[i], nullptr);
+  for (int i = 0; i < kNumFaultSignals; ++i) sigaction(kFaultSignals[i], &g_trap.old[i], nullptr);
 }
 
 void on_fault(int sig, siginfo_t* info, void*) {
@@ -50,7 +52,7 @@ void arm_fault_trap() {
   sa.sa_sigaction = on_fault;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
   sigemptyset(&sa.sa_mask);
-  for (int i = 0; i < 3; ++i) sigaction(kFaultSignals[i], &sa, &g_trap.old[i]);
+  for (int i = 0; i < kNumFaultSignals; ++i) sigaction(kFaultSignals[i], &sa, &g_trap.old[i]);
   g_trap.tid = syscall(SYS_gettid);
   g_trap.armed = 1;
 }
