@@ -32,9 +32,10 @@ REF = ReferenceOps(tile_rows=None)
 
 
 class ShimLauncher:
-    """CudaOps' launcher on the CPU shim: one ShimModule per source, threads run in `order`."""
+    """CudaOps' launcher on the CPU shim: one ShimModule per source, threads run in `order` (None: the shim's
+    default)."""
 
-    def __init__(self, order: str = "forward") -> None:
+    def __init__(self, order: str | None = None) -> None:
         self.order = order
         self.modules: dict[str, ShimModule] = {}
 

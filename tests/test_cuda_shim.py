@@ -15,6 +15,10 @@ import pytest
 import torch
 
 from pocketmoe.testing.cuda_shim import (
+    ORDER_ENV,
+    ORDERS,
+    POISON_ENV,
+    POISONS,
     SANITIZE_ENV,
     ShimDeadlockError,
     ShimDivergenceError,
@@ -58,6 +62,30 @@ def test_block_reduction_through_shared_memory(order: str) -> None:
     mod.launch("block_tree_sum", grid=4, block=256, args=[x, out, 1000], order=order)
     ref = np.pad(x.numpy().astype(np.float64), (0, 24)).reshape(4, 256).sum(1)
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_two_block_sums_through_one_scratch(order: str) -> None:
+    """Every schedule sums right when the scratch array's reuse is behind a barrier."""
+    mod = ShimModule([KERNELS / "shim_reduce.cu"])
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
+    s, s2 = torch.zeros(2, 256), torch.zeros(2, 256)
+    mod.launch("sum_and_squares", grid=2, block=256, args=[x, s, s2], order=order)
+    ref = x.double().sum(1, keepdim=True).expand(2, 256)
+    np.testing.assert_allclose(s.numpy(), ref.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s2.numpy(), (x.double() ** 2).sum(1, keepdim=True).expand(2, 256).numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("order", ["warps", "warps-reverse"])
+def test_one_warp_at_a_time_shows_a_missing_reuse_barrier(order: str) -> None:
+    """Without the barrier before the second sum writes scratch, a warp that runs ahead overwrites a partial
+    another warp has yet to read (on a GPU, a race): the warps-one-at-a-time schedules get wrong sums."""
+    mod = ShimModule([KERNELS / "shim_reduce.cu"], defines=["NO_REUSE_BARRIER"])
+    x = torch.rand(2, 256, generator=torch.Generator().manual_seed(3)) + 0.5
+    s, s2 = torch.zeros(2, 256), torch.zeros(2, 256)
+    mod.launch("sum_and_squares", grid=2, block=256, args=[x, s, s2], order=order)
+    ref = x.double().sum(1, keepdim=True).expand(2, 256).numpy()
+    assert not np.allclose(s.numpy(), ref, rtol=1e-3), "the racy kernel still sums right"
 
 
 def test_ucontext_switch_gives_the_same_results() -> None:
@@ -148,10 +176,21 @@ def test_dynamic_shared_memory(basics: ShimModule) -> None:
     torch.testing.assert_close(y, x.view(3, 128).flip(1).reshape(-1), rtol=0, atol=0)
 
 
-def test_shared_memory_is_poisoned_each_block(basics: ShimModule) -> None:
+@pytest.mark.parametrize("poison", [None, *POISONS])
+def test_shared_memory_is_poisoned_each_block(basics: ShimModule, monkeypatch, poison: str | None) -> None:
+    if poison is not None:
+        monkeypatch.setenv(POISON_ENV, poison)
     static_bits, dynamic_bits = torch.zeros(128, dtype=torch.int32), torch.zeros(128, dtype=torch.int32)
     basics.launch("read_unwritten", grid=2, block=64, args=[static_bits, dynamic_bits], shared_mem=64 * 4)
-    assert (static_bits == -1).all() and (dynamic_bits == -1).all()  # 0xFF bytes: NaN as float or half
+    word = int.from_bytes(bytes([POISONS[poison or "nan"]]) * 4, "little", signed=True)  # nan: -1
+    assert (static_bits == word).all() and (dynamic_bits == word).all()
+
+
+def test_unknown_poison_is_a_clear_error(basics: ShimModule, monkeypatch) -> None:
+    monkeypatch.setenv(POISON_ENV, "zeros")
+    with pytest.raises(ValueError, match=r"POCKETMOE_CUDA_SHIM_POISON is 'zeros'; use one of 'nan', 'huge'"):
+        basics.launch("read_unwritten", grid=1, block=64, args=[torch.zeros(64, dtype=torch.int32)] * 2,
+                      shared_mem=64 * 4)
 
 
 def test_multidimensional_grid_and_block(basics: ShimModule) -> None:
@@ -302,11 +341,11 @@ def test_sanitizer_reports_dynamic_shared_memory_past_the_launch_size(errors: Sh
         errors.launch("shared_past_end", grid=1, block=64, args=[y, 64], shared_mem=64 * 4)
 
 
-def _asan_pytest(files: list[str], deselect: str, timeout: int) -> subprocess.CompletedProcess:
+def _asan_pytest(files: list[str], deselect: str, timeout: int, **env: str) -> subprocess.CompletedProcess:
     """pytest on `files` with every shim kernel built with -fsanitize=address, libasan preloaded."""
     return subprocess.run([sys.executable, "-m", "pocketmoe.testing.cuda_shim", "--asan", *files, "-q", "-rA",
                            "-p", "no:cacheprovider", "-k", deselect],
-                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent), **env),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -322,14 +361,18 @@ def test_address_sanitizer_run() -> None:
 
 
 @pytest.mark.skipif(SANITIZED, reason="this is the outer run")
-def test_engine_kernels_under_address_sanitizer() -> None:
+def test_engine_kernels_under_address_sanitizer_one_warp_at_a_time() -> None:
     """The engine's kernels (src/: matmul, attention, norms, rope, routing, finalize, the expert kernels) under
     AddressSanitizer, through their own tests against the torch / gguf references: no kernel reads or writes
-    past a buffer it is given (an access a GPU may not fault on, or faults on far from its cause). The mutation
+    past a buffer it is given (an access a GPU may not fault on, or faults on far from its cause). The schedule
+    and the poison differ from the plain run's (every thread a step per round, lowest first; NaN): one warp at a
+    time, highest first, so a warp runs ahead of the others to its next barrier, and shared memory starts as
+    3.4e38, which fmaxf keeps where it drops NaN. A read of shared memory that another warp writes with no
+    barrier between (or a write over a value another warp has yet to read) then meets the poison. The mutation
     checks stay out (they test the tests; the misaligned-load mutant is the plain build's to trap)."""
     tests = Path(__file__).resolve().parent
     files = [str(tests / f) for f in ("test_cuda_ops.py", "test_cuda_matmul.py", "test_cuda_backend.py")]
-    r = _asan_pytest(files, "not mutated", timeout=1800)
+    r = _asan_pytest(files, "not mutated", timeout=1800, **{ORDER_ENV: "warps-reverse", POISON_ENV: "huge"})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     summary = r.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, summary

@@ -43,9 +43,9 @@ from pocketmoe.testing.cuda_shim_kernels import (
     translation_unit,
 )
 
-__all__ = ["ShimCompileError", "ShimDeadlockError", "ShimDivergenceError", "ShimError", "ShimFaultError",
-           "ShimLaunchError", "ShimModule", "ShimSanitizerError", "asan_env", "asan_runtime", "cuda_include_dir",
-           "parse_kernels", "shim_unavailable_reason"]
+__all__ = ["ORDERS", "ORDER_ENV", "POISONS", "POISON_ENV", "SANITIZE_ENV", "ShimCompileError", "ShimDeadlockError",
+           "ShimDivergenceError", "ShimError", "ShimFaultError", "ShimLaunchError", "ShimModule", "ShimSanitizerError",
+           "asan_env", "asan_runtime", "cuda_include_dir", "parse_kernels", "shim_unavailable_reason"]
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "ops" / "cuda"
 SRC_DIR, SHIM_DIR = CUDA_DIR / "src", CUDA_DIR / "shim"
@@ -58,6 +58,15 @@ _ALIGN_FLAGS = ("-fsanitize=alignment", "-fsanitize-undefined-trap-on-error")
 _ASAN_FLAGS = ("-fsanitize=address", "-fsanitize-recover=address", "-fno-omit-frame-pointer", "-g", "-O1",
                "-DPM_SHIM_ASAN")
 SANITIZE_ENV = "POCKETMOE_CUDA_SHIM_SANITIZE"  # "1": every ShimModule builds with sanitize=True
+# The thread schedules of a launch (cuda_shim.cpp run_block): "forward" / "reverse", every thread one step per
+# round, lowest / highest id first; "warps" / "warps-reverse", one warp at a time, each until it waits at a
+# __syncthreads() (an unfair schedule a GPU may pick: it shows inter-warp races on shared memory).
+ORDERS = {"forward": 0, "reverse": 1, "warps": 2, "warps-reverse": 3}
+ORDER_ENV = "POCKETMOE_CUDA_SHIM_ORDER"  # the schedule of launches that name none (default "forward")
+# What shared memory holds before a block writes it (cuda_shim.cpp pm_shim_set_poison): "nan", 0xFF bytes (NaN
+# as float or half; fmaxf / fminf drop it), or "huge", 0x7F bytes (3.4e38 as float, which they keep).
+POISONS = {"nan": 0xFF, "huge": 0x7F}
+POISON_ENV = "POCKETMOE_CUDA_SHIM_POISON"  # default "nan"
 _LOCK = threading.Lock()
 
 
@@ -188,21 +197,27 @@ class ShimModule:
         self._lib = ctypes.CDLL(str(self.path))
 
     def launch(self, name: str, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[Any],
-               shared_mem: int = 0, order: str = "forward") -> None:
-        """Runs kernel `name` over the grid; blocks one after another, threads lowest id first (or highest
-        first with order="reverse")."""
+               shared_mem: int = 0, order: str | None = None) -> None:
+        """Runs kernel `name` over the grid; blocks one after another, their threads in `order` (ORDERS; None:
+        $POCKETMOE_CUDA_SHIM_ORDER, else "forward")."""
+        if order is None:
+            order = os.environ.get(ORDER_ENV) or "forward"
         k = self.kernels.get(name)
         if k is None:
             raise ShimError(f"no kernel {name!r} in this module; it has {', '.join(sorted(self.kernels))}")
-        if order not in ("forward", "reverse"):
-            raise ValueError(f"order is {order!r}; use 'forward' or 'reverse'")
+        if order not in ORDERS:
+            raise ValueError(f"order is {order!r}; use one of {', '.join(map(repr, ORDERS))}")
+        poison = os.environ.get(POISON_ENV) or "nan"
+        if poison not in POISONS:
+            raise ValueError(f"${POISON_ENV} is {poison!r}; use one of {', '.join(map(repr, POISONS))}")
         ptrs, keep = pack_args(k, args)
         g, b = dim3(grid, "grid"), dim3(block, "block")
         err = ctypes.create_string_buffer(4096)
         fn = getattr(self._lib, f"pm_launch_{name}")
         with _LOCK:
+            self._lib.pm_shim_set_poison(ctypes.c_int(POISONS[poison]))
             rc = fn((ctypes.c_longlong * 3)(*g), (ctypes.c_longlong * 3)(*b), ctypes.c_longlong(shared_mem), ptrs,
-                    ctypes.c_int(order == "reverse"), err, ctypes.c_int(len(err)))
+                    ctypes.c_int(ORDERS[order]), err, ctypes.c_int(len(err)))
         if rc != 0:
             raise RESULT_ERRORS.get(rc, ShimError)(err.value.decode(errors="replace"))
 

@@ -1,7 +1,8 @@
 // The scheduler of the CPU execution shim (see cuda_shim.h): one fiber per CUDA thread of a block, blocks in
 // order. A round runs every runnable thread (lowest id first, or highest first with order=1) until its next
 // scheduling point; after the round, warps whose 32 lanes wait at the same shuffle exchange values, and a
-// block whose live threads all wait at the same __syncthreads() is released. Anything else is an error.
+// block whose live threads all wait at the same __syncthreads() is released. Anything else is an error. With
+// order=2 (3: highest first) the warps run one at a time instead, each until it waits at a barrier (run_block).
 #include "cuda_shim.h"
 
 #include <dlfcn.h>
@@ -193,24 +194,27 @@ void exchange(Fiber* lanes) {
   }
 }
 
+// Exchanges the values of warp w when its 32 lanes all wait at one shuffle (true); false when they do not (or
+// wait at different ones: divergence, recorded).
+bool resolve_warp(int w) {
+  Fiber* lanes = &g_run.fibers[32 * w];
+  for (int l = 0; l < 32; ++l)
+    if (lanes[l].state != AT_SHUFFLE) return false;
+  for (int l = 1; l < 32; ++l)
+    if (!same_place(lanes[0], lanes[l])) {
+      fail(DIVERGENCE, "divergence in warp " + std::to_string(w) + ": " + groups(32 * w, 32 * w + 32) +
+                           "; all 32 lanes must reach the same shuffle");
+      return false;
+    }
+  exchange(lanes);
+  return true;
+}
+
 // Resolves every warp whose lanes all wait at one shuffle; false when none could.
 bool resolve_shuffles() {
   bool progress = false;
-  for (int w = 0; w < g_run.nthreads; w += 32) {
-    Fiber* lanes = &g_run.fibers[w];
-    bool all = true;
-    for (int l = 0; l < 32 && all; ++l) all = lanes[l].state == AT_SHUFFLE;
-    if (!all) continue;
-    for (int l = 1; l < 32; ++l)
-      if (!same_place(lanes[0], lanes[l])) {
-        fail(DIVERGENCE, "divergence in warp " + std::to_string(w / 32) + ": " + groups(w, w + 32) +
-                             "; all 32 lanes must reach the same shuffle");
-        return false;
-      }
-    exchange(lanes);
-    progress = true;
-  }
-  return progress;
+  for (int w = 0; w < g_run.nthreads / 32 && g_run.code == OK; ++w) progress |= resolve_warp(w);
+  return progress && g_run.code == OK;
 }
 
 // Releases the barrier when every live thread waits at the same one; otherwise records why not.
@@ -294,15 +298,33 @@ void on_asan_report(const char* report) {
 }
 #endif
 
+unsigned char g_poison = 0xff;  // the byte shared memory is filled with at the start of every block
+
 void poison_shared(long long dynamic_bytes) {
-  memset(__start_pm_shim_shared, 0xff, static_cast<size_t>(__stop_pm_shim_shared - __start_pm_shim_shared));
+  memset(__start_pm_shim_shared, g_poison, static_cast<size_t>(__stop_pm_shim_shared - __start_pm_shim_shared));
 #ifdef PM_SHIM_ASAN
   // Past the launch's dynamic size is out of bounds, as on the device.
   ASAN_UNPOISON_MEMORY_REGION(g_dynamic_shared, kMaxDynamicShared);
   ASAN_POISON_MEMORY_REGION(g_dynamic_shared + dynamic_bytes, kMaxDynamicShared - dynamic_bytes);
 #endif
-  memset(g_dynamic_shared, 0xff, static_cast<size_t>(dynamic_bytes));
+  memset(g_dynamic_shared, g_poison, static_cast<size_t>(dynamic_bytes));
 }
+
+// Runs threads [lo, hi) of the block once each, up to their next scheduling point (highest first if reverse).
+bool run_round(int lo, int hi, bool reverse) {
+  for (int k = lo; k < hi; ++k) {
+    const int i = reverse ? hi - 1 - (k - lo) : k;
+    if (g_run.fibers[i].state == RUNNABLE) resume(i);
+    if (g_run.code != OK) return false;
+  }
+  return true;
+}
+
+// The schedules (order): ORDER_LOCKSTEP, every thread one step per round, warps side by side; ORDER_WARPS, each
+// warp runs (its shuffles resolved as it goes) until it waits at a barrier or exits before the next warp starts,
+// the unfairest schedule a GPU may pick, which shows a warp reading shared memory that another warp writes, or
+// overwriting it while another still reads, with no barrier between. ORDER_REVERSE: highest ids first.
+constexpr int ORDER_REVERSE = 1, ORDER_WARPS = 2;
 
 void run_block(int order) {
   const dim3 b = g_block_dim;
@@ -311,11 +333,19 @@ void run_block(int order) {
     f.tid = make_uint3(i % b.x, (i / b.x) % b.y, i / (b.x * b.y));
     f.state = RUNNABLE;
   }
+  const bool reverse = order & ORDER_REVERSE;
+  const int nwarps = g_run.nthreads / 32;
   for (;;) {
-    for (int k = 0; k < g_run.nthreads; ++k) {
-      const int i = order == 1 ? g_run.nthreads - 1 - k : k;
-      if (g_run.fibers[i].state == RUNNABLE) resume(i);
-      if (g_run.code != OK) return;
+    if (order & ORDER_WARPS) {
+      for (int k = 0; k < nwarps; ++k) {
+        const int w = reverse ? nwarps - 1 - k : k;
+        do {
+          if (!run_round(32 * w, 32 * w + 32, reverse)) return;
+        } while (resolve_warp(w));
+        if (g_run.code != OK) return;
+      }
+    } else if (!run_round(0, g_run.nthreads, reverse)) {
+      return;
     }
     if (resolve_shuffles()) continue;
     if (g_run.code != OK || !resolve_barrier()) return;
@@ -381,6 +411,11 @@ uint64_t shuffle(int kind, unsigned mask, uint64_t value, int arg, int width, co
 }  // namespace pm_shim
 
 using namespace pm_shim;
+
+// The poison byte: 0xFF (the default) reads as NaN in float and half, which most arithmetic carries to the
+// result but fmaxf and fminf drop; 0x7F reads as 3.4e38 in float and bf16 and as a large positive integer,
+// which they keep.
+extern "C" void pm_shim_set_poison(int byte) { pm_shim::g_poison = static_cast<unsigned char>(byte); }
 
 // Runs the whole grid; 0 on success, else a Result code with a one-sentence message in err.
 extern "C" int pm_shim_launch(const char* kernel, void (*entry)(void* const*), const long long* grid,
