@@ -153,6 +153,21 @@ def test_a_mutated_kernel_source_fails_the_linear_check(tmp_path, mutant: str | 
             check_linear(ops.linear(layer, torch.from_numpy(x)).numpy(), raw, name, layer, x)
 
 
+def test_every_barrier_that_orders_something_is_tested() -> None:
+    """The barrier sweep (pocketmoe.testing.barrier_sweep): each __syncthreads() of src/ removed in turn, the tests
+    of its source under the plain schedule and the one-warp-at-a-time one. Every barrier fails a test, except
+    those marked `// defensive:` (they order nothing where they stand), which must pass."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    from pocketmoe.testing import barrier_sweep
+
+    summary = barrier_sweep.sweep()
+    assert summary["barriers"] == len(barrier_sweep.barriers()) > 0
+    assert not summary["untested"], (f"removing these barriers fails no test (a race the tests miss, or mark the "
+                                     f"barrier `// defensive: why`): {summary}")
+    assert not summary["marked_defensive_but_caught"], f"these barriers order something now; unmark them: {summary}"
+
+
 def test_linear_multi_quantizes_each_block_size_once() -> None:
     if REASON is not None:
         pytest.skip(REASON)

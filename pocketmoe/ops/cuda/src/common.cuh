@@ -72,7 +72,7 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   v = warp_max(v);
   const int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, nw = blockDim.x / WARP;
-  __syncthreads();
+  __syncthreads();  // defensive: its one caller (attention.cu) has a barrier between scratch's last reads and here
   if (lane == 0) scratch[w] = v;
   __syncthreads();
   return warp_max(lane < nw ? scratch[lane] : NEG_INF);

@@ -51,7 +51,7 @@ extern "C" __global__ void route_f32(const float* __restrict__ logits, const flo
       }
       group_score[g] = per >= 2 ? a + b : a;
     }
-    __syncthreads();
+    __syncthreads();  // defensive: each lane reads back only the group scores it wrote
     for (int kept = 0; kept < groups_used; ++kept) {  // the best groups' scores become +inf
       float v = NEG_INF;
       int best = -1;
@@ -61,13 +61,13 @@ extern "C" __global__ void route_f32(const float* __restrict__ logits, const flo
           best = g;
         }
       warp_argmax(v, best);
-      __syncthreads();
+      __syncthreads();  // defensive: the lanes' reads of group_score are behind warp_argmax's shuffles
       if (lane == 0) group_score[best] = POS_INF;
       __syncthreads();
     }
     for (int i = lane; i < ne; i += WARP)
       if (group_score[i / per] != POS_INF) select[i] = NEG_INF;
-    __syncthreads();
+    __syncthreads();  // defensive: each lane reads back only the select entries it wrote
   }
   int32_t* id = ids + (long long)blockIdx.x * top_k;
   float* wt = weights + (long long)blockIdx.x * top_k;
