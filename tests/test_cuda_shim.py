@@ -274,6 +274,7 @@ def test_aligned_loads_do_not_trap(errors: ShimModule) -> None:
     (1, 48, 0, r"blockDim\.x is 48; it must be a multiple of 32"),
     (0, 32, 0, r"grid\.x is 0"),
     (1, 32, 300_000, r"shared_mem is 300000 bytes"),
+    (1, 32, 49_153, r"shared_mem is 49153 bytes; it must be in 0\.\.49152 \(more needs cudaFuncSetAttribute"),
 ])
 def test_bad_launch_configuration(errors: ShimModule, grid, block, shared: int, match: str) -> None:
     with pytest.raises(ShimLaunchError, match=match):

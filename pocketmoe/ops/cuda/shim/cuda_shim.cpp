@@ -29,7 +29,9 @@ namespace pm_shim {
 
 uint3 g_thread_idx, g_block_idx;
 dim3 g_block_dim, g_grid_dim;
-constexpr long long kMaxDynamicShared = 227 * 1024;  // the most any architecture allows per block (sm_90)
+// What a launch may ask for without cudaFuncSetAttribute(MaxDynamicSharedMemorySize), which the engine's
+// launcher (CuPy RawModule) never sets: 48 KiB on every architecture.
+constexpr long long kMaxDynamicShared = 48 * 1024;
 alignas(256) unsigned char g_dynamic_shared[kMaxDynamicShared];
 // Keeps the section (and so its start/stop symbols) present when no kernel declares __shared__ variables.
 __attribute__((section("pm_shim_shared"), aligned(16))) unsigned char g_shared_anchor[16];
@@ -369,7 +371,7 @@ std::string check_launch(const long long* grid, const long long* block, long lon
     return "blockDim.x is " + std::to_string(block[0]) + "; it must be a multiple of 32 (whole warps)";
   if (shared_bytes < 0 || shared_bytes > kMaxDynamicShared)
     return "shared_mem is " + std::to_string(shared_bytes) + " bytes; it must be in 0.." +
-           std::to_string(kMaxDynamicShared);
+           std::to_string(kMaxDynamicShared) + " (more needs cudaFuncSetAttribute, which the launcher does not call)";
   return "";
 }
 
