@@ -54,7 +54,7 @@ def _line_of(path: Path, needle: str, after: str) -> int:
     return next(i for i in range(start, len(lines)) if needle in lines[i]) + 1
 
 
-@pytest.mark.parametrize("order", ["forward", "reverse"])
+@pytest.mark.parametrize("order", list(ORDERS))
 def test_block_reduction_through_shared_memory(order: str) -> None:
     mod = ShimModule([KERNELS / "shim_reduce.cu"])
     x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
@@ -184,6 +184,16 @@ def test_shared_memory_is_poisoned_each_block(basics: ShimModule, monkeypatch, p
     basics.launch("read_unwritten", grid=2, block=64, args=[static_bits, dynamic_bits], shared_mem=64 * 4)
     word = int.from_bytes(bytes([POISONS[poison or "nan"]]) * 4, "little", signed=True)  # nan: -1
     assert (static_bits == word).all() and (dynamic_bits == word).all()
+
+
+def test_unknown_order_is_a_clear_error(basics: ShimModule, monkeypatch) -> None:
+    monkeypatch.setenv(ORDER_ENV, "random")
+    with pytest.raises(ValueError, match=r"POCKETMOE_CUDA_SHIM_ORDER is 'random'; use one of 'forward', 'reverse'"):
+        basics.launch("read_unwritten", grid=1, block=64, args=[torch.zeros(64, dtype=torch.int32)] * 2,
+                      shared_mem=64 * 4)
+    with pytest.raises(ValueError, match=r"order is 'sideways'"):
+        basics.launch("read_unwritten", grid=1, block=64, args=[torch.zeros(64, dtype=torch.int32)] * 2,
+                      shared_mem=64 * 4, order="sideways")
 
 
 def test_unknown_poison_is_a_clear_error(basics: ShimModule, monkeypatch) -> None:

@@ -200,13 +200,14 @@ class ShimModule:
                shared_mem: int = 0, order: str | None = None) -> None:
         """Runs kernel `name` over the grid; blocks one after another, their threads in `order` (ORDERS; None:
         $POCKETMOE_CUDA_SHIM_ORDER, else "forward")."""
+        what = "order"
         if order is None:
-            order = os.environ.get(ORDER_ENV) or "forward"
+            order, what = os.environ.get(ORDER_ENV) or "forward", f"${ORDER_ENV}"
         k = self.kernels.get(name)
         if k is None:
             raise ShimError(f"no kernel {name!r} in this module; it has {', '.join(sorted(self.kernels))}")
         if order not in ORDERS:
-            raise ValueError(f"order is {order!r}; use one of {', '.join(map(repr, ORDERS))}")
+            raise ValueError(f"{what} is {order!r}; use one of {', '.join(map(repr, ORDERS))}")
         poison = os.environ.get(POISON_ENV) or "nan"
         if poison not in POISONS:
             raise ValueError(f"${POISON_ENV} is {poison!r}; use one of {', '.join(map(repr, POISONS))}")

@@ -322,10 +322,11 @@ bool run_round(int lo, int hi, bool reverse) {
   return true;
 }
 
-// The schedules (order): ORDER_LOCKSTEP, every thread one step per round, warps side by side; ORDER_WARPS, each
-// warp runs (its shuffles resolved as it goes) until it waits at a barrier or exits before the next warp starts,
-// the unfairest schedule a GPU may pick, which shows a warp reading shared memory that another warp writes, or
-// overwriting it while another still reads, with no barrier between. ORDER_REVERSE: highest ids first.
+// The schedules (order bits): without ORDER_WARPS every thread takes one step per round, the warps side by
+// side; with it each warp runs (its shuffles resolved as it goes) until it waits at a barrier or exits before
+// the next warp starts: the unfairest schedule a GPU may pick, which shows a warp reading shared memory that
+// another warp writes, or overwriting it while another still reads, with no barrier between. ORDER_REVERSE:
+// highest thread (and warp) ids first.
 constexpr int ORDER_REVERSE = 1, ORDER_WARPS = 2;
 
 void run_block(int order) {
