@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from pocketmoe.testing.cuda_shim import ORDER_ENV, POISON_ENV
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 SRC = ROOT / "pocketmoe" / "ops" / "cuda" / "src"
 BARRIER = "__syncthreads();"
@@ -84,8 +86,7 @@ def run_mutant(b: Barrier, order: str, poison: str, cache: str) -> dict:
         src = work / "pocketmoe" / "ops" / "cuda" / "src" / b.source
         text = src.read_text()
         src.write_text(text[:b.offset] + "/* barrier removed */;" + text[b.offset + len(BARRIER):])
-        env = dict(os.environ, PYTHONPATH=str(work), POCKETMOE_CUDA_SHIM_ORDER=order,
-                   POCKETMOE_CUDA_SHIM_POISON=poison, XDG_CACHE_HOME=cache)
+        env = dict(os.environ, PYTHONPATH=str(work), XDG_CACHE_HOME=cache, **{ORDER_ENV: order, POISON_ENV: poison})
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS[b.source]],
                            cwd=work, env=env, capture_output=True, text=True, timeout=1800)
     lines = r.stdout.strip().splitlines()
