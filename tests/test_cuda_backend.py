@@ -31,26 +31,22 @@ from pocketmoe.ops.cuda.experts import CudaExpertKernels
 from pocketmoe.ops.reference import ReferenceOps
 from pocketmoe.quant.quantize import random_blocks
 from pocketmoe.testing.cuda_matmul import TYPES, act_inputs, gamma, random_acts, reference_weight, tolerance
-from pocketmoe.testing.cuda_shim import ShimFaultError, ShimModule, shim_unavailable_reason
+from pocketmoe.testing.cuda_shim import ShimFaultError, ShimLauncher, shim_unavailable_reason
 
 REASON = shim_unavailable_reason()
 REF = ReferenceOps(tile_rows=None)
 
 
-class CountingShimLauncher:
+class CountingShimLauncher(ShimLauncher):
     """CudaOps' launcher on the CPU shim (one module per source), counting launches per kernel."""
 
     def __init__(self, src=None) -> None:  # noqa: ANN001
-        """src: a folder holding (a copy of) the kernel sources (default: the package's own)."""
-        self.src = src
-        self.modules: dict[str, ShimModule] = {}
+        super().__init__(src)
         self.calls: dict[str, int] = {}
 
     def __call__(self, source, kernel, grid, block, args, shared_mem=0) -> None:  # noqa: ANN001
-        if source not in self.modules:
-            self.modules[source] = ShimModule([source if self.src is None else self.src / source])
         self.calls[kernel] = self.calls.get(kernel, 0) + 1
-        self.modules[source].launch(kernel, grid=grid, block=block, args=args, shared_mem=shared_mem)
+        super().__call__(source, kernel, grid, block, args, shared_mem)
 
 
 @pytest.fixture(scope="module", params=["shim", "gpu"])
