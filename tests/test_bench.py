@@ -102,6 +102,32 @@ def test_op_profile_accounts_for_the_time(report: dict) -> None:
         assert sum(ms.values()) <= 1e3 / rate * 1.05
 
 
+
+def test_op_profile_brackets_each_outermost_op_with_the_sync() -> None:
+    """On a GPU the ops return before their kernels run: the profile syncs before and after each outermost op
+    (a nested op adds none), so what it times is the kernels'."""
+    from pocketmoe.ops.profile import OPS, OpProfile
+
+    events: list[str] = []
+
+    class Ops:
+        def linear(self, x):  # noqa: ANN001, ANN202
+            events.append("linear")
+            return x
+
+        def rms_norm(self, x):  # noqa: ANN001, ANN202
+            events.append("rms_norm")
+            return self.linear(x)  # nested: counted in rms_norm
+
+    ops = Ops()
+    for name in set(OPS) - {"linear", "rms_norm"}:
+        setattr(ops, name, lambda *a: None)
+    prof = OpProfile(ops, sync=lambda: events.append("sync"))
+    ops.rms_norm(1)
+    ops.linear(2)
+    assert events == ["sync", "rms_norm", "linear", "sync", "sync", "linear", "sync"]
+    assert prof.snapshot()["calls"] == {"rms_norm": 1, "linear": 1}
+
 def test_prompt_ids_deterministic_and_ordinary() -> None:
     allowed = list(range(100, 200))
     a = prompt_ids(64, 1000, allowed)

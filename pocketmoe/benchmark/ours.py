@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -99,6 +99,13 @@ class _RunnerStepper:
         return int(self.runner.decode(token, pos).argmax())
 
 
+def device_sync() -> Callable[[], None] | None:
+    """torch.cuda.synchronize once the run has put work on a GPU (its kernels return before they run), else None."""
+    import torch
+
+    return torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
 def ordinary_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
     """Ids of plain text tokens (token type NORMAL), never control, byte or unused ones."""
     from pocketmoe.tokenizer.specials import TokenAttr
@@ -119,7 +126,7 @@ def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto", pr
     load_s = time.perf_counter() - t0
     vocab = llm.runner.vocab_size
     ids = prompt_ids(s.prompt_tokens, vocab, ordinary_token_ids(llm.tokenizer, vocab))
-    stepper = _RunnerStepper(llm.runner, OpProfile(llm.runner.ops) if profile else None)
+    stepper = _RunnerStepper(llm.runner, OpProfile(llm.runner.ops, sync=device_sync()) if profile else None)
     m = measure(stepper, ids, s.gen_tokens, s.repeats, mem.sample)
     result = engine_result(llm.backend_name, m, mem, load_s)
     result["detail"] = llm.backend_detail  # which ops ran: kernels, instruction set, threads

@@ -2,6 +2,8 @@
 
 `OpProfile(ops)` wraps the object's op methods in place (the layers hold that object), so every later
 call is timed (and steps run op by op, not as a recorded program); nested calls (a reference op built from others) count once, in the outer op.
+With a `sync` (torch.cuda.synchronize where ops launch GPU kernels, which return before they run), each outermost
+op is bracketed by it, so its time is the kernels' and not their launches'.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ OPS = ("embed", "rms_norm", "add_rms_norm", "finalize", "linear", "linear_multi"
 
 
 class OpProfile:
-    def __init__(self, ops: Any) -> None:
+    def __init__(self, ops: Any, sync: Callable[[], None] | None = None) -> None:
+        self._sync = sync
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._depth = 0
@@ -32,10 +35,14 @@ class OpProfile:
             if self._depth:
                 return fn(*args, **kw)
             self._depth += 1
+            if self._sync is not None:
+                self._sync()
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kw)
             finally:
+                if self._sync is not None:
+                    self._sync()
                 self.seconds[name] += time.perf_counter() - t0
                 self.calls[name] += 1
                 self._depth -= 1
