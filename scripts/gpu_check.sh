@@ -3,14 +3,17 @@
 #
 #   scripts/gpu_check.sh                 on the GPU machine: CUDA op tests on the GPU, then the V2-Lite-shaped
 #                                        Q4_K_M preset benched CPU-only, heterogeneous with --gpu-memory-gib 4,
-#                                        all-device (and all-device with decode CUDA graphs), the op tests under
-#                                        compute-sanitizer racecheck / memcheck while time is left; prints one JSON
+#                                        all-device (and all-device with decode CUDA graphs), then while time is
+#                                        left the matmul kernels alone (pocketmoe.ops.cuda.kernelbench), an op
+#                                        profile of all-device decode, and the op tests under compute-sanitizer
+#                                        racecheck / memcheck; prints one JSON
 #   scripts/gpu_check.sh --cpu-dry-run   the same steps here, --device cpu and the tiny preset (no GPU needed)
 #   scripts/gpu_check.sh --fetch-wheels  here, with PyPI: the wheels the GPU machine lacks (gguf) into .whl/,
 #                                        which then travels with the tree (name .whl in the run's carry)
 #
 # Outputs (at most 8 files) go under $OUT when it is set, else out/gpu_check: gpu_check.log, pytest.log,
-# bench_{cpu,heterogeneous,all_device,graphs}.json, tp_comm.json, summary.json. Environment: PYTHON (default python3; the dry
+# bench_{cpu,heterogeneous,all_device,graphs,profile}.json, summary.json (which also holds the TP=1 all-reduce
+# cost, the kernel bench and the sanitizer exit codes). Environment: PYTHON (default python3; the dry
 # run defaults to .venv/bin/python), GPU_CHECK_WORK (scratch for the 10 GB model, default /tmp/pocketmoe-gpu-check).
 #
 # No venv is made on the GPU machine: its python3 is itself the venv holding torch (CUDA), CuPy and pybind11, and a
@@ -127,9 +130,31 @@ if [ "$DRY" = 0 ]; then bench graphs POCKETMOE_CUDA_GRAPHS=1 --device cuda --mod
 # to 2 and 4 GPUs over PCIe at the measured host-to-device bandwidth stand-in (--pcie-gbps; the V2-Lite shapes).
 log "TP=1 all-reduce cost: torchrun --nproc-per-node 1 -m pocketmoe.parallel.commbench"
 timeout 120 "$PY" -m torch.distributed.run --nproc-per-node 1 -m pocketmoe.parallel.commbench --hidden 2048 \
-  --layers 27 --tokens 1,512 --json > "$OUT_DIR/tp_comm.json" 2>> "$LOG" || log "the TP=1 all-reduce run failed"
+  --layers 27 --tokens 1,512 --json > "$WORK/tp_comm.json" 2>> "$LOG" || log "the TP=1 all-reduce run failed"
 
-# ---- 6. compute-sanitizer on the GPU op tests, while time is left: what the CPU shim can only approximate ----------
+# ---- 6. while time is left: the matmul kernels alone, and where all-device decode's time goes op by op ------------
+# kernelbench: each weight type's decode GEMV and a V2-Lite prefill chunk's expert GEMM in GB/s beside the device's
+# copy bandwidth (each output checked first); the profile: ms per token by op, each op bracketed by a device sync.
+KERNELS=$WORK/kernels.json
+echo '{"error": "not run"}' > "$KERNELS"
+if [ "$DRY" = 1 ]; then
+  KB=(--device cpu --types q4_k,q6_k,q8_0 --gemv 64x512 --experts 4x32x512 --chunk 6 --top-k 2)
+else
+  KB=(--device cuda)
+fi
+if [ "$SECONDS" -gt 360 ]; then log "kernel bench and op profile: skipped (${SECONDS} s gone)"; else
+  log "kernel bench: python -m pocketmoe.ops.cuda.kernelbench ${KB[*]}"
+  set +e
+  timeout 90 "$PY" -m pocketmoe.ops.cuda.kernelbench "${KB[@]}" --json > "$KERNELS.part" 2>> "$LOG"
+  rc=$?
+  set -e
+  if [ -s "$KERNELS.part" ]; then mv "$KERNELS.part" "$KERNELS"; fi  # exit 1 (a wrong kernel) still reports
+  [ "$rc" = 0 ] || log "kernel bench: exit $rc (1: a kernel's output was wrong, the report says which; 124: out of time)"
+  LEN=(--prompt-tokens 64 --gen-tokens 8)
+  bench profile "" --device "$DEV" --mode all-device --profile
+fi
+
+# ---- 7. compute-sanitizer on the GPU op tests, while time is left: what the CPU shim can only approximate ----------
 # racecheck: shared-memory hazards between the threads of a block; memcheck: out-of-bounds and misaligned accesses
 # (torch's caching allocator off, so a read past a tensor is past its allocation). Each at most 100 s; skipped once
 # 7 minutes of the run are gone. Exit code 86 is a sanitizer report; the reports go to gpu_check.log.
@@ -155,14 +180,14 @@ else
 fi
 echo "{$SAN_RC}" > "$SAN"
 
-# ---- 7. bandwidth bounds and the summary ---------------------------------------------------------------------------
-"$PY" - "$OUT_DIR" "$DRY" "$SAN" <<'EOF' | tee "$OUT_DIR/summary.json"
+# ---- 8. bandwidth bounds and the summary ---------------------------------------------------------------------------
+"$PY" - "$OUT_DIR" "$DRY" "$SAN" "$WORK" <<'EOF' | tee "$OUT_DIR/summary.json"
 import json, sys, time
 from pathlib import Path
 
 import torch
 
-out, dry = Path(sys.argv[1]), sys.argv[2] == "1"
+out, dry, work = Path(sys.argv[1]), sys.argv[2] == "1", Path(sys.argv[4])
 
 
 def gbps(fn, nbytes, sync):
@@ -233,7 +258,9 @@ def ok(f):
 summary = {
     "device": device, "dry_run": dry, "pcie_gbps": round(pcie, 2), "hbm_gbps": round(hbm, 2),
     "cpu_only": cpu, "heterogeneous_4gib": het, "all_device": alld, "all_device_graphs": gr,
-    "tp1_all_reduce": load_json(out / "tp_comm.json"),
+    "tp1_all_reduce": load_json(work / "tp_comm.json"),
+    "all_device_decode_ms_per_token_by_op": ((load("profile").get("pocketmoe") or {}).get("profile") or {}).get("decode"),
+    "kernels": load_json(work / "kernels.json"),
     "compute_sanitizer_exit": load_json(Path(sys.argv[3])),
     "targets": {
         "heterogeneous_decode_ge_cpu": ok(lambda: het["decode_tok_s"] >= cpu["decode_tok_s"]),
