@@ -59,7 +59,8 @@ class _RunnerStepper:
             stats.reset()
         tok = int(self.runner.forward(ids, 0, last_only=True)[0].argmax())
         if stats is not None:  # the experts' statistics of the latest prefill, then of the decodes since
-            self.prefill_stats = replace(stats, _lock=threading.Lock())
+            stats.settle()
+            self.prefill_stats = replace(stats, _lock=threading.Lock(), _pending=[])
             stats.reset()
         if self.profile is not None:
             self.prefill_profile, self.prefill_tokens = self.profile.snapshot(), len(ids)

@@ -18,16 +18,32 @@ class ExpertStats:
     bytes_copied: int = 0
     model_seconds: float = 0.0  # the cost model's time for the routed experts of every step
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # counts still on a GPU ((field, 0-d tensor)): read back when the statistics are read, not on the hot path
+    _pending: list[tuple[str, Any]] = field(default_factory=list, repr=False, compare=False)
 
     def add(self, **counts: float) -> None:
         with self._lock:
             for k, v in counts.items():
                 setattr(self, k, getattr(self, k) + v)
 
+    def add_on_device(self, name: str, count: Any) -> None:
+        """A count that is a 0-d device tensor: reading it now would stall the stream, so it is summed into
+        `name` by settle() (which to_json calls)."""
+        with self._lock:
+            self._pending.append((name, count))
+
+    def settle(self) -> None:
+        """Reads back the device counts added since the last settle."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            for name, count in pending:
+                setattr(self, name, getattr(self, name) + int(count))
+
     def reset(self) -> None:
         with self._lock:
             self.tokens = self.hits = self.misses = self.staged = self.cpu_experts = self.resident = 0
             self.bytes_copied, self.model_seconds = 0, 0.0
+            self._pending = []
 
     @property
     def hit_rate(self) -> float:
@@ -35,6 +51,7 @@ class ExpertStats:
         return self.hits / lookups if lookups else 0.0
 
     def to_json(self) -> dict[str, Any]:
+        self.settle()
         per = max(self.tokens, 1)
         return {"tokens": self.tokens, "hits": self.hits, "misses": self.misses, "staged": self.staged,
                 "cpu_experts": self.cpu_experts, "resident": self.resident, "hit_rate": round(self.hit_rate, 4),

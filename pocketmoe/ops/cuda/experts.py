@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from pocketmoe.layers.experts import ExpertWeights
     from pocketmoe.ops.cuda.backend import Launcher
 
+SMALL_PAIRS = 64  # up to this many pairs the grid is sized for all of them in one group, with no read-back
+
 
 def reads(store: ExpertStore) -> bool:
     """Whether the kernels read gate, up and down of this store (types with a kernel, column counts)."""
@@ -52,14 +54,16 @@ class CudaExpertKernels:
 
     def groups(self, which: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """offsets [n + 1], tokens [P] (pair indices grouped by expert, in pair order within one), slots [P]
-        (zeros: top_k 1) as int32 on which's device, and the largest group (read back: one sync)."""
+        (zeros: top_k 1) as int32 on which's device, and a bound on the largest group: P itself up to
+        SMALL_PAIRS pairs (a decode step's: the tiles past a group's end exit at once, which costs less than
+        the stream stall of a read-back), else the largest group read back (one sync)."""
         dev = which.device
         order = torch.argsort(which, stable=True)
         counts = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, which, torch.ones_like(which))
         offsets = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         offsets[1:] = torch.cumsum(counts, 0)
         # the largest group sizes the grid; while a CUDA graph is captured it cannot be read back: every pair
-        largest = len(which) if capturing() else int(counts.max())
+        largest = len(which) if len(which) <= SMALL_PAIRS or capturing() else int(counts.max())
         return offsets, order.to(torch.int32), torch.zeros_like(order, dtype=torch.int32), largest
 
     def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
