@@ -334,6 +334,83 @@ class _FakeEvent:
         self.api.log.append(("sync", self.id))
 
 
+class _GpuTensor:
+    """Stands in for a CUDA tensor: the launcher reads only is_cuda, device and data_ptr()."""
+
+    is_cuda, device = True, "cuda:0"
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def test_cupy_launcher_host_path_on_a_fake_cupy(monkeypatch) -> None:
+    """CupyLauncher's host side without a GPU: CuPy replaced by a recorder, torch's current device and stream by
+    stand-ins. Each kernel is fetched from its module once however often it runs (a new RawKernel and a driver
+    lookup per launch cost as much as the launch); scalars are packed by their C parameter type, pointers as the
+    tensors' addresses, a list as one pointer array made once per address list; the launch names torch's
+    current stream, itself wrapped once; a host tensor or a wrong argument count is refused."""
+    import sys
+
+    from pocketmoe.ops.cuda.backend import CupyLauncher
+
+    modules, fetched, launches, wrapped = [], [], [], []
+
+    class FakeModule:
+        def __init__(self, code: str, options: tuple) -> None:
+            assert "--std=c++17" in options and "__global__" in code
+            modules.append(self)
+
+        def get_function(self, name: str):  # noqa: ANN202
+            fetched.append(name)
+            return lambda grid, block, args, shared_mem=0, stream=None: launches.append(
+                (name, grid, block, args, shared_mem, stream))
+
+    def external_stream(handle: int) -> tuple:
+        wrapped.append(handle)
+        return ("stream", handle)
+
+    fake = SimpleNamespace(RawModule=FakeModule, cuda=SimpleNamespace(Device=lambda d: contextlib.nullcontext(),
+                                                                      ExternalStream=external_stream))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    stream = SimpleNamespace(cuda_stream=0xABC)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    launch = CupyLauncher()
+    arrays: list[tuple] = []
+
+    def pointer_array(ptrs: tuple, device: int) -> _GpuTensor:
+        arrays.append(ptrs)
+        return _GpuTensor(0x9000 + len(arrays))
+
+    monkeypatch.setattr(launch, "_pointer_array", pointer_array)
+    w, q, d, s, y = (_GpuTensor(0x1000 * (i + 1)) for i in range(5))
+    for _ in range(3):
+        launch("matmul.cu", "gemv_q4_k", (4, 1, 1), (128, 1, 1), [w, q, d, s, y, 16, 256, 1], 0)
+    assert fetched == ["gemv_q4_k"] and len(modules) == 1 and wrapped == [0xABC]
+    name, grid, block, args, shm, st = launches[-1]
+    assert (name, grid, block, shm, st) == ("gemv_q4_k", (4, 1, 1), (128, 1, 1), 0, ("stream", 0xABC))
+    assert [type(a) for a in args] == [np.uint64] * 5 + [np.int32] * 3
+    assert [int(a) for a in args] == [0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 16, 256, 1]
+    experts = [_GpuTensor(0x100), _GpuTensor(0x200)]
+    launch("matmul.cu", "moe_gemm_q8_0", (1, 1, 2), (128, 1, 1),
+           [experts, d, q, s, q, d, s, y, 16, 32, 2, 1], 0)
+    assert arrays == [(0x100, 0x200)] and int(launches[-1][3][0]) == 0x9001
+    stream.cuda_stream = 0xDEF  # another current stream (a copy stream, a graph capture): wrapped once, used
+    launch("norm_rope.cu", "rms_norm_f32", (1, 1, 1), (256, 1, 1), [w, 8, w, y, 8, 8, 1e-6], 0)
+    assert launches[-1][5] == ("stream", 0xDEF) and wrapped == [0xABC, 0xDEF]
+    # rms_norm_f32(const float* x, long long ldx, const float* w, float* y, long long ldy, int d, float eps)
+    assert [type(a) for a in launches[-1][3]] == [np.uint64, np.int64, np.uint64, np.uint64, np.int64, np.int32,
+                                                 np.float32]
+    with pytest.raises(TypeError, match="gemv_q4_k argument 0 is a cpu tensor; the kernels read GPU memory"):
+        launch("matmul.cu", "gemv_q4_k", (4, 1, 1), (128, 1, 1), [torch.zeros(1), q, d, s, y, 16, 256, 1], 0)
+    with pytest.raises(TypeError, match="gemv_q4_k takes 8 arguments, 7 were given"):
+        launch("matmul.cu", "gemv_q4_k", (4, 1, 1), (128, 1, 1), [w, q, d, s, y, 16, 256], 0)
+    with pytest.raises(TypeError, match="matmul.cu has no kernel gemv_q9_k"):
+        launch("matmul.cu", "gemv_q9_k", (4, 1, 1), (128, 1, 1), [], 0)
+
 def test_copy_engine_cuda_order_on_a_fake_stream() -> None:
     """Through a slot pool of 2 slots for 4 experts (the dispatcher's calls: stage, acquire, kernel, release):
     each copy into a slot waits on the compute-stream event recorded after the last kernel that read the slot;
@@ -498,6 +575,48 @@ def _shim_runner(bundle, monkeypatch, graphs: bool = False, capture=None):  # no
     rp = RunPlacement(device="cpu", mode="all-device")
     return ModelRunner(bundle, RunnerConfig(n_ctx=64, placement=rp), ops=ops)
 
+
+# Ops that read a device tensor's values back to the host: on a GPU each waits for every kernel queued before it,
+# so the host stops queueing the next ones (item() / int() / bool(), unique, nonzero, masked selection).
+READ_BACKS = {"_local_scalar_dense", "item", "_unique2", "unique_dim", "unique_consecutive", "nonzero",
+              "masked_select", "equal"}
+
+
+def test_all_device_decode_reads_nothing_back(tiny_bundle, monkeypatch) -> None:
+    """An all-device decode step on CudaOps (under the shim) reads no device value on the host: the expert grid is
+    sized without reading the group sizes back, the distinct experts are counted on the device (settled into the
+    statistics when they are read). Prefill may read back (a chunk's largest expert group sizes its grid)."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func.overloadpacket.__name__ in READ_BACKS:
+                self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    r = _shim_runner(tiny_bundle, monkeypatch)
+    ref = _shim_runner(tiny_bundle, monkeypatch)
+    prompt = PROMPT[:6]
+    r.forward(prompt, 0)
+    ref.forward(prompt, 0)
+    r.experts.stats.reset()
+    with Reads() as reads:
+        for i in range(3):
+            logits = r.decode(11 + i, len(prompt) + i)
+    assert reads.seen == []
+    for i in range(3):
+        want = ref.decode(11 + i, len(prompt) + i)
+    assert torch.equal(logits, want)
+    # one token a step routes to K distinct experts in each MoE layer
+    st = r.experts.stats.to_json()
+    k = tiny_bundle.metadata[f"{tiny_bundle.architecture}.expert_used_count"]
+    assert st["tokens"] == 3 and st["resident"] == 3 * len(r.plan.resident) * k
 
 def test_decode_graph_host_logic_on_a_fake_capture(tiny_bundle, monkeypatch) -> None:
     """DecodeGraphs with CPU stand-ins for the CUDA calls (the "capture" runs the step; a replay runs nothing): the

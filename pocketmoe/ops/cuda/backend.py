@@ -47,6 +47,9 @@ ATT_ACC = 8  # attention.cu: value dims per thread, so value dims <= ATT_ACC * A
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', re.S)
 
 
+_PACK = {"int": np.int32, "long long": np.int64, "float": np.float32}  # a scalar parameter kind -> its packing
+
+
 def kernel_params(text: str) -> dict[str, list[str]]:
     """Each kernel's parameter kinds, from the source text: "ptr", "int", "long long" or "float"."""
     out = {}
@@ -61,7 +64,12 @@ def kernel_params(text: str) -> dict[str, list[str]]:
 
 
 class CupyLauncher:
-    """src/ kernels compiled once per source and device with CuPy RawModule, launched on torch's stream."""
+    """src/ kernels compiled once per source and device with CuPy RawModule, launched on torch's stream.
+
+    The hot path is one dict lookup for the kernel (its RawKernel and how each parameter is packed, kept per
+    source, kernel and device: RawModule.get_function would make a new RawKernel and look the function up in the
+    driver at every call), the arguments packed, and the launch with the stream passed to it (no stream or device
+    context to enter and leave)."""
 
     def __init__(self) -> None:
         import cupy
@@ -73,6 +81,8 @@ class CupyLauncher:
         inc = cuda_include_dir()
         self.options = ("--std=c++17", f"-I{SRC}") + ((f"-I{inc}",) if inc else ())
         self._modules: dict[tuple[str, int], tuple[Any, dict[str, list[str]]]] = {}
+        self._kernels: dict[tuple[str, str, int], tuple[Any, list[Any]]] = {}  # -> (RawKernel, packers)
+        self._streams: dict[int, Any] = {}  # torch stream handle -> its cupy ExternalStream
         self._ptr_arrays: dict[tuple[int, ...], torch.Tensor] = {}  # addresses -> their device vector
 
     def _module(self, source: str, device: int) -> tuple[Any, dict[str, list[str]]]:
@@ -83,29 +93,45 @@ class CupyLauncher:
                 self._modules[key] = (self.cp.RawModule(code=text, options=self.options), kernel_params(text))
         return self._modules[key]
 
+    def _kernel(self, source: str, kernel: str, device: int) -> tuple[Any, list[Any]]:
+        key = (source, kernel, device)
+        got = self._kernels.get(key)
+        if got is None:
+            module, params = self._module(source, device)
+            if kernel not in params:
+                raise TypeError(f"{source} has no kernel {kernel}; it has {', '.join(sorted(params))}")
+            with self.cp.cuda.Device(device):
+                fn = module.get_function(kernel)  # compiles the module on first use, loads it on this device
+            packers = [None if kind == "ptr" else _PACK[kind] for kind in params[kernel]]
+            got = self._kernels[key] = (fn, packers)
+        return got
+
+    def _stream(self) -> Any:
+        handle = torch.cuda.current_stream().cuda_stream
+        got = self._streams.get(handle)
+        if got is None:
+            got = self._streams[handle] = self.cp.cuda.ExternalStream(handle)
+        return got
+
     def __call__(self, source: str, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
                  args: Sequence[Any], shared_mem: int = 0) -> None:
         device = torch.cuda.current_device()
-        module, params = self._module(source, device)
-        kinds = params[kernel]
-        if len(kinds) != len(args):
-            raise TypeError(f"{kernel} takes {len(kinds)} arguments, {len(args)} were given")
-        keep, packed = [], []
-        for i, (kind, a) in enumerate(zip(kinds, args, strict=True)):
-            if kind == "ptr":
-                if isinstance(a, (list, tuple)):  # pointer array: a device vector of addresses
-                    if any(t.device.type != "cuda" for t in a):
-                        raise TypeError(f"{kernel} argument {i}: a pointer array of tensors not all on the GPU")
-                    a = self._pointer_array(tuple(t.data_ptr() for t in a), device)
-                    keep.append(a)
-                elif a.device.type != "cuda":  # a host address would be read as a device one
-                    raise TypeError(f"{kernel} argument {i} is a {a.device} tensor; the kernels read GPU memory")
-                packed.append(np.uint64(a.data_ptr()))
-            else:
-                packed.append({"int": np.int32, "long long": np.int64, "float": np.float32}[kind](a))
-        stream = self.cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        with self.cp.cuda.Device(device), stream:
-            module.get_function(kernel)(tuple(grid), tuple(block), tuple(packed), shared_mem=shared_mem)
+        fn, packers = self._kernel(source, kernel, device)
+        if len(packers) != len(args):
+            raise TypeError(f"{kernel} takes {len(packers)} arguments, {len(args)} were given")
+        packed = []
+        for i, (pack, a) in enumerate(zip(packers, args, strict=True)):
+            if pack is not None:
+                packed.append(pack(a))
+                continue
+            if isinstance(a, (list, tuple)):  # pointer array: a device vector of addresses
+                if not all(t.is_cuda for t in a):
+                    raise TypeError(f"{kernel} argument {i}: a pointer array of tensors not all on the GPU")
+                a = self._pointer_array(tuple(t.data_ptr() for t in a), device)
+            elif not a.is_cuda:  # a host address would be read as a device one
+                raise TypeError(f"{kernel} argument {i} is a {a.device} tensor; the kernels read GPU memory")
+            packed.append(np.uint64(a.data_ptr()))
+        fn(tuple(grid), tuple(block), tuple(packed), shared_mem=shared_mem, stream=self._stream())
 
     def _pointer_array(self, ptrs: tuple[int, ...], device: int) -> torch.Tensor:
         """The device vector of these addresses, made once (a slot pool's or a bank's list repeats every step).
@@ -146,6 +172,8 @@ class CudaOps(ReferenceOps):
         self._step: tuple[object, tuple[torch.Tensor, ...]] = (None, ())
         # (id(host vector), device) -> (it, its device copy)
         self._vectors: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._groups: dict[tuple[int, int, torch.device], tuple[torch.Tensor, ...]] = {}  # _head_groups
+        self._heads: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # id(w) -> (w, its per-head views)
         self.graphs: Any = None  # graphs.DecodeGraphs when CUDA graphs are on (enable_graphs)
         self._ctx: StepContext | None = None  # the step run() is running
 
@@ -173,12 +201,16 @@ class CudaOps(ReferenceOps):
     def enter_layer(self, layer: int, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._layers:
             self._use(*self._layers[layer])
-        return tuple(t.to(self.device) for t in ts)
+        return tuple(self._here(t) for t in ts)
 
     def enter_head(self, x: torch.Tensor) -> torch.Tensor:
         if self._head is not None:
             self._use(*self._head)
-        return x.to(self.device)
+        return self._here(x)
+
+    def _here(self, t: torch.Tensor) -> torch.Tensor:
+        """t on the current device (t itself when it is there: no op dispatched, which costs on the hot path)."""
+        return t if t.device == self.device else t.to(self.device)
 
     # -- placement of what the kernels read --------------------------------------------------------
     def on_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -215,7 +247,7 @@ class CudaOps(ReferenceOps):
         return raw.to(self.device).contiguous()
 
     def _acts(self, x: torch.Tensor, block: int) -> list[torch.Tensor]:
-        return matmul.quantize_activations(self.launch, x.to(self.device), block)
+        return matmul.quantize_activations(self.launch, self._here(x), block)
 
     def _matmul(self, w: torch.Tensor, layer: QuantLinear, acts: list[torch.Tensor]) -> torch.Tensor:
         """y [T, O] from quantized activations: the GEMV for a few tokens, the one-group GEMM beyond (the same
@@ -271,12 +303,28 @@ class CudaOps(ReferenceOps):
         if t == 0:
             return out.view(t, h, o)
         acts = self._acts(x.reshape(t * h, -1), matmul.activation_block(layer.ggml_type))
-        offsets = torch.arange(0, (h + 1) * t, t, dtype=torch.int32, device=dev)
-        tokens = torch.arange(t, dtype=torch.int32, device=dev).repeat(h)
-        slots = torch.arange(h, dtype=torch.int32, device=dev).repeat_interleave(t)
-        matmul.moe_gemm(self.launch, [w[i] for i in range(h)], layer.ggml_type, o, layer.in_features, offsets,
-                        tokens, slots, acts, h, out, act_by_pair=True, max_pairs=t)
+        offsets, tokens, slots = self._head_groups(t, h, dev)
+        got = self._heads.get(id(w))
+        if got is None or got[0] is not w:  # the pointer array's entries, made once per weight
+            got = self._heads[id(w)] = (w, [w[i] for i in range(h)])
+        matmul.moe_gemm(self.launch, got[1], layer.ggml_type, o, layer.in_features, offsets, tokens, slots, acts, h,
+                        out, act_by_pair=True, max_pairs=t)
         return out.view(t, h, o)
+
+    def _head_groups(self, t: int, h: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """offsets [H + 1], tokens [T*H], slots [T*H] of a per-head GEMM: group i holds the T pairs (t, i). Made
+        once per (T, H, device); not kept when made while a CUDA graph is captured (its kernels have not run)."""
+        key = (t, h, dev)
+        got = self._groups.get(key)
+        if got is None:
+            got = (torch.arange(0, (h + 1) * t, t, dtype=torch.int32, device=dev),
+                   torch.arange(t, dtype=torch.int32, device=dev).repeat(h),
+                   torch.arange(h, dtype=torch.int32, device=dev).repeat_interleave(t))
+            if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                if len(self._groups) >= 256:
+                    self._groups.clear()
+                self._groups[key] = got
+        return got
 
     def embed(self, table: QuantEmbedding, tokens: np.ndarray) -> torch.Tensor:  # [T] -> [T, D]
         """The rows looked up on the host (the table stays in host memory), uploaded."""

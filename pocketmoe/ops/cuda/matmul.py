@@ -44,10 +44,26 @@ def _kernel(ggml_type: int, cols: int) -> tuple[str, int]:
     return name, bv
 
 
+_placeholders: dict[torch.device, torch.Tensor] = {}
+
+
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """The Q8_0 path's unused sums argument: one int16 per device, made once (never while a graph is captured)."""
+    got = _placeholders.get(device)
+    if got is None:
+        got = torch.zeros(1, dtype=torch.int16, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _placeholders[device] = got
+    return got
+
+
 def quantize_activations(launch: Launcher, x: torch.Tensor, block: int) -> list[torch.Tensor]:
     """x float32 [R, I] -> the activation arguments of a `block`-value weight type: [q, d, sums] (Q8_K, 256),
     [q, d, unused] (Q8_0, 32) or [x] (float weights, 1). One quantization per row, reused by every matmul."""
-    x = x.contiguous().float()
+    if x.dtype != torch.float32:
+        x = x.float()
+    if not x.is_contiguous():
+        x = x.contiguous()
     if block == 1:
         return [x]
     r, n = x.shape
@@ -57,7 +73,7 @@ def quantize_activations(launch: Launcher, x: torch.Tensor, block: int) -> list[
     q = torch.empty((r, n), dtype=torch.int8, device=x.device)
     d = torch.empty((r, n // block), dtype=torch.float32, device=x.device)
     if block == 32:
-        unused = torch.zeros(1, dtype=torch.int16, device=x.device)
+        unused = _placeholder(x.device)
         launch(SOURCE, "quantize_q8_0", (math.ceil(n // 32 / (THREADS // 32)), r, 1), (THREADS, 1, 1), [x, q, d, n], 0)
         return [q, d, unused]
     sums = torch.empty((r, n // 16), dtype=torch.int16, device=x.device)
