@@ -45,6 +45,10 @@ LOG=$OUT_DIR/gpu_check.log
 : > "$LOG"
 log() { echo "[gpu_check $(date -u +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
 die() { log "FAILED: $*"; exit 1; }
+# Every step ends by DEADLINE seconds into the run, so the summary is written inside the device call's 10 minutes
+# even when a step hangs: budget N prints the timeout a step gets (at most N seconds, never past the deadline).
+DEADLINE=${GPU_CHECK_DEADLINE:-540}
+budget() { local left=$((DEADLINE - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
 export PYTHONUNBUFFERED=1
 
 # ---- 1. environment: what the machine has, plus .whl/ -----------------------------------------------------------
@@ -94,7 +98,7 @@ TESTS=(tests/test_cuda_ops.py tests/test_cuda_backend.py tests/test_cuda_runtime
 if [ "$DRY" = 1 ]; then SEL=(-k "not gpu and not every_barrier"); else SEL=(-k "gpu or runtime"); fi
 log "pytest ${TESTS[*]} ${SEL[*]}"
 set +e
-timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider "${SEL[@]}" "${TESTS[@]}" > "$OUT_DIR/pytest.log" 2>&1
+timeout "$(budget 300)" "$PY" -m pytest -q -x -p no:cacheprovider "${SEL[@]}" "${TESTS[@]}" > "$OUT_DIR/pytest.log" 2>&1
 TEST_RC=$?
 set -e
 tail -n 3 "$OUT_DIR/pytest.log" | tee -a "$LOG" >&2
@@ -110,11 +114,12 @@ if [ "$DRY" = 1 ]; then
 else
   DEV=cuda; HETERO_GIB=4; LEN=(--prompt-tokens 256 --gen-tokens 32)
 fi
+BENCH_S=240  # seconds a bench may take (the profile's, later, less)
 bench() {  # name, env assignment or "", flags...
   local name=$1 envset=$2; shift 2
   log "bench $name: $*"
   # shellcheck disable=SC2086 # $envset is one NAME=value word or none
-  if ! env $envset timeout 240 "$PY" -m pocketmoe.bench --model "$MODEL" "${LEN[@]}" --repeats 1 --json "$@" \
+  if ! env $envset timeout "$(budget "$BENCH_S")" "$PY" -m pocketmoe.bench --model "$MODEL" "${LEN[@]}" --repeats 1 --json "$@" \
       > "$OUT_DIR/bench_$name.json" 2>> "$LOG"; then
     log "bench $name failed (see gpu_check.log)"
     echo '{"error": "bench failed; see gpu_check.log"}' > "$OUT_DIR/bench_$name.json"
@@ -129,7 +134,7 @@ if [ "$DRY" = 0 ]; then bench graphs POCKETMOE_CUDA_GRAPHS=1 --device cuda --mod
 # The collective runs even at world size 1 (the model skips it there): the per-call latency floor, projected on paper
 # to 2 and 4 GPUs over PCIe at the measured host-to-device bandwidth stand-in (--pcie-gbps; the V2-Lite shapes).
 log "TP=1 all-reduce cost: torchrun --nproc-per-node 1 -m pocketmoe.parallel.commbench"
-timeout 120 "$PY" -m torch.distributed.run --nproc-per-node 1 -m pocketmoe.parallel.commbench --hidden 2048 \
+timeout "$(budget 120)" "$PY" -m torch.distributed.run --nproc-per-node 1 -m pocketmoe.parallel.commbench --hidden 2048 \
   --layers 27 --tokens 1,512 --json > "$WORK/tp_comm.json" 2>> "$LOG" || log "the TP=1 all-reduce run failed"
 
 # ---- 6. while time is left: the matmul kernels alone, and where all-device decode's time goes op by op ------------
@@ -145,12 +150,13 @@ fi
 if [ "$SECONDS" -gt 360 ]; then log "kernel bench and op profile: skipped (${SECONDS} s gone)"; else
   log "kernel bench: python -m pocketmoe.ops.cuda.kernelbench ${KB[*]}"
   set +e
-  timeout 90 "$PY" -m pocketmoe.ops.cuda.kernelbench "${KB[@]}" --json > "$KERNELS.part" 2>> "$LOG"
+  timeout "$(budget 90)" "$PY" -m pocketmoe.ops.cuda.kernelbench "${KB[@]}" --json > "$KERNELS.part" 2>> "$LOG"
   rc=$?
   set -e
   if [ -s "$KERNELS.part" ]; then mv "$KERNELS.part" "$KERNELS"; fi  # exit 1 (a wrong kernel) still reports
   [ "$rc" = 0 ] || log "kernel bench: exit $rc (1: a kernel's output was wrong, the report says which; 124: out of time)"
   LEN=(--prompt-tokens 64 --gen-tokens 8)
+  BENCH_S=90
   bench profile "" --device "$DEV" --mode all-device --profile
 fi
 
@@ -166,7 +172,7 @@ if [ "$DRY" = 0 ] && [ -n "$SANITIZER" ]; then
     if [ "$SECONDS" -gt 420 ]; then log "compute-sanitizer $tool: skipped (${SECONDS} s gone)"; continue; fi
     log "compute-sanitizer --tool $tool on the GPU op tests"
     set +e
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 100 "$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20 \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(budget 100)" "$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20 \
       "$PY" -m pytest -q -x -p no:cacheprovider -k gpu tests/test_cuda_ops.py tests/test_cuda_backend.py \
       > "$WORK/sanitizer_$tool.log" 2>&1
     rc=$?

@@ -251,3 +251,19 @@ def _trace_compute(bank: DispatchExperts, events: list, lock: threading.Lock) ->
 
     bank.device_kernels = type("Traced", (), {"outputs": staticmethod(traced), "name": "traced",
                                               "combine": bank.device_kernels.combine})()
+
+
+def test_device_counts_settle_when_read_and_stay_one_sum():
+    """ExpertStats.add_on_device keeps one running device sum per field (however many steps add before anyone
+    reads), to_json reads it back into the field, reset drops it."""
+    from pocketmoe.experts import ExpertStats
+
+    st = ExpertStats()
+    st.add(resident=2)
+    for i in range(1000):
+        st.add_on_device("resident", torch.tensor(i % 4))
+    assert len(st._pending) == 1 and st.resident == 2
+    assert st.to_json()["resident"] == 2 + sum(i % 4 for i in range(1000)) and st._pending == {}
+    st.add_on_device("resident", torch.tensor(5))
+    st.reset()
+    assert st.to_json()["resident"] == 0

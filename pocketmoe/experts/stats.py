@@ -18,8 +18,9 @@ class ExpertStats:
     bytes_copied: int = 0
     model_seconds: float = 0.0  # the cost model's time for the routed experts of every step
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    # counts still on a GPU ((field, 0-d tensor)): read back when the statistics are read, not on the hot path
-    _pending: list[tuple[str, Any]] = field(default_factory=list, repr=False, compare=False)
+    # counts still on a device, one running 0-d tensor per (field, device): read back when the statistics are read,
+    # not on the hot path
+    _pending: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, **counts: float) -> None:
         with self._lock:
@@ -27,23 +28,26 @@ class ExpertStats:
                 setattr(self, k, getattr(self, k) + v)
 
     def add_on_device(self, name: str, count: Any) -> None:
-        """A count that is a 0-d device tensor: reading it now would stall the stream, so it is summed into
-        `name` by settle() (which to_json calls)."""
+        """A count that is a 0-d device tensor: reading it now would stall the stream, so it is added on the device
+        (one running sum per field and device, however long nobody reads) and into `name` by settle(), which
+        to_json calls."""
+        key = (name, str(count.device))
         with self._lock:
-            self._pending.append((name, count))
+            got = self._pending.get(key)
+            self._pending[key] = count if got is None else got + count
 
     def settle(self) -> None:
         """Reads back the device counts added since the last settle."""
         with self._lock:
-            pending, self._pending = self._pending, []
-            for name, count in pending:
+            pending, self._pending = self._pending, {}
+            for (name, _), count in pending.items():
                 setattr(self, name, getattr(self, name) + int(count))
 
     def reset(self) -> None:
         with self._lock:
             self.tokens = self.hits = self.misses = self.staged = self.cpu_experts = self.resident = 0
             self.bytes_copied, self.model_seconds = 0, 0.0
-            self._pending = []
+            self._pending = {}
 
     @property
     def hit_rate(self) -> float:
