@@ -235,6 +235,23 @@ def test_expert_kernels_match_the_per_expert_linear_chain(sub, name: str) -> Non
                                ReferenceKernels(None).combine(contrib, weights), rtol=0, atol=0)
 
 
+
+@pytest.mark.parametrize(("p", "n"), [(1, 5), (6, 64), (17, 33), (48, 256), (64, 8), (64, 1), (65, 64), (300, 256)])
+def test_expert_groups_are_a_stable_sort_by_expert(sub, p: int, n: int) -> None:
+    """CudaExpertKernels.groups against torch's stable argsort: up to 64 pairs the one-warp group_pairs kernel
+    (route.cu; several rounds of 32 experts when n > 32, empty groups, every pair in one group), beyond it the
+    torch path; either way the grid bound covers the largest group."""
+    ops, dev = sub
+    k = CudaExpertKernels(ops.launch)
+    gen = torch.Generator().manual_seed(p * 1000 + n)
+    which = torch.randint(0, n, (p,), generator=gen) if n > 8 else torch.full((p,), n - 1)
+    offsets, tokens, slots, largest = k.groups(which.to(dev), n)
+    counts = torch.bincount(which, minlength=n)
+    assert offsets.dtype == tokens.dtype == slots.dtype == torch.int32
+    assert offsets.cpu().tolist() == [0, *torch.cumsum(counts, 0).tolist()]
+    assert tokens.cpu().tolist() == torch.argsort(which, stable=True).tolist()
+    assert slots.cpu().tolist() == [0] * p and largest >= int(counts.max())
+
 def test_expert_kernels_float_store_match_the_reference_kernels(sub) -> None:
     """F32 experts (float activations, nothing quantized): the torch reference's expert MLP, within fp32."""
     ops, dev = sub

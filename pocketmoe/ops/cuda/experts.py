@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from pocketmoe.layers.experts import ExpertWeights
     from pocketmoe.ops.cuda.backend import Launcher
 
-SMALL_PAIRS = 64  # up to this many pairs the grid is sized for all of them in one group, with no read-back
+SMALL_PAIRS = 64  # up to this many pairs: grouped by one kernel launch, the grid sized for P (no read-back)
 
 
 def reads(store: ExpertStore) -> bool:
@@ -44,6 +44,7 @@ class CudaExpertKernels:
         self.launch = launch
         # id(store) -> (store, per weight: the list of expert views the pointer array is made of)
         self._views: dict[int, tuple[ExpertStore, tuple[list[torch.Tensor], ...]]] = {}
+        self._slot_zeros: dict[tuple[int, torch.device], torch.Tensor] = {}  # _zeros
 
     def _experts(self, store: ExpertStore) -> tuple[list[torch.Tensor], ...]:
         got = self._views.get(id(store))
@@ -54,17 +55,40 @@ class CudaExpertKernels:
 
     def groups(self, which: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """offsets [n + 1], tokens [P] (pair indices grouped by expert, in pair order within one), slots [P]
-        (zeros: top_k 1) as int32 on which's device, and a bound on the largest group: P itself up to
-        SMALL_PAIRS pairs (a decode step's: the tiles past a group's end exit at once, which costs less than
-        the stream stall of a read-back), else the largest group read back (one sync)."""
-        dev = which.device
+        (zeros: top_k 1) as int32 on which's device (int64), and a bound on the largest group.
+
+        Up to SMALL_PAIRS pairs (a decode step's) one launch sorts them (route.cu group_pairs; torch's sort,
+        counts and scan are a dozen ops of host overhead) and P bounds the largest group: the tiles past a
+        group's end exit at once, which costs less than the stream stall of a read-back. Beyond, torch's stable
+        argsort, and the largest group read back (one sync; while a CUDA graph is captured, P)."""
+        dev, p = which.device, len(which)
+        slots = self._zeros(p, dev)
+        if p <= SMALL_PAIRS:
+            offsets = torch.zeros(n + 1, dtype=torch.int32, device=dev) if p == 0 else \
+                torch.empty(n + 1, dtype=torch.int32, device=dev)
+            order = torch.empty(p, dtype=torch.int32, device=dev)
+            if p:
+                self.launch("route.cu", "group_pairs", (1, 1, 1), (32, 1, 1), [which.contiguous(), p, n, offsets,
+                                                                              order], 0)
+            return offsets, order, slots, p
         order = torch.argsort(which, stable=True)
         counts = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, which, torch.ones_like(which))
         offsets = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         offsets[1:] = torch.cumsum(counts, 0)
-        # the largest group sizes the grid; while a CUDA graph is captured it cannot be read back: every pair
-        largest = len(which) if len(which) <= SMALL_PAIRS or capturing() else int(counts.max())
-        return offsets, order.to(torch.int32), torch.zeros_like(order, dtype=torch.int32), largest
+        largest = p if capturing() else int(counts.max())
+        return offsets, order.to(torch.int32), slots, largest
+
+    def _zeros(self, p: int, dev: torch.device) -> torch.Tensor:
+        """int32 zeros [P] (the slots of top_k 1), kept per size up to SMALL_PAIRS (not when made while a CUDA
+        graph is captured: its kernels have not run)."""
+        if p > SMALL_PAIRS:
+            return torch.zeros(p, dtype=torch.int32, device=dev)
+        got = self._slot_zeros.get((p, dev))
+        if got is None:
+            got = torch.zeros(p, dtype=torch.int32, device=dev)
+            if not capturing():
+                self._slot_zeros[(p, dev)] = got
+        return got
 
     def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
         """x [P, D] float32, which [P] (expert or slot of `store`) -> [P, D] float32, unweighted."""

@@ -101,3 +101,34 @@ extern "C" __global__ void route_f32(const float* __restrict__ logits, const flo
     }
   }
 }
+
+// The pairs of a step grouped by expert, for the grouped expert GEMM (ops.cuda.experts CudaExpertKernels.groups)
+// when a step has few of them: one warp (grid 1, blockDim.x = 32), no shared memory. which[P] holds each pair's
+// expert (or slot), in [0, n). offsets[n + 1] gets the start of each expert's group (offsets[n] = P) and order[P]
+// the pair indices grouped by expert, ascending, in pair order within a group: a stable counting sort, the order
+// torch.argsort(which, stable=True) gives. Lane l counts experts l, l + 32, ...; a warp scan of the counts places
+// each round of 32 experts after the pairs of the rounds before.
+extern "C" __global__ void group_pairs(const long long* __restrict__ which, int p, int n,
+                                       int32_t* __restrict__ offsets, int32_t* __restrict__ order) {
+  const int lane = threadIdx.x;
+  int base = 0;
+  for (int e0 = 0; e0 < n; e0 += WARP) {
+    const int e = e0 + lane;
+    int count = 0;
+    if (e < n)
+      for (int i = 0; i < p; ++i) count += which[i] == e;
+    int incl = count;  // inclusive scan of the counts over the warp
+    for (int d = 1; d < WARP; d <<= 1) {
+      const int v = __shfl_up_sync(FULL_MASK, incl, d);
+      if (lane >= d) incl += v;
+    }
+    if (e < n) {
+      int at = base + incl - count;
+      offsets[e] = at;
+      for (int i = 0; i < p; ++i)
+        if (which[i] == e) order[at++] = i;
+    }
+    base += __shfl_sync(FULL_MASK, incl, WARP - 1);
+  }
+  if (lane == 0) offsets[n] = base;
+}
