@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,6 +184,35 @@ def test_slowed_copies_never_race(bundle):
     copies = [t for kind, t in events if kind == "copy"]
     assert any(t < e and t + 0.003 > s for s, e in spans for t in copies)
 
+
+
+def test_cpu_experts_read_their_inputs_before_the_device_work_is_queued(bundle):
+    """On a GPU a read of device memory waits for every kernel queued before it: the CPU experts' rows and ids
+    come to the host before the layer queues its hits and staged experts (so the CPU runs while the device
+    does), and the worker is handed those host copies, never the device tensors."""
+    backend = BACKENDS[0]
+    logits, _ = baseline(bundle, backend)
+    r = runner(bundle, backend, "heterogeneous")
+    events: dict[int, list[str]] = {}  # bank -> what it did, in order (one call each: one prefill forward)
+    for bank in [b for b in _banks(r) if isinstance(b, DispatchExperts)]:
+        log = events[id(bank)] = []
+        outputs, submit = bank.device_kernels.outputs, bank.worker.submit
+
+        def device(store, x, which, outputs=outputs, log=log):  # noqa: ANN001, ANN202
+            log.append("device")
+            return outputs(store, x, which)
+
+        def recorded(fn, host_x, which, device, submit=submit, log=log):  # noqa: ANN001, ANN202
+            # the CPU pairs' own rows, gathered and copied before the submit (not the layer's input to gather later)
+            assert host_x.device.type == "cpu" and which.device.type == "cpu" and host_x.shape[0] == which.shape[0]
+            log.append("submit")
+            return submit(fn, host_x, which, device)
+
+        bank.device_kernels = SimpleNamespace(outputs=device, name="traced", combine=bank.device_kernels.combine)
+        bank.worker = SimpleNamespace(submit=recorded)
+    assert torch.equal(r.forward(PROMPT, 0), logits)
+    mixed = [log for log in events.values() if "submit" in log and "device" in log]
+    assert mixed and all(log[0] == "submit" and log.count("submit") == 1 for log in mixed), events
 
 def test_the_race_test_catches_a_compute_that_does_not_wait(bundle, monkeypatch):
     """Mutation check: with acquire() not waiting for the copy, the slowed-copy run gives other logits."""

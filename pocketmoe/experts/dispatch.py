@@ -54,7 +54,10 @@ class DispatchExperts:
         job = None
         if on_cpu:
             cpu_pairs = torch.cat([pairs[e] for e in on_cpu])
-            job = self.worker.submit(self._host_outputs, x, cpu_pairs // k, flat[cpu_pairs])
+            # what the CPU experts read comes to the host now, before this layer queues any device work: the
+            # routing read above drained the stream, so these copies wait for nothing, and the CPU experts run
+            # while the device runs the hits and staged experts (a read queued behind those would wait for them)
+            job = self.worker.submit(self._host_run, x[cpu_pairs // k].cpu(), flat[cpu_pairs].cpu(), x.device)
         late = self._device(x, k, pairs, [e for e in experts if paths[e] == HIT],
                             [a.expert for a in sorted(active, key=lambda a: (-a.tokens, a.expert))
                              if paths[a.expert] == STAGE], contrib)
@@ -73,8 +76,11 @@ class DispatchExperts:
         return combiner.combine(contrib.view(t, k, -1), weights)
 
     def _host_outputs(self, x: torch.Tensor, rows: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-        host_x = x[rows].cpu()
-        return self.host_kernels.outputs(self.host, host_x, which.cpu()).to(x.device)
+        return self._host_run(x[rows].cpu(), which.cpu(), x.device)
+
+    def _host_run(self, host_x: torch.Tensor, which: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The host kernels on host rows; the result on `device`."""
+        return self.host_kernels.outputs(self.host, host_x, which).to(device)
 
     def _device_outputs(self, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         store = self.pool.store
