@@ -108,8 +108,7 @@ class DispatchExperts:
                 pool.stage(slot, e)
                 inflight.append((e, slot))
 
-        issue()  # copies start before the hits compute
-        if hits:
+        if hits:  # queued before the first copies: on a GPU the copies' host-side gather then overlaps them
             for s in hit_slots:
                 pool.acquire(s)
             hp = torch.cat([pairs[e] for e in hits])
@@ -118,7 +117,7 @@ class DispatchExperts:
             for s in hit_slots:
                 pool.release(s)
             cache.pinned.difference_update(hit_slots)
-            issue()
+        issue()
         while inflight:
             e, slot = inflight.popleft()
             pool.acquire(slot)
