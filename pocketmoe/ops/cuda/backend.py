@@ -26,6 +26,7 @@ import torch
 from pocketmoe.layers.experts import NativeExperts, ReferenceExperts
 from pocketmoe.layers.moe import GATING_SOFTMAX, WEIGHT_SUM_MIN
 from pocketmoe.ops.cuda import matmul
+from pocketmoe.ops.cuda.graphs import made_once
 from pocketmoe.ops.reference import ReferenceOps
 
 if TYPE_CHECKING:
@@ -314,17 +315,12 @@ class CudaOps(ReferenceOps):
     def _head_groups(self, t: int, h: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """offsets [H + 1], tokens [T*H], slots [T*H] of a per-head GEMM: group i holds the T pairs (t, i). Made
         once per (T, H, device); not kept when made while a CUDA graph is captured (its kernels have not run)."""
-        key = (t, h, dev)
-        got = self._groups.get(key)
-        if got is None:
-            got = (torch.arange(0, (h + 1) * t, t, dtype=torch.int32, device=dev),
-                   torch.arange(t, dtype=torch.int32, device=dev).repeat(h),
-                   torch.arange(h, dtype=torch.int32, device=dev).repeat_interleave(t))
-            if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                if len(self._groups) >= 256:
-                    self._groups.clear()
-                self._groups[key] = got
-        return got
+        if len(self._groups) >= 256:  # prefill chunks of many lengths
+            self._groups.clear()
+        return made_once(self._groups, (t, h, dev), lambda: (
+            torch.arange(0, (h + 1) * t, t, dtype=torch.int32, device=dev),
+            torch.arange(t, dtype=torch.int32, device=dev).repeat(h),
+            torch.arange(h, dtype=torch.int32, device=dev).repeat_interleave(t)))
 
     def embed(self, table: QuantEmbedding, tokens: np.ndarray) -> torch.Tensor:  # [T] -> [T, D]
         """The rows looked up on the host (the table stays in host memory), uploaded."""

@@ -18,7 +18,7 @@ import torch
 
 from pocketmoe.layers.experts import combine, swiglu
 from pocketmoe.ops.cuda import matmul
-from pocketmoe.ops.cuda.graphs import capturing
+from pocketmoe.ops.cuda.graphs import capturing, made_once
 
 if TYPE_CHECKING:
     from pocketmoe.experts.kernels import ExpertStore
@@ -79,16 +79,10 @@ class CudaExpertKernels:
         return offsets, order.to(torch.int32), slots, largest
 
     def _zeros(self, p: int, dev: torch.device) -> torch.Tensor:
-        """int32 zeros [P] (the slots of top_k 1), kept per size up to SMALL_PAIRS (not when made while a CUDA
-        graph is captured: its kernels have not run)."""
+        """int32 zeros [P] (the slots of top_k 1), kept per size up to SMALL_PAIRS."""
         if p > SMALL_PAIRS:
             return torch.zeros(p, dtype=torch.int32, device=dev)
-        got = self._slot_zeros.get((p, dev))
-        if got is None:
-            got = torch.zeros(p, dtype=torch.int32, device=dev)
-            if not capturing():
-                self._slot_zeros[(p, dev)] = got
-        return got
+        return made_once(self._slot_zeros, (p, dev), lambda: torch.zeros(p, dtype=torch.int32, device=dev))
 
     def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
         """x [P, D] float32, which [P] (expert or slot of `store`) -> [P, D] float32, unweighted."""

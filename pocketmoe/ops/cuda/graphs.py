@@ -39,6 +39,17 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def made_once(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    """cache[key], made by make() at first use: a constant device tensor of the hot path. One made while a CUDA
+    graph is captured is not kept (the graph's kernels that would fill it have not run yet)."""
+    got = cache.get(key)
+    if got is None:
+        got = make()
+        if not capturing():
+            cache[key] = got
+    return got
+
+
 def on_replay(hook: Callable[[], None]) -> None:
     """Called while capturing: `hook` runs after every replay of the graph (statistics the step counts)."""
     if _hooks is not None:

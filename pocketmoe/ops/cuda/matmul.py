@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pocketmoe.errors import PocketMoEError
+from pocketmoe.ops.cuda.graphs import made_once
 
 Launcher = Callable[[str, str, tuple[int, int, int], tuple[int, int, int], Sequence[Any], int], None]
 
@@ -44,17 +45,7 @@ def _kernel(ggml_type: int, cols: int) -> tuple[str, int]:
     return name, bv
 
 
-_placeholders: dict[torch.device, torch.Tensor] = {}
-
-
-def _placeholder(device: torch.device) -> torch.Tensor:
-    """The Q8_0 path's unused sums argument: one int16 per device, made once (never while a graph is captured)."""
-    got = _placeholders.get(device)
-    if got is None:
-        got = torch.zeros(1, dtype=torch.int16, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _placeholders[device] = got
-    return got
+_placeholders: dict[torch.device, torch.Tensor] = {}  # the Q8_0 path's unused sums argument, one per device
 
 
 def quantize_activations(launch: Launcher, x: torch.Tensor, block: int) -> list[torch.Tensor]:
@@ -73,7 +64,7 @@ def quantize_activations(launch: Launcher, x: torch.Tensor, block: int) -> list[
     q = torch.empty((r, n), dtype=torch.int8, device=x.device)
     d = torch.empty((r, n // block), dtype=torch.float32, device=x.device)
     if block == 32:
-        unused = _placeholder(x.device)
+        unused = made_once(_placeholders, x.device, lambda: torch.zeros(1, dtype=torch.int16, device=x.device))
         launch(SOURCE, "quantize_q8_0", (math.ceil(n // 32 / (THREADS // 32)), r, 1), (THREADS, 1, 1), [x, q, d, n], 0)
         return [q, d, unused]
     sums = torch.empty((r, n // 16), dtype=torch.int16, device=x.device)
