@@ -55,6 +55,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     (["--types", "q4_k,q7_k"], "no CUDA matmul kernel for q7_k; the types are"),
     (["--gemv", "8192"], "--gemv is '8192'; write 2 positive sizes joined by 'x', e.g. 1408x2048"),
     (["--tokens", "9"], "--tokens 9: each count must be 1..8"),
+    (["--experts", "4x32x512", "--top-k", "6"], "--top-k 6 is more than the 4 experts"),
     (["--device", "cuda"], "--device cuda, but "),
 ])
 def test_bad_flags_are_one_line(args, message):

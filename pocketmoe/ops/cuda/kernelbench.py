@@ -162,8 +162,6 @@ def bench_moe_gemm(name: str, experts: int, shape: Shape, chunk: int, top_k: int
     """A prefill chunk's gate (or up) projection: `chunk` tokens, each to top_k of `experts`, spread evenly."""
     from pocketmoe.testing.cuda_matmul import TYPES, grouped
 
-    if top_k > experts:
-        raise ValueError(f"--top-k {top_k} is more than the {experts} experts")
     ggml_type = TYPES[name][0]
     rng = np.random.default_rng([ggml_type, experts, chunk])
     raw0, acts, xd = _inputs(name, shape.rows, shape.cols, chunk, rng, launch, device)
@@ -202,6 +200,8 @@ def run(types: Sequence[str], gemv_shape: Shape, tokens: Sequence[int], experts:
     unknown = [t for t in types if t not in TYPES]
     if unknown:
         raise ValueError(f"no CUDA matmul kernel for {', '.join(unknown)}; the types are {', '.join(TYPES)}")
+    if top_k > experts:
+        raise ValueError(f"--top-k {top_k} is more than the {experts} experts; each token picks distinct experts")
     if launch is None:
         if device.type == "cuda":
             from pocketmoe.ops.cuda.backend import CupyLauncher
