@@ -102,7 +102,6 @@ def test_op_profile_accounts_for_the_time(report: dict) -> None:
         assert sum(ms.values()) <= 1e3 / rate * 1.05
 
 
-
 def test_op_profile_brackets_each_outermost_op_with_the_sync() -> None:
     """On a GPU the ops return before their kernels run: the profile syncs before and after each outermost op
     (a nested op adds none), so what it times is the kernels'."""
@@ -127,6 +126,7 @@ def test_op_profile_brackets_each_outermost_op_with_the_sync() -> None:
     ops.linear(2)
     assert events == ["sync", "rms_norm", "linear", "sync", "sync", "linear", "sync"]
     assert prof.snapshot()["calls"] == {"rms_norm": 1, "linear": 1}
+
 
 def test_prompt_ids_deterministic_and_ordinary() -> None:
     allowed = list(range(100, 200))

@@ -235,7 +235,6 @@ def test_expert_kernels_match_the_per_expert_linear_chain(sub, name: str) -> Non
                                ReferenceKernels(None).combine(contrib, weights), rtol=0, atol=0)
 
 
-
 @pytest.mark.parametrize(("p", "n"), [(1, 5), (6, 64), (17, 33), (48, 256), (64, 8), (64, 1), (65, 64), (300, 256)])
 def test_expert_groups_are_a_stable_sort_by_expert(sub, p: int, n: int) -> None:
     """CudaExpertKernels.groups against torch's stable argsort: up to 64 pairs the one-warp group_pairs kernel
@@ -251,6 +250,7 @@ def test_expert_groups_are_a_stable_sort_by_expert(sub, p: int, n: int) -> None:
     assert offsets.cpu().tolist() == [0, *torch.cumsum(counts, 0).tolist()]
     assert tokens.cpu().tolist() == torch.argsort(which, stable=True).tolist()
     assert slots.cpu().tolist() == [0] * p and largest >= int(counts.max())
+
 
 def test_expert_kernels_float_store_match_the_reference_kernels(sub) -> None:
     """F32 experts (float activations, nothing quantized): the torch reference's expert MLP, within fp32."""
@@ -427,6 +427,7 @@ def test_cupy_launcher_host_path_on_a_fake_cupy(monkeypatch) -> None:
         launch("matmul.cu", "gemv_q4_k", (4, 1, 1), (128, 1, 1), [w, q, d, s, y, 16, 256], 0)
     with pytest.raises(TypeError, match="matmul.cu has no kernel gemv_q9_k"):
         launch("matmul.cu", "gemv_q9_k", (4, 1, 1), (128, 1, 1), [], 0)
+
 
 def test_copy_engine_cuda_order_on_a_fake_stream() -> None:
     """Through a slot pool of 2 slots for 4 experts (the dispatcher's calls: stage, acquire, kernel, release):
@@ -634,6 +635,7 @@ def test_all_device_decode_reads_nothing_back(tiny_bundle, monkeypatch) -> None:
     st = r.experts.stats.to_json()
     k = tiny_bundle.metadata[f"{tiny_bundle.architecture}.expert_used_count"]
     assert st["tokens"] == 3 and st["resident"] == 3 * len(r.plan.resident) * k
+
 
 def test_decode_graph_host_logic_on_a_fake_capture(tiny_bundle, monkeypatch) -> None:
     """DecodeGraphs with CPU stand-ins for the CUDA calls (the "capture" runs the step; a replay runs nothing): the

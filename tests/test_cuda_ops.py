@@ -25,25 +25,10 @@ from pocketmoe.ops import cuda, make_ops
 from pocketmoe.ops.cuda.backend import CudaOps, kernel_params
 from pocketmoe.ops.cuda.compile import SRC
 from pocketmoe.ops.reference import ReferenceOps, rms_norm_rows
-from pocketmoe.testing.cuda_shim import ShimModule, parse_kernels, shim_unavailable_reason
+from pocketmoe.testing.cuda_shim import ShimLauncher, ShimModule, parse_kernels, shim_unavailable_reason
 
 REASON = shim_unavailable_reason()
 REF = ReferenceOps(tile_rows=None)
-
-
-class ShimLauncher:
-    """CudaOps' launcher on the CPU shim: one ShimModule per source, threads run in `order` (None: the shim's
-    default)."""
-
-    def __init__(self, order: str | None = None) -> None:
-        self.order = order
-        self.modules: dict[str, ShimModule] = {}
-
-    def __call__(self, source, kernel, grid, block, args, shared_mem=0) -> None:
-        if source not in self.modules:
-            self.modules[source] = ShimModule([source])
-        self.modules[source].launch(kernel, grid=grid, block=block, args=args, shared_mem=shared_mem,
-                                    order=self.order)
 
 
 @pytest.fixture(scope="module", params=["shim", "gpu"])
@@ -247,11 +232,11 @@ def test_results_do_not_depend_on_thread_order() -> None:
     if REASON is not None:
         pytest.skip(REASON)
     cpu = torch.device("cpu")
-    fwd = _run_attention("mla", CudaOps(None, ShimLauncher("forward")), cpu, MLA_DIMS["tiny"])
-    rev = _run_attention("mla", CudaOps(None, ShimLauncher("reverse")), cpu, MLA_DIMS["tiny"])
+    fwd = _run_attention("mla", CudaOps(None, ShimLauncher(order="forward")), cpu, MLA_DIMS["tiny"])
+    rev = _run_attention("mla", CudaOps(None, ShimLauncher(order="reverse")), cpu, MLA_DIMS["tiny"])
     assert all(torch.equal(a, b) for a, b in zip(fwd, rev, strict=True))
     cfg, x = ROUTES["v3-sigmoid-bias-groups-norm"][0], torch.randn(5, 64, generator=g(11))
     bias = 0.3 * torch.randn(cfg.n_experts, generator=g(8))
-    routed = [CudaOps(None, ShimLauncher(o)).route(Router(f32_linear(256, 64, 10, cpu), cfg, bias), x)
+    routed = [CudaOps(None, ShimLauncher(order=o)).route(Router(f32_linear(256, 64, 10, cpu), cfg, bias), x)
               for o in ("forward", "reverse")]
     assert torch.equal(routed[0][0], routed[1][0]) and torch.equal(routed[0][1], routed[1][1])

@@ -185,7 +185,6 @@ def test_slowed_copies_never_race(bundle):
     assert any(t < e and t + 0.003 > s for s, e in spans for t in copies)
 
 
-
 def test_cpu_experts_read_their_inputs_before_the_device_work_is_queued(bundle):
     """On a GPU a read of device memory waits for every kernel queued before it: the CPU experts' rows and ids
     come to the host before the layer queues its hits and staged experts (so the CPU runs while the device
@@ -213,6 +212,7 @@ def test_cpu_experts_read_their_inputs_before_the_device_work_is_queued(bundle):
     assert torch.equal(r.forward(PROMPT, 0), logits)
     mixed = [log for log in events.values() if "submit" in log and "device" in log]
     assert mixed and all(log[0] == "submit" and log.count("submit") == 1 for log in mixed), events
+
 
 def test_the_race_test_catches_a_compute_that_does_not_wait(bundle, monkeypatch):
     """Mutation check: with acquire() not waiting for the copy, the slowed-copy run gives other logits."""

@@ -45,8 +45,8 @@ from pocketmoe.testing.cuda_shim_kernels import (
 
 __all__ = ["ORDERS", "ORDER_ENV", "POISONS", "POISON_ENV", "SANITIZE_ENV", "ShimCompileError", "ShimDeadlockError",
            "ShimDivergenceError", "ShimError", "ShimFaultError", "ShimLaunchError", "ShimLauncher", "ShimModule",
-           "ShimSanitizerError",
-           "asan_env", "asan_runtime", "cuda_include_dir", "parse_kernels", "shim_unavailable_reason"]
+           "ShimSanitizerError", "asan_env", "asan_runtime", "cuda_include_dir", "parse_kernels",
+           "shim_unavailable_reason"]
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "ops" / "cuda"
 SRC_DIR, SHIM_DIR = CUDA_DIR / "src", CUDA_DIR / "shim"
@@ -224,20 +224,22 @@ class ShimModule:
             raise RESULT_ERRORS.get(rc, ShimError)(err.value.decode(errors="replace"))
 
 
-
 class ShimLauncher:
-    """The CUDA op backend's launcher (backend.Launcher) on the shim: one ShimModule per source, built on first use."""
+    """The CUDA op backend's launcher (backend.Launcher) on the shim: one ShimModule per source, built on first use,
+    its threads run in `order` (ORDERS; None: $POCKETMOE_CUDA_SHIM_ORDER, else "forward")."""
 
-    def __init__(self, src: Path | None = None) -> None:
+    def __init__(self, src: Path | None = None, order: str | None = None) -> None:
         """src: a folder holding (a copy of) the kernel sources (default: the package's own)."""
-        self.src = src
+        self.src, self.order = src, order
         self.modules: dict[str, ShimModule] = {}
 
     def __call__(self, source: str, kernel: str, grid: Sequence[int], block: Sequence[int], args: Sequence[Any],
                  shared_mem: int = 0) -> None:
         if source not in self.modules:
             self.modules[source] = ShimModule([source if self.src is None else self.src / source])
-        self.modules[source].launch(kernel, grid=grid, block=block, args=args, shared_mem=shared_mem)
+        self.modules[source].launch(kernel, grid=grid, block=block, args=args, shared_mem=shared_mem,
+                                    order=self.order)
+
 
 def asan_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """An environment in which Python loads sanitize=True modules (and builds every module so): libasan
