@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.experts import build
-from pocketmoe.experts.kernels import ExpertStore, ReferenceKernels
+from pocketmoe.experts.kernels import Activations, ExpertStore, ReferenceKernels
 from pocketmoe.experts.staging import CopyEngine
 from pocketmoe.layers import QuantLinear
 from pocketmoe.layers.experts import ExpertWeights
@@ -210,29 +210,63 @@ def expert_store(ggml_type: int, n: int, d: int, f: int, rng: np.random.Generato
 @pytest.mark.parametrize("name", ["q4_k", "q8_0", "iq4_xs", "f16"])
 def test_expert_kernels_match_the_per_expert_linear_chain(sub, name: str) -> None:
     """CudaExpertKernels.outputs (three grouped GEMMs over every slot, empty groups included) gives each pair
-    the bits of gate / up / silu / down run as CudaOps linears on that expert alone."""
+    the bits of gate / up / silu / down run as CudaOps linears on that expert alone; the pairs read their token's
+    row by index (4 tokens, 3 experts each), and give the bits of the same pairs handed their own rows."""
     ops, dev = sub
     ggml_type, bv = TYPES[name]
-    d, f, n = 256, 256 if bv > 1 else 64, 5
+    d, f, n, k = 256, 256 if bv > 1 else 64, 5, 3
     rng = np.random.default_rng([ggml_type, 11])
     store = expert_store(ggml_type, n, d, f, rng, dev)
-    which = torch.tensor([3, 0, 3, 3, 1, 0, 3, 3, 3, 3, 3, 3], dtype=torch.int64)  # expert 2, 4: no pair
-    x = torch.from_numpy(random_acts(rng, len(which), d))
+    which = torch.tensor([3, 0, 1, 3, 1, 0, 3, 0, 1, 3, 1, 0], dtype=torch.int64)  # expert 2, 4: no pair
+    x = torch.from_numpy(random_acts(rng, len(which) // k, d))
+    rows = torch.arange(len(which)) // k
     kernels = CudaExpertKernels(ops.launch)
-    y = kernels.outputs(store, x.to(dev), which.to(dev)).cpu()
+    y = kernels.outputs(store, x.to(dev), which.to(dev), rows.to(dev)).cpu()
+    np.testing.assert_array_equal(y.numpy(), kernels.outputs(store, x[rows].to(dev), which.to(dev)).cpu().numpy())
     for e in range(n):
-        rows = (which == e).nonzero().squeeze(1)
-        if len(rows) == 0:
+        pairs = (which == e).nonzero().squeeze(1)
+        if len(pairs) == 0:
             continue
         lin = [QuantLinear(w.raw[e].cpu(), ggml_type, w.shape[1:]) for w in (store.gate, store.up, store.down)]
-        xe = x[rows].to(dev)
+        xe = x[rows[pairs]].to(dev)
         g, u = ops.linear(lin[0], xe), ops.linear(lin[1], xe)
         want = ops.linear(lin[2], (F.silu(g) * u).contiguous())
-        np.testing.assert_array_equal(y[rows].numpy(), want.cpu().numpy())
+        np.testing.assert_array_equal(y[pairs].numpy(), want.cpu().numpy())
     weights = torch.rand(4, 3, generator=torch.Generator().manual_seed(1))
     contrib = y.view(4, 3, d)
     torch.testing.assert_close(kernels.combine(contrib.to(dev), weights.to(dev)).cpu(),
                                ReferenceKernels(None).combine(contrib, weights), rtol=0, atol=0)
+
+
+def test_expert_kernels_quantize_each_input_row_once() -> None:
+    """The activations are quantized once per row, not once per pair: gate and up read a token's row whichever
+    of its experts the pair is, and the calls of one layer over parts of its pairs (a dispatcher's hits, then
+    each staged expert) share one quantization of the layer's rows through an Activations."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    quantized: list[int] = []  # rows of each quantize launch (its grid's y)
+
+    class Recording(ShimLauncher):
+        def __call__(self, source, kernel, grid, block, args, shared_mem=0) -> None:  # noqa: ANN001
+            if kernel.startswith("quantize_"):
+                quantized.append(grid[1])
+            super().__call__(source, kernel, grid, block, args, shared_mem)
+
+    rng = np.random.default_rng(13)
+    t, k, d, f = 5, 4, 256, 256
+    store = expert_store(TYPES["q4_k"][0], 6, d, f, rng, torch.device("cpu"))
+    which = torch.from_numpy(rng.integers(0, 6, t * k)).long()
+    rows = torch.arange(t * k) // k
+    x = torch.from_numpy(random_acts(rng, t, d))
+    kernels = CudaExpertKernels(Recording())
+    whole = kernels.outputs(store, x, which, rows)
+    assert quantized == [t, t * k]  # x once (gate and up share it: same block size), h once per pair
+    quantized.clear()
+    acts = Activations(x)
+    first, rest = torch.arange(0, 7), torch.arange(7, t * k)
+    parts = [kernels.outputs(store, acts, which[p], rows[p]) for p in (first, rest)]
+    assert quantized == [t, 7, t * k - 7]
+    np.testing.assert_array_equal(torch.cat(parts).numpy(), whole.numpy())
 
 
 @pytest.mark.parametrize(("p", "n"), [(1, 5), (6, 64), (17, 33), (48, 256), (64, 8), (64, 1), (65, 64), (300, 256)])
@@ -244,12 +278,12 @@ def test_expert_groups_are_a_stable_sort_by_expert(sub, p: int, n: int) -> None:
     k = CudaExpertKernels(ops.launch)
     gen = torch.Generator().manual_seed(p * 1000 + n)
     which = torch.randint(0, n, (p,), generator=gen) if n > 8 else torch.full((p,), n - 1)
-    offsets, tokens, slots, largest = k.groups(which.to(dev), n)
+    offsets, order, largest = k.groups(which.to(dev), n)
     counts = torch.bincount(which, minlength=n)
-    assert offsets.dtype == tokens.dtype == slots.dtype == torch.int32
+    assert offsets.dtype == order.dtype == torch.int32
     assert offsets.cpu().tolist() == [0, *torch.cumsum(counts, 0).tolist()]
-    assert tokens.cpu().tolist() == torch.argsort(which, stable=True).tolist()
-    assert slots.cpu().tolist() == [0] * p and largest >= int(counts.max())
+    assert order.cpu().tolist() == torch.argsort(which, stable=True).tolist()
+    assert largest >= int(counts.max())
 
 
 def test_expert_kernels_float_store_match_the_reference_kernels(sub) -> None:

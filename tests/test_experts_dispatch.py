@@ -197,15 +197,18 @@ def test_cpu_experts_read_their_inputs_before_the_device_work_is_queued(bundle):
         log = events[id(bank)] = []
         outputs, submit = bank.device_kernels.outputs, bank.worker.submit
 
-        def device(store, x, which, outputs=outputs, log=log):  # noqa: ANN001, ANN202
+        def device(store, x, which, rows=None, outputs=outputs, log=log):  # noqa: ANN001, ANN202
             log.append("device")
-            return outputs(store, x, which)
+            return outputs(store, x, which, rows)
 
-        def recorded(fn, host_x, which, device, submit=submit, log=log):  # noqa: ANN001, ANN202
-            # the CPU pairs' own rows, gathered and copied before the submit (not the layer's input to gather later)
-            assert host_x.device.type == "cpu" and which.device.type == "cpu" and host_x.shape[0] == which.shape[0]
+        def recorded(fn, host_x, rows, which, device, submit=submit, log=log):  # noqa: ANN001, ANN202
+            # the CPU pairs' rows, copied before the submit (not the layer's input to gather later): each token's
+            # row once with the pairs' row indices, or the pairs' own rows, whichever are fewer
+            assert host_x.device.type == "cpu" and which.device.type == "cpu"
+            assert (rows is None and len(host_x) == len(which)) or \
+                (rows.device.type == "cpu" and len(rows) == len(which) and len(host_x) <= len(which))
             log.append("submit")
-            return submit(fn, host_x, which, device)
+            return submit(fn, host_x, rows, which, device)
 
         bank.device_kernels = SimpleNamespace(outputs=device, name="traced", combine=bank.device_kernels.combine)
         bank.worker = SimpleNamespace(submit=recorded)
@@ -271,10 +274,10 @@ def _moe_blocks(model) -> list:
 def _trace_compute(bank: DispatchExperts, events: list, lock: threading.Lock) -> None:
     outputs = bank.device_kernels.outputs
 
-    def traced(store, x, which):
+    def traced(store, x, which, rows=None):
         with lock:
             events.append(("start", time.perf_counter()))
-        y = outputs(store, x, which)
+        y = outputs(store, x, which, rows)
         with lock:
             events.append(("end", time.perf_counter()))
         return y
@@ -297,3 +300,15 @@ def test_device_counts_settle_when_read_and_stay_one_sum():
     st.add_on_device("resident", torch.tensor(5))
     st.reset()
     assert st.to_json()["resident"] == 0
+
+
+def test_cpu_experts_inputs_cross_once_per_token_or_per_pair_whichever_is_fewer():
+    """The activations the CPU experts read go down as the fewer rows: a decode token's one row for its K pairs
+    (with the pairs' row indices), or a long chunk's few CPU pairs' own rows."""
+    x = torch.arange(2 * 3, dtype=torch.float32).view(2, 3)
+    pairs = torch.tensor([0, 1, 2, 3, 5])  # K 3: tokens 0, 0, 0, 1, 1
+    host_x, rows = DispatchExperts._host_inputs(x, 3, pairs)
+    assert torch.equal(host_x, x) and rows.tolist() == [0, 0, 0, 1, 1]
+    x = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
+    host_x, rows = DispatchExperts._host_inputs(x, 3, torch.tensor([4, 20]))
+    assert rows is None and torch.equal(host_x, x[[1, 6]])

@@ -20,7 +20,7 @@ import torch
 
 from pocketmoe.experts.cache import SlotCache
 from pocketmoe.experts.cost import CPU, HIT, STAGE, Active, Rates, decide
-from pocketmoe.experts.kernels import ExpertKernels, ExpertStore
+from pocketmoe.experts.kernels import Activations, ExpertKernels, ExpertStore
 from pocketmoe.experts.staging import SlotPool
 from pocketmoe.experts.stats import ExpertStats
 
@@ -57,13 +57,15 @@ class DispatchExperts:
             # what the CPU experts read comes to the host now, before this layer queues any device work: the
             # routing read above drained the stream, so these copies wait for nothing, and the CPU experts run
             # while the device runs the hits and staged experts (a read queued behind those would wait for them)
-            job = self.worker.submit(self._host_run, x[cpu_pairs // k].cpu(), flat[cpu_pairs].cpu(), x.device)
+            job = self.worker.submit(self._host_run, *self._host_inputs(x, k, cpu_pairs), flat[cpu_pairs].cpu(),
+                                     x.device)
         late = self._device(x, k, pairs, [e for e in experts if paths[e] == HIT],
                             [a.expert for a in sorted(active, key=lambda a: (-a.tokens, a.expert))
                              if paths[a.expert] == STAGE], contrib)
         if late:  # staged experts left without a slot (every slot pinned): the CPU takes them here
             late_pairs = torch.cat([pairs[e] for e in late])
-            contrib[late_pairs] = self._host_outputs(x, late_pairs // k, flat[late_pairs])
+            contrib[late_pairs] = self._host_run(*self._host_inputs(x, k, late_pairs), flat[late_pairs].cpu(),
+                                                 x.device)
         if job is not None:
             contrib[cpu_pairs] = job.result()
         n_hit = sum(1 for e in experts if paths[e] == HIT)
@@ -75,17 +77,22 @@ class DispatchExperts:
         combiner = self.host_kernels if contrib.device.type == "cpu" else self.device_kernels
         return combiner.combine(contrib.view(t, k, -1), weights)
 
-    def _host_outputs(self, x: torch.Tensor, rows: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-        return self._host_run(x[rows].cpu(), which.cpu(), x.device)
+    @staticmethod
+    def _host_inputs(x: torch.Tensor, k: int, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The activations the CPU experts of `pairs` read, on the host: the fewer of x's T rows (each token's
+        once, with the pairs' row indices) and the pairs' own rows."""
+        if x.shape[0] <= len(pairs):
+            return x.cpu(), (pairs // k).cpu()
+        return x[pairs // k].cpu(), None
 
-    def _host_run(self, host_x: torch.Tensor, which: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """The host kernels on host rows; the result on `device`."""
-        return self.host_kernels.outputs(self.host, host_x, which).to(device)
+    def _host_run(self, host_x: torch.Tensor, rows: torch.Tensor | None, which: torch.Tensor,
+                  device: torch.device) -> torch.Tensor:
+        """The host kernels on host rows (pair p reads host_x[rows[p]]); the result on `device`."""
+        return self.host_kernels.outputs(self.host, host_x, which, rows).to(device)
 
-    def _device_outputs(self, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        store = self.pool.store
-        dev = store.gate.raw.device
-        return self.device_kernels.outputs(store, x[rows].to(dev), slots.to(dev)).to(x.device)
+    def _device_outputs(self, acts: Activations, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        dev = acts.x.device
+        return self.device_kernels.outputs(self.pool.store, acts, slots.to(dev), rows.to(dev))
 
     def _device(self, x: torch.Tensor, k: int, pairs: dict[int, torch.Tensor], hits: list[int], staged: list[int],
                 contrib: torch.Tensor) -> list[int]:
@@ -93,6 +100,8 @@ class DispatchExperts:
         if not hits and not staged:
             return []
         pool, cache = self.pool, self.cache
+        # x on the pool's device once; the device kernels quantize its rows once for the hits and every staged expert
+        acts = Activations(x.to(pool.store.gate.raw.device))
         hit_slots = [cache.lookup(e) for e in hits]
         cache.pinned.update(hit_slots)
         waiting, inflight = deque(staged), deque()
@@ -113,7 +122,7 @@ class DispatchExperts:
                 pool.acquire(s)
             hp = torch.cat([pairs[e] for e in hits])
             which = torch.cat([torch.full_like(pairs[e], s) for e, s in zip(hits, hit_slots, strict=True)])
-            contrib[hp] = self._device_outputs(x, hp // k, which)
+            contrib[hp] = self._device_outputs(acts, hp // k, which).to(contrib.device)
             for s in hit_slots:
                 pool.release(s)
             cache.pinned.difference_update(hit_slots)
@@ -122,7 +131,7 @@ class DispatchExperts:
             e, slot = inflight.popleft()
             pool.acquire(slot)
             p = pairs[e]
-            contrib[p] = self._device_outputs(x, p // k, torch.full_like(p, slot))
+            contrib[p] = self._device_outputs(acts, p // k, torch.full_like(p, slot)).to(contrib.device)
             pool.release(slot)
             if self.policy != "stage" and cache.admits(e):
                 cache.put(e, slot)

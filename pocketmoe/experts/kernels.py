@@ -6,13 +6,18 @@ and combine with moe_combine, moe_forward's own fma order; the reference runs Re
 per-expert tiles and its combine. So whichever path computed which expert, the sum has the bits of
 the CPU-only bank of the same kernels.
 
-Legend: P pairs, D hidden, T tokens, K experts per token.
+A call's pairs read their input rows by index (pair p reads row rows[p] of x), so a token's row is not copied
+once per expert; the device kernels quantize each row of x once per layer call (Activations), however many
+pairs and calls (a dispatcher's hits, then each staged expert) read it. The host kernels gather the pairs'
+rows and run them as moe_forward's own rows.
+
+Legend: P pairs, R input rows (a layer call's tokens, or a subset), D hidden, T tokens, K experts per token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -41,11 +46,28 @@ class ExpertStore:
         return sum(w.raw[e].numel() * w.raw.element_size() for w in (self.gate, self.up, self.down))
 
 
+@dataclass
+class Activations:
+    """The input rows of one layer call, and what kernels derive from them once (their quantized forms, keyed
+    by the kernels), shared by every outputs call of that layer over a subset of its pairs."""
+
+    x: torch.Tensor  # [R, D] float32
+    derived: dict[Any, Any] = field(default_factory=dict)
+
+
+def input_rows(x: torch.Tensor | Activations, rows: torch.Tensor | None) -> torch.Tensor:
+    """The pairs' own rows: x[rows] (rows None: x itself, one row per pair)."""
+    x = x.x if isinstance(x, Activations) else x
+    return x if rows is None else x[rows.to(x.device)]
+
+
 class ExpertKernels(Protocol):
     name: str
 
-    def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-        """x [P, D] float32, which [P] int64 (expert or slot of `store`) -> [P, D] float32, unweighted."""
+    def outputs(self, store: ExpertStore, x: torch.Tensor | Activations, which: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, D] float32, which [P] int64 (expert or slot of `store`), rows [P] (pair p reads x[rows[p]];
+        None: R == P, row p) -> [P, D] float32, unweighted."""
         ...
 
     def combine(self, contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -69,8 +91,10 @@ class NativeKernels:
             got = self._arrays[id(store)] = (store, tuple(w.raw.numpy() for w in (store.gate, store.up, store.down)))
         return got[1]
 
-    def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+    def outputs(self, store: ExpertStore, x: torch.Tensor | Activations, which: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         g, u, d = self._raw(store)
+        x = input_rows(x, rows)
         ids = which.to(torch.int32).reshape(-1, 1).numpy()
         ones = np.ones(ids.shape, dtype=np.float32)
         y = self.lib.moe_forward(x.float().contiguous().numpy(), ids, ones, g, store.gate.ggml_type, u,
@@ -88,7 +112,9 @@ class ReferenceKernels:
     def __init__(self, tile_rows: int | None) -> None:
         self.tile_rows = tile_rows
 
-    def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+    def outputs(self, store: ExpertStore, x: torch.Tensor | Activations, which: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        x = input_rows(x, rows)
         bank = ReferenceExperts(store.gate, store.up, store.down, tile_rows=self.tile_rows,
                                 swiglu_limit=store.swiglu_limit)
         out = x.new_zeros(x.shape)

@@ -25,7 +25,7 @@ class ResidentExperts:
         dev = self.store.gate.raw.device
         flat = ids.reshape(-1).to(dev)
         rows = torch.arange(t * k, device=dev) // k
-        contrib = self.kernels.outputs(self.store, x.to(dev)[rows], flat)
+        contrib = self.kernels.outputs(self.store, x.to(dev), flat, rows)
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # a decode CUDA graph (ops.cuda.graphs): nothing is read back; each replay counts the tokens
             from pocketmoe.ops.cuda.graphs import on_replay

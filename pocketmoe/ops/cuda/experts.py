@@ -3,11 +3,13 @@ pool or an all-device bank) read in place by the grouped GEMM of src/matmul.cu, 
 
 A call's P (row, expert) pairs are grouped by expert on the device (a stable sort); every expert of the store is
 one entry of the pointer array (an expert without pairs is an empty group), so the cached slots and the freshly
-staged ones of a layer run in the same launches. gate and up read the input quantized once per row; down reads
-silu(gate) * up, quantized once per row. Each pair's output is unweighted ([P, D]); combine sums a token's K
-outputs in slot order in fp32, as the host kernels do. A store whose types have no kernel runs on the host.
+staged ones of a layer run in the same launches. gate and up read the input rows (a token's row, whichever of
+its K experts the pair is) quantized once per row; down reads silu(gate) * up, one row per pair, quantized once.
+Each pair's output is unweighted ([P, D]); combine sums a token's K outputs in slot order in fp32, as the host
+kernels do. A store whose types have no kernel runs on the host.
 
-Legend: P pairs, D hidden, F expert FFN width, E experts (or slots) of the store, T tokens, K experts per token.
+Legend: P pairs, R input rows, D hidden, F expert FFN width, E experts (or slots) of the store, T tokens, K experts
+per token.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pocketmoe.experts.kernels import Activations, input_rows
 from pocketmoe.layers.experts import combine, swiglu
 from pocketmoe.ops.cuda import matmul
-from pocketmoe.ops.cuda.graphs import capturing, made_once
+from pocketmoe.ops.cuda.graphs import capturing
 
 if TYPE_CHECKING:
     from pocketmoe.experts.kernels import ExpertStore
@@ -44,7 +47,6 @@ class CudaExpertKernels:
         self.launch = launch
         # id(store) -> (store, per weight: the list of expert views the pointer array is made of)
         self._views: dict[int, tuple[ExpertStore, tuple[list[torch.Tensor], ...]]] = {}
-        self._slot_zeros: dict[tuple[int, torch.device], torch.Tensor] = {}  # _zeros
 
     def _experts(self, store: ExpertStore) -> tuple[list[torch.Tensor], ...]:
         got = self._views.get(id(store))
@@ -53,16 +55,15 @@ class CudaExpertKernels:
             got = self._views[id(store)] = (store, views)
         return got[1]
 
-    def groups(self, which: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """offsets [n + 1], tokens [P] (pair indices grouped by expert, in pair order within one), slots [P]
-        (zeros: top_k 1) as int32 on which's device (int64), and a bound on the largest group.
+    def groups(self, which: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """offsets [n + 1] and order [P] (pair indices grouped by expert, in pair order within one) as int32 on
+        which's device (int64), and a bound on the largest group.
 
         Up to SMALL_PAIRS pairs (a decode step's) one launch sorts them (route.cu group_pairs; torch's sort,
         counts and scan are a dozen ops of host overhead) and P bounds the largest group: the tiles past a
         group's end exit at once, which costs less than the stream stall of a read-back. Beyond, torch's stable
         argsort, and the largest group read back (one sync; while a CUDA graph is captured, P)."""
         dev, p = which.device, len(which)
-        slots = self._zeros(p, dev)
         if p <= SMALL_PAIRS:
             offsets = torch.zeros(n + 1, dtype=torch.int32, device=dev) if p == 0 else \
                 torch.empty(n + 1, dtype=torch.int32, device=dev)
@@ -70,50 +71,52 @@ class CudaExpertKernels:
             if p:
                 self.launch("route.cu", "group_pairs", (1, 1, 1), (32, 1, 1), [which.contiguous(), p, n, offsets,
                                                                               order], 0)
-            return offsets, order, slots, p
+            return offsets, order, p
         order = torch.argsort(which, stable=True)
         counts = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, which, torch.ones_like(which))
         offsets = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         offsets[1:] = torch.cumsum(counts, 0)
         largest = p if capturing() else int(counts.max())
-        return offsets, order.to(torch.int32), slots, largest
+        return offsets, order.to(torch.int32), largest
 
-    def _zeros(self, p: int, dev: torch.device) -> torch.Tensor:
-        """int32 zeros [P] (the slots of top_k 1), kept per size up to SMALL_PAIRS."""
-        if p > SMALL_PAIRS:
-            return torch.zeros(p, dtype=torch.int32, device=dev)
-        return made_once(self._slot_zeros, (p, dev), lambda: torch.zeros(p, dtype=torch.int32, device=dev))
-
-    def outputs(self, store: ExpertStore, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-        """x [P, D] float32, which [P] (expert or slot of `store`) -> [P, D] float32, unweighted."""
+    def outputs(self, store: ExpertStore, x: torch.Tensor | Activations, which: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, D] float32, which [P] (expert or slot of `store`), rows [P] (pair p reads x[rows[p]]; None:
+        row p) -> [P, D] float32, unweighted. x's rows are quantized once (once per layer call when x is an
+        Activations shared by the calls), not once per pair."""
         dev = store.gate.raw.device
-        p, d, f = x.shape[0], store.down.shape[1], store.ffn
+        p, d, f = len(which), store.down.shape[1], store.ffn
         if not reads(store):
             from pocketmoe.experts.kernels import ExpertStore, ReferenceKernels
             from pocketmoe.layers.experts import ExpertWeights
 
             host = ExpertStore(*(ExpertWeights(w.raw.cpu(), w.ggml_type, w.shape) for w in (store.gate, store.up, store.down)),
                                store.swiglu_limit)
-            return ReferenceKernels(None).outputs(host, x.cpu().float(), which.cpu()).to(x.device)
+            return ReferenceKernels(None).outputs(host, input_rows(x, rows).cpu().float(), which.cpu()).to(dev)
         out = torch.empty((p, d), dtype=torch.float32, device=dev)
         if p == 0:
             return out
-        x = x.to(dev).float().contiguous()
+        acts = x if isinstance(x, Activations) else Activations(x)
+        if acts.x.device != dev or acts.x.dtype != torch.float32 or not acts.x.is_contiguous():
+            acts = Activations(acts.x.to(dev, torch.float32).contiguous())
         which = which.to(dev).long()
-        offsets, tokens, slots, largest = self.groups(which, store.count)
+        offsets, order, largest = self.groups(which, store.count)
+        # top_k 0: a pair's output row (tokens[p] * top_k + slots[p]) is slots[p], here its own index, the row of
+        # h that down reads; gate and up read row tokens[p] of x, the pair's input row
+        tokens = order if rows is None else rows.to(dev, torch.int32).index_select(0, order)
         gate, up, down = self._experts(store)
-        x_acts: dict[int, list[torch.Tensor]] = {}  # gate and up read x quantized once per block size
 
-        def gemm(experts: list[torch.Tensor], w: ExpertWeights, acts: list[torch.Tensor], rows: int, y: torch.Tensor,
+        def gemm(experts: list[torch.Tensor], w: ExpertWeights, a: list[torch.Tensor], n_out: int, y: torch.Tensor,
                  by_pair: bool) -> torch.Tensor:
-            return matmul.moe_gemm(self.launch, experts, w.ggml_type, rows, w.shape[2], offsets, tokens, slots, acts,
-                                   1, y, act_by_pair=by_pair, max_pairs=largest)
+            return matmul.moe_gemm(self.launch, experts, w.ggml_type, n_out, w.shape[2], offsets, tokens, order, a,
+                                   0, y, act_by_pair=by_pair, max_pairs=largest)
 
         def first(experts: list[torch.Tensor], w: ExpertWeights) -> torch.Tensor:
             bv = matmul.activation_block(w.ggml_type)
-            if bv not in x_acts:
-                x_acts[bv] = matmul.quantize_activations(self.launch, x, bv)
-            return gemm(experts, w, x_acts[bv], f, torch.empty((p, f), dtype=torch.float32, device=dev), False)
+            key = (self.name, bv)
+            if key not in acts.derived:
+                acts.derived[key] = matmul.quantize_activations(self.launch, acts.x, bv)
+            return gemm(experts, w, acts.derived[key], f, torch.empty((p, f), dtype=torch.float32, device=dev), False)
 
         h = swiglu(first(gate, store.gate), first(up, store.up), store.swiglu_limit).contiguous()  # [P, F]
         h_acts = matmul.quantize_activations(self.launch, h, matmul.activation_block(store.down.ggml_type))

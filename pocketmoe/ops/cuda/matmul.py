@@ -98,6 +98,8 @@ def moe_gemm(launch: Launcher, experts: Sequence[torch.Tensor], ggml_type: int, 
 
     experts[g]: uint8 [O, row_bytes] (a cached slot, a freshly staged one or a resident expert: any mix);
     x_p is activation row tokens[p] (act_by_pair False: gate / up) or tokens[p] * top_k + slots[p] (down).
+    top_k 0 makes slots[p] the output row itself (pairs whose rows are not a [T, K] grid, tokens[p] their input
+    rows).
     max_pairs (the largest group) sizes blockIdx.y; without it, offsets are read back (a device sync)."""
     name, _ = _kernel(ggml_type, cols)
     if len(experts) == 0 or rows == 0:

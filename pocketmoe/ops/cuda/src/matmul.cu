@@ -21,6 +21,7 @@
 //     experts[g] ([O, row_bytes]) and pairs offsets[g] .. offsets[g + 1] - 1 of tokens[] / slots[], in tiles
 //     of 8 pairs (blockIdx.y, + n, ...); the activation row of pair p is tokens[p] (act_by_pair = 0) or
 //     tokens[p] * top_k + slots[p] (act_by_pair = 1); its output is y[tokens[p] * top_k + slots[p], :O].
+//     With top_k = 0, slots[p] is the output row itself and tokens[p] any input row (pairs off a [T, K] grid).
 //     Each warp takes 4 rows of the block's 4 W; a chunk of 1024 activation values of the tile's pairs is
 //     staged in shared memory and read by every row.
 #include "act_quant.cuh"
