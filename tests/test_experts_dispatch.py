@@ -30,6 +30,7 @@ from pocketmoe import native
 from pocketmoe.engine.runner import ModelRunner, RunnerConfig
 from pocketmoe.experts import Rates, SlotInUseError, SlotPool
 from pocketmoe.experts.dispatch import DispatchExperts
+from pocketmoe.experts.kernels import Activations
 from pocketmoe.gguf import open_bundle
 from pocketmoe.placement.run import RunPlacement
 from pocketmoe.testing.synth import write_fixture
@@ -188,17 +189,22 @@ def test_slowed_copies_never_race(bundle):
 def test_cpu_experts_read_their_inputs_before_the_device_work_is_queued(bundle):
     """On a GPU a read of device memory waits for every kernel queued before it: the CPU experts' rows and ids
     come to the host before the layer queues its hits and staged experts (so the CPU runs while the device
-    does), and the worker is handed those host copies, never the device tensors."""
+    does), and the worker is handed those host copies, never the device tensors. The layer's device calls (its
+    hits, then each staged expert) share one Activations, so the device kernels quantize its rows once."""
     backend = BACKENDS[0]
     logits, _ = baseline(bundle, backend)
     r = runner(bundle, backend, "heterogeneous")
     events: dict[int, list[str]] = {}  # bank -> what it did, in order (one call each: one prefill forward)
+    inputs: dict[int, set[int]] = {}  # bank -> the Activations its device calls were handed
     for bank in [b for b in _banks(r) if isinstance(b, DispatchExperts)]:
         log = events[id(bank)] = []
+        seen = inputs[id(bank)] = set()
         outputs, submit = bank.device_kernels.outputs, bank.worker.submit
 
-        def device(store, x, which, rows=None, outputs=outputs, log=log):  # noqa: ANN001, ANN202
+        def device(store, x, which, rows=None, outputs=outputs, log=log, seen=seen):  # noqa: ANN001, ANN202
+            assert isinstance(x, Activations) and rows is not None and len(rows) == len(which)
             log.append("device")
+            seen.add(id(x))
             return outputs(store, x, which, rows)
 
         def recorded(fn, host_x, rows, which, device, submit=submit, log=log):  # noqa: ANN001, ANN202
@@ -215,6 +221,8 @@ def test_cpu_experts_read_their_inputs_before_the_device_work_is_queued(bundle):
     assert torch.equal(r.forward(PROMPT, 0), logits)
     mixed = [log for log in events.values() if "submit" in log and "device" in log]
     assert mixed and all(log[0] == "submit" and log.count("submit") == 1 for log in mixed), events
+    assert any(log.count("device") > 1 for log in events.values())
+    assert all(len(seen) <= 1 for seen in inputs.values())
 
 
 def test_the_race_test_catches_a_compute_that_does_not_wait(bundle, monkeypatch):

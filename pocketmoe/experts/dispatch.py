@@ -101,7 +101,7 @@ class DispatchExperts:
             return []
         pool, cache = self.pool, self.cache
         # x on the pool's device once; the device kernels quantize its rows once for the hits and every staged expert
-        acts = Activations(x.to(pool.store.gate.raw.device))
+        acts = Activations(x.to(pool.store.gate.raw.device, torch.float32).contiguous())
         hit_slots = [cache.lookup(e) for e in hits]
         cache.pinned.update(hit_slots)
         waiting, inflight = deque(staged), deque()
