@@ -24,7 +24,7 @@ class ResidentExperts:
         t, k = ids.shape
         dev = self.store.gate.raw.device
         flat = ids.reshape(-1).to(dev)
-        rows = torch.arange(t * k, device=dev) // k
+        rows = torch.arange(t * k, dtype=torch.int32, device=dev) // k
         contrib = self.kernels.outputs(self.store, x.to(dev), flat, rows)
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # a decode CUDA graph (ops.cuda.graphs): nothing is read back; each replay counts the tokens

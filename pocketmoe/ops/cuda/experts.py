@@ -40,6 +40,11 @@ def reads(store: ExpertStore) -> bool:
     return True
 
 
+def _as(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """t on device as dtype; t itself when it already is (no op dispatched: host time on the hot path)."""
+    return t if t.device == device and t.dtype == dtype else t.to(device, dtype)
+
+
 class CudaExpertKernels:
     name = "cuda"
 
@@ -99,11 +104,11 @@ class CudaExpertKernels:
         acts = x if isinstance(x, Activations) else Activations(x)
         if acts.x.device != dev or acts.x.dtype != torch.float32 or not acts.x.is_contiguous():
             acts = Activations(acts.x.to(dev, torch.float32).contiguous())
-        which = which.to(dev).long()
+        which = _as(which, dev, torch.int64)
         offsets, order, largest = self.groups(which, store.count)
         # top_k 0: a pair's output row (tokens[p] * top_k + slots[p]) is slots[p], here its own index, the row of
         # h that down reads; gate and up read row tokens[p] of x, the pair's input row
-        tokens = order if rows is None else rows.to(dev, torch.int32).index_select(0, order)
+        tokens = order if rows is None else _as(rows, dev, torch.int32).index_select(0, order)
         gate, up, down = self._experts(store)
 
         def gemm(experts: list[torch.Tensor], w: ExpertWeights, a: list[torch.Tensor], n_out: int, y: torch.Tensor,
