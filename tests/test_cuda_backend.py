@@ -38,14 +38,17 @@ REF = ReferenceOps(tile_rows=None)
 
 
 class CountingShimLauncher(ShimLauncher):
-    """CudaOps' launcher on the CPU shim (one module per source), counting launches per kernel."""
+    """CudaOps' launcher on the CPU shim (one module per source), counting launches per kernel and keeping each
+    launch's grid."""
 
     def __init__(self, src=None) -> None:  # noqa: ANN001
         super().__init__(src)
         self.calls: dict[str, int] = {}
+        self.grids: dict[str, list[tuple[int, int, int]]] = {}
 
     def __call__(self, source, kernel, grid, block, args, shared_mem=0) -> None:  # noqa: ANN001
         self.calls[kernel] = self.calls.get(kernel, 0) + 1
+        self.grids.setdefault(kernel, []).append(tuple(grid))
         super().__call__(source, kernel, grid, block, args, shared_mem)
 
 
@@ -244,13 +247,12 @@ def test_expert_kernels_quantize_each_input_row_once() -> None:
     each staged expert) share one quantization of the layer's rows through an Activations."""
     if REASON is not None:
         pytest.skip(REASON)
-    quantized: list[int] = []  # rows of each quantize launch (its grid's y)
+    launch = CountingShimLauncher()
 
-    class Recording(ShimLauncher):
-        def __call__(self, source, kernel, grid, block, args, shared_mem=0) -> None:  # noqa: ANN001
-            if kernel.startswith("quantize_"):
-                quantized.append(grid[1])
-            super().__call__(source, kernel, grid, block, args, shared_mem)
+    def quantized() -> list[int]:  # rows of each quantize launch since the last call (its grid's y)
+        rows = [g[1] for g in launch.grids.pop("quantize_q8_k", [])]
+        assert not launch.grids.get("quantize_q8_0")
+        return rows
 
     rng = np.random.default_rng(13)
     t, k, d, f = 5, 4, 256, 256
@@ -258,14 +260,13 @@ def test_expert_kernels_quantize_each_input_row_once() -> None:
     which = torch.from_numpy(rng.integers(0, 6, t * k)).long()
     rows = torch.arange(t * k) // k
     x = torch.from_numpy(random_acts(rng, t, d))
-    kernels = CudaExpertKernels(Recording())
+    kernels = CudaExpertKernels(launch)
     whole = kernels.outputs(store, x, which, rows)
-    assert quantized == [t, t * k]  # x once (gate and up share it: same block size), h once per pair
-    quantized.clear()
+    assert quantized() == [t, t * k]  # x once (gate and up share it: same block size), h once per pair
     acts = Activations(x)
     first, rest = torch.arange(0, 7), torch.arange(7, t * k)
     parts = [kernels.outputs(store, acts, which[p], rows[p]) for p in (first, rest)]
-    assert quantized == [t, 7, t * k - 7]
+    assert quantized() == [t, 7, t * k - 7]
     np.testing.assert_array_equal(torch.cat(parts).numpy(), whole.numpy())
 
 

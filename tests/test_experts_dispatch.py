@@ -315,8 +315,9 @@ def test_cpu_experts_inputs_cross_once_per_token_or_per_pair_whichever_is_fewer(
     (with the pairs' row indices), or a long chunk's few CPU pairs' own rows."""
     x = torch.arange(2 * 3, dtype=torch.float32).view(2, 3)
     pairs = torch.tensor([0, 1, 2, 3, 5])  # K 3: tokens 0, 0, 0, 1, 1
-    host_x, rows = DispatchExperts._host_inputs(x, 3, pairs)
-    assert torch.equal(host_x, x) and rows.tolist() == [0, 0, 0, 1, 1]
+    flat = torch.tensor([7, 1, 4, 2, 0, 5])
+    host_x, rows, which, _ = DispatchExperts._host_inputs(x, 3, pairs, flat)
+    assert torch.equal(host_x, x) and rows.tolist() == [0, 0, 0, 1, 1] and which.tolist() == [7, 1, 4, 2, 5]
     x = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
-    host_x, rows = DispatchExperts._host_inputs(x, 3, torch.tensor([4, 20]))
-    assert rows is None and torch.equal(host_x, x[[1, 6]])
+    host_x, rows, which, _ = DispatchExperts._host_inputs(x, 3, torch.tensor([4, 20]), torch.arange(24))
+    assert rows is None and torch.equal(host_x, x[[1, 6]]) and which.tolist() == [4, 20]

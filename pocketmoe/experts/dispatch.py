@@ -57,15 +57,13 @@ class DispatchExperts:
             # what the CPU experts read comes to the host now, before this layer queues any device work: the
             # routing read above drained the stream, so these copies wait for nothing, and the CPU experts run
             # while the device runs the hits and staged experts (a read queued behind those would wait for them)
-            job = self.worker.submit(self._host_run, *self._host_inputs(x, k, cpu_pairs), flat[cpu_pairs].cpu(),
-                                     x.device)
+            job = self.worker.submit(self._host_run, *self._host_inputs(x, k, cpu_pairs, flat))
         late = self._device(x, k, pairs, [e for e in experts if paths[e] == HIT],
                             [a.expert for a in sorted(active, key=lambda a: (-a.tokens, a.expert))
                              if paths[a.expert] == STAGE], contrib)
         if late:  # staged experts left without a slot (every slot pinned): the CPU takes them here
             late_pairs = torch.cat([pairs[e] for e in late])
-            contrib[late_pairs] = self._host_run(*self._host_inputs(x, k, late_pairs), flat[late_pairs].cpu(),
-                                                 x.device)
+            contrib[late_pairs] = self._host_run(*self._host_inputs(x, k, late_pairs, flat))
         if job is not None:
             contrib[cpu_pairs] = job.result()
         n_hit = sum(1 for e in experts if paths[e] == HIT)
@@ -78,12 +76,16 @@ class DispatchExperts:
         return combiner.combine(contrib.view(t, k, -1), weights)
 
     @staticmethod
-    def _host_inputs(x: torch.Tensor, k: int, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The activations the CPU experts of `pairs` read, on the host: the fewer of x's T rows (each token's
-        once, with the pairs' row indices) and the pairs' own rows."""
+    def _host_inputs(x: torch.Tensor, k: int, pairs: torch.Tensor, flat: torch.Tensor) \
+            -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.device]:
+        """_host_run's arguments for the CPU experts of `pairs`, copied to the host: the activations as the fewer
+        of x's T rows (each token's once, with the pairs' row indices) and the pairs' own rows; the pairs' experts;
+        the device the outputs go back to."""
         if x.shape[0] <= len(pairs):
-            return x.cpu(), (pairs // k).cpu()
-        return x[pairs // k].cpu(), None
+            host_x, rows = x.cpu(), (pairs // k).cpu()
+        else:
+            host_x, rows = x[pairs // k].cpu(), None
+        return host_x, rows, flat[pairs].cpu(), x.device
 
     def _host_run(self, host_x: torch.Tensor, rows: torch.Tensor | None, which: torch.Tensor,
                   device: torch.device) -> torch.Tensor:
@@ -101,7 +103,7 @@ class DispatchExperts:
             return []
         pool, cache = self.pool, self.cache
         # x on the pool's device once; the device kernels quantize its rows once for the hits and every staged expert
-        acts = Activations(x.to(pool.store.gate.raw.device, torch.float32).contiguous())
+        acts = Activations(x.to(pool.store.gate.raw.device))
         hit_slots = [cache.lookup(e) for e in hits]
         cache.pinned.update(hit_slots)
         waiting, inflight = deque(staged), deque()

@@ -102,8 +102,8 @@ class CudaExpertKernels:
         if p == 0:
             return out
         acts = x if isinstance(x, Activations) else Activations(x)
-        if acts.x.device != dev or acts.x.dtype != torch.float32 or not acts.x.is_contiguous():
-            acts = Activations(acts.x.to(dev, torch.float32).contiguous())
+        if acts.x.device != dev:  # (quantize_activations makes the rows float32 and contiguous)
+            acts = Activations(acts.x.to(dev))
         which = _as(which, dev, torch.int64)
         offsets, order, largest = self.groups(which, store.count)
         # top_k 0: a pair's output row (tokens[p] * top_k + slots[p]) is slots[p], here its own index, the row of
