@@ -5,8 +5,8 @@
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
         [--numa auto|interleave|off]
 
-llama.cpp's interpreter: $POCKETMOE_LLAMA_PYTHON (a venv with llama-cpp-python built for this CPU); without its
-repacked weight buffers: POCKETMOE_LLAMA_EXTRA_BUFTS=0.
+llama.cpp's interpreter: $POCKETMOE_LLAMA_PYTHON (a venv with llama-cpp-python built for this CPU, plus numpy and
+gguf; it needs no torch); without its repacked weight buffers: POCKETMOE_LLAMA_EXTRA_BUFTS=0.
 
 Both engines get the same fixed pseudo-random prompt of ordinary token ids (no BOS). Prefill is one
 pass over the prompt from position 0; decode is --gen-tokens greedy single-token steps. A warm-up
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pocketmoe.benchmark.ours import BenchSettings
+from pocketmoe.benchmark.timing import BenchSettings
 from pocketmoe.cli_util import add_placement_args, placement_from_args, run_cli, size, table
 from pocketmoe.errors import PocketMoEError
 

@@ -166,3 +166,28 @@ def test_llama_cpp_side_by_side(model: Path) -> None:
 def test_llama_python_must_be_a_file(model: Path) -> None:
     proc = bench("--model", str(model), *FAST, "--llama-cpp", env={"POCKETMOE_LLAMA_PYTHON": "/nonexistent/python"})
     assert proc.returncode == 2 and "POCKETMOE_LLAMA_PYTHON" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parity
+def test_llama_cpp_child_runs_without_torch(model: Path) -> None:
+    """$POCKETMOE_LLAMA_PYTHON is a separate venv built for this CPU: the child needs llama-cpp-python,
+    numpy and gguf, not torch."""
+    pytest.importorskip("llama_cpp")
+    argv = ["pocketmoe.bench", "--engine", "llama-cpp", "--model", str(model), "--token-ids", "1,2,3",
+            "--gen-tokens", "2", "--threads", "1", "--repeats", "1", "--n-ctx", "64", "--json"]
+    code = ("import runpy, sys\nsys.modules['torch'] = None  # any import of torch raises ImportError\n"
+            f"sys.argv = {argv!r}\nrunpy.run_module('pocketmoe.bench', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["tokens"]) == 3 and out["llama_cpp"]["decode_tok_s"] > 0
+
+
+def test_llama_python_missing_a_module_says_what_to_install(model: Path, tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'gguf'\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    proc = bench("--model", str(model), *FAST, "--llama-cpp", env={"POCKETMOE_LLAMA_PYTHON": str(fake)})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"in {fake} failed: it has no module 'gguf'" in proc.stderr and "-m pip install" in proc.stderr

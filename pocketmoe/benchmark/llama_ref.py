@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pocketmoe.benchmark.ours import BenchSettings, engine_result
-from pocketmoe.benchmark.timing import measure
+from pocketmoe.benchmark.timing import BenchSettings, engine_result, measure
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.memstat import MemoryWatch
 
@@ -131,6 +131,10 @@ def run_llama_cpp_subprocess(model: str | Path, ids: Sequence[int], s: BenchSett
     if proc.returncode != 0 or not lines:
         errs = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         why = errs[-1].removeprefix("error: ") if errs else f"exit status {proc.returncode}"
+        missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", why)
+        if missing:  # the child needs llama-cpp-python, numpy and gguf, not torch
+            raise PocketMoEError(f"the llama.cpp run in {cmd[0]} failed: it has no module {missing[1]!r}; "
+                                 f"install it there ({cmd[0]} -m pip install numpy gguf llama-cpp-python==0.3.36).")
         raise PocketMoEError(f"the llama.cpp run failed: {why.rstrip('.')}.")
     out = json.loads(lines[-1])
     return out["llama_cpp"], [int(t) for t in out["tokens"]]

@@ -5,36 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pocketmoe.benchmark.timing import Measured, measure, prompt_ids
+from pocketmoe.benchmark.timing import BenchSettings, engine_result, measure, prompt_ids
 from pocketmoe.memstat import MemoryWatch
 from pocketmoe.ops.profile import OPS, OpProfile
-
-
-@dataclass(frozen=True)
-class BenchSettings:
-    prompt_tokens: int
-    gen_tokens: int
-    threads: int
-    repeats: int
-    n_ctx: int
-    chunk_size: int = 256       # our prefill tokens per forward (llama.cpp: n_ubatch)
-
-
-def engine_result(backend: str, m: Measured, mem: MemoryWatch, load_s: float) -> dict[str, Any]:
-    """The per-engine JSON object; memory is read now, so call it before anything else allocates."""
-    mem.sample()
-    return {
-        "backend": backend,
-        "prefill_tok_s": round(m.prefill_tok_s, 3),
-        "decode_tok_s": round(m.decode_tok_s, 3),
-        "peak_rss_mib": round(mem.peak_rss_mib, 1),
-        "peak_anon_mib": round(mem.peak_anon_mib, 1),
-        "load_s": round(load_s, 3),
-    }
 
 
 class _RunnerStepper:

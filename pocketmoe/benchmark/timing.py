@@ -10,9 +10,11 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+
+from pocketmoe.memstat import MemoryWatch
 
 PROMPT_SEED = 20240607
 WARMUP_DECODES = 4
@@ -24,6 +26,16 @@ class Stepper(Protocol):
     def prefill(self, ids: Sequence[int]) -> int: ...
 
     def decode(self, token: int, pos: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    prompt_tokens: int
+    gen_tokens: int
+    threads: int
+    repeats: int
+    n_ctx: int
+    chunk_size: int = 256       # our prefill tokens per forward (llama.cpp: n_ubatch)
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,19 @@ class Measured:
     @property
     def tokens(self) -> list[int]:
         return self.runs[-1].tokens if self.runs else []
+
+
+def engine_result(backend: str, m: Measured, mem: MemoryWatch, load_s: float) -> dict[str, Any]:
+    """The per-engine JSON object; memory is read now, so call it before anything else allocates."""
+    mem.sample()
+    return {
+        "backend": backend,
+        "prefill_tok_s": round(m.prefill_tok_s, 3),
+        "decode_tok_s": round(m.decode_tok_s, 3),
+        "peak_rss_mib": round(mem.peak_rss_mib, 1),
+        "peak_anon_mib": round(mem.peak_anon_mib, 1),
+        "load_s": round(load_s, 3),
+    }
 
 
 def prompt_ids(n: int, vocab_size: int, allowed: Sequence[int] | None = None, seed: int = PROMPT_SEED) -> list[int]:
