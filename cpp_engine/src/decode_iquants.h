@@ -2,6 +2,7 @@
 #pragma once
 
 #include "decode_kquants.h"
+#include "decode_legacy.h"
 #include "iq_tables.h"
 #include "simd.h"
 
@@ -94,9 +95,7 @@ struct IQ4XS {
   }
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
-    const __m256i values = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-                                            -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-    return _mm256_shuffle_epi8(values, load_nibbles(b + 8 + 16 * G));
+    return iq4nl_values(load_nibbles(b + 8 + 16 * G));
   }
   template <int G>
   static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {

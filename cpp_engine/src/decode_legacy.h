@@ -27,6 +27,13 @@ PM_INLINE __m256 fp16_scales8(const uint8_t* const* blk) {
   return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(d01, d23), _mm_unpacklo_epi32(d45, d67)));
 }
 
+// The 16 non-linear IQ4_NL values (int8) at 32 nibble indices; IQ4_XS uses them too.
+PM_INLINE __m256i iq4nl_values(__m256i nibbles) {
+  const __m256i values = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                          -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  return _mm256_shuffle_epi8(values, nibbles);
+}
+
 // Q4_0, 18 bytes: d, qs[16] (low nibbles = weights 0-15, high = 16-31); w = d*(q - 8).
 struct Q4_0 {
   static constexpr int kBytes = 18;
@@ -82,6 +89,15 @@ struct MXFP4 {
                                            12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
     return _mm256_shuffle_epi8(table, load_nibbles(b + 1));
   }
+};
+
+// IQ4_NL, 18 bytes: d, qs[16] (low nibbles = weights 0-15, high = 16-31); w = d * values[q], signed.
+struct IQ4_NL {
+  static constexpr int kBytes = 18;
+  static constexpr int kOffset = 0;
+  static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
+  static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
+  static PM_INLINE __m256i quants(const uint8_t* b) { return iq4nl_values(load_nibbles(b + 2)); }
 };
 
 struct F32 {

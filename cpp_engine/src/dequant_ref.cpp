@@ -172,16 +172,25 @@ void iq1_m(const uint8_t* b, float* y) {
   }
 }
 
+const int kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+void iq4_nl(const uint8_t* b, float* y) {
+  const float d = half(b);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * kIq4nlValues[b[2 + j] & 0x0F];
+    y[j + 16] = d * kIq4nlValues[b[2 + j] >> 4];
+  }
+}
+
 void iq4_xs(const uint8_t* b, float* y) {
-  static const int kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
   const float d = half(b);
   const uint32_t sh = u16(b + 2);
   for (int j = 0; j < 8; ++j) {
     const int ls = (((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((sh >> (2 * j)) & 3) << 4)) - 32;
     const float dl = d * ls;
     for (int l = 0; l < 16; ++l) {
-      y[32 * j + l] = dl * kValues[b[8 + 16 * j + l] & 0x0F];
-      y[32 * j + 16 + l] = dl * kValues[b[8 + 16 * j + l] >> 4];
+      y[32 * j + l] = dl * kIq4nlValues[b[8 + 16 * j + l] & 0x0F];
+      y[32 * j + 16 + l] = dl * kIq4nlValues[b[8 + 16 * j + l] >> 4];
     }
   }
 }
@@ -218,6 +227,7 @@ void dequantize_row(int ggml_type, const uint8_t* src, int n, float* dst) {
     case kIQ2_XXS: block = iq2_xxs; break;
     case kIQ1_M: block = iq1_m; break;
     case kIQ4_XS: block = iq4_xs; break;
+    case kIQ4_NL: block = iq4_nl; break;
     default: throw std::invalid_argument("dequantize_row: no reference for this type");
   }
   for (int i = 0; i < n / t.block_values; ++i) block(src + static_cast<size_t>(i) * t.block_bytes, dst + i * t.block_values);

@@ -1,4 +1,4 @@
-// Integer dot products of 32-value block weights (Q4_0, Q5_0, Q8_0, MXFP4) with Q8_0 activations.
+// Integer dot products of 32-value block weights (Q4_0, Q5_0, Q8_0, MXFP4, IQ4_NL) with Q8_0 activations.
 //
 // Rows are handled eight at a time, one float lane per row. For each block the exact integer dot
 // of a row with a token is formed first, then acc = fma(float(dot), dw * da, acc), block after

@@ -22,6 +22,7 @@ const TypeInfo kTypes[] = {
     {kIQ1_M, "IQ1_M", 256, 56, ActFormat::kQ8_K},
     {kBF16, "BF16", 1, 2, ActFormat::kF32},
     {kMXFP4, "MXFP4", 32, 17, ActFormat::kQ8_0},
+    {kIQ4_NL, "IQ4_NL", 32, 18, ActFormat::kQ8_0},
 };
 
 }  // namespace

@@ -19,6 +19,7 @@ enum GgmlType : int {
   kQ5_K = 13,
   kQ6_K = 14,
   kIQ2_XXS = 16,
+  kIQ4_NL = 20,
   kIQ4_XS = 23,
   kIQ1_M = 29,
   kBF16 = 30,
