@@ -23,10 +23,10 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailabl
 
 TYPES = {
     "Q4_K": 12, "Q6_K": 14, "Q8_0": 8, "Q5_K": 13, "Q5_0": 6, "Q4_0": 2, "Q2_K": 10, "Q3_K": 11,
-    "IQ2_XXS": 16, "IQ1_M": 29, "IQ4_XS": 23, "MXFP4": 39, "IQ4_NL": 20, "F16": 1, "BF16": 30, "F32": 0,
+    "IQ2_XXS": 16, "IQ1_M": 29, "IQ4_XS": 23, "MXFP4": 39, "IQ4_NL": 20, "Q4_1": 3, "Q5_1": 7, "F16": 1, "BF16": 30, "F32": 0,
 }
 FLOAT_TYPES = {0, 1, 30}
-ACT_BLOCK = {**dict.fromkeys((2, 6, 8, 20, 39), 32), **dict.fromkeys((10, 11, 12, 13, 14, 16, 23, 29), 256)}
+ACT_BLOCK = {**dict.fromkeys((2, 3, 6, 7, 8, 20, 39), 32), **dict.fromkeys((10, 11, 12, 13, 14, 16, 23, 29), 256)}
 TOKENS = (1, 3, 17, 64)
 
 
@@ -135,7 +135,7 @@ def test_gemm_bitwise_stable(name: str, restore_threads) -> None:
         np.testing.assert_array_equal(native.gemm(w, t, x[i]), batch[i])
 
 
-BATCHED_TYPES = ["Q8_0", "Q5_0", "Q4_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
+BATCHED_TYPES = ["Q8_0", "Q5_0", "Q4_0", "IQ4_NL", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
 
 
 def batched_case(t: int, heads: int, rows: int, cols: int, n_tokens: int, seed: int):

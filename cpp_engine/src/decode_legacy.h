@@ -17,11 +17,11 @@ PM_INLINE __m256i expand_bits(const uint8_t* p) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
 }
 
-// The fp16 at the start of each of 8 blocks, as floats: 32-bit loads and an unpack tree (fewer
+// The fp16 at byte `at` of each of 8 blocks, as floats: 32-bit loads and an unpack tree (fewer
 // micro-ops than building the vector with 7 inserts).
-PM_INLINE __m256 fp16_scales8(const uint8_t* const* blk) {
+PM_INLINE __m256 fp16_scales8(const uint8_t* const* blk, int at = 0) {
   __m128i v[8];
-  for (int r = 0; r < 8; ++r) v[r] = _mm_loadu_si32(blk[r]);
+  for (int r = 0; r < 8; ++r) v[r] = _mm_loadu_si32(blk[r] + at);
   const __m128i d01 = _mm_unpacklo_epi16(v[0], v[1]), d23 = _mm_unpacklo_epi16(v[2], v[3]);
   const __m128i d45 = _mm_unpacklo_epi16(v[4], v[5]), d67 = _mm_unpacklo_epi16(v[6], v[7]);
   return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(d01, d23), _mm_unpacklo_epi32(d45, d67)));
@@ -38,6 +38,7 @@ PM_INLINE __m256i iq4nl_values(__m256i nibbles) {
 struct Q4_0 {
   static constexpr int kBytes = 18;
   static constexpr int kOffset = 8;
+  static constexpr bool kMin = false;
   static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
   static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
   static PM_INLINE __m256i quants(const uint8_t* b) { return load_nibbles(b + 2); }
@@ -47,6 +48,7 @@ struct Q4_0 {
 struct Q5_0 {
   static constexpr int kBytes = 22;
   static constexpr int kOffset = 16;
+  static constexpr bool kMin = false;
   static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
   static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
   static PM_INLINE __m256i quants(const uint8_t* b) {
@@ -55,10 +57,37 @@ struct Q5_0 {
   }
 };
 
+// Q4_1, 20 bytes: d, m, qs[16] (nibbles as Q4_0); w = d*q + m with q unsigned (kMin: no offset
+// is taken out; the min adds m times the activation sum instead).
+struct Q4_1 {
+  static constexpr int kBytes = 20;
+  static constexpr int kOffset = 8;
+  static constexpr bool kMin = true;
+  static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
+  static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
+  static PM_INLINE __m256 mins8(const uint8_t* const* blk) { return fp16_scales8(blk, 2); }
+  static PM_INLINE __m256i quants(const uint8_t* b) { return load_nibbles(b + 4); }
+};
+
+// Q5_1, 24 bytes: d, m, qh (bit i = bit 4 of weight i), qs[16]; w = d*q + m, q unsigned (kMin).
+struct Q5_1 {
+  static constexpr int kBytes = 24;
+  static constexpr int kOffset = 16;
+  static constexpr bool kMin = true;
+  static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
+  static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
+  static PM_INLINE __m256 mins8(const uint8_t* const* blk) { return fp16_scales8(blk, 2); }
+  static PM_INLINE __m256i quants(const uint8_t* b) {
+    const __m256i hi = _mm256_and_si256(expand_bits(b + 4), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(load_nibbles(b + 8), hi);
+  }
+};
+
 // Q8_0, 34 bytes: d, int8 qs[32].
 struct Q8_0 {
   static constexpr int kBytes = 34;
   static constexpr int kOffset = 0;
+  static constexpr bool kMin = false;
   static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
   static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
   static PM_INLINE __m256i quants(const uint8_t* b) { return load256(b + 2); }
@@ -69,6 +98,7 @@ struct Q8_0 {
 struct MXFP4 {
   static constexpr int kBytes = 17;
   static constexpr int kOffset = 12;
+  static constexpr bool kMin = false;
   static PM_INLINE float scale(const uint8_t* b) {
     const uint32_t e = b[0];
     const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
@@ -95,6 +125,7 @@ struct MXFP4 {
 struct IQ4_NL {
   static constexpr int kBytes = 18;
   static constexpr int kOffset = 0;
+  static constexpr bool kMin = false;
   static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
   static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
   static PM_INLINE __m256i quants(const uint8_t* b) { return iq4nl_values(load_nibbles(b + 2)); }

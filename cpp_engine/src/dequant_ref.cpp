@@ -68,6 +68,24 @@ void q5_0(const uint8_t* b, float* y) {
   }
 }
 
+void q4_1(const uint8_t* b, float* y) {
+  const float d = half(b), m = half(b + 2);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * (b[4 + j] & 0x0F) + m;
+    y[j + 16] = d * (b[4 + j] >> 4) + m;
+  }
+}
+
+void q5_1(const uint8_t* b, float* y) {
+  const float d = half(b), m = half(b + 2);
+  const uint32_t qh = u32(b + 4);
+  for (int j = 0; j < 16; ++j) {
+    const int h0 = static_cast<int>((qh >> j) & 1), h1 = static_cast<int>((qh >> (j + 16)) & 1);
+    y[j] = d * ((b[8 + j] & 0x0F) | (h0 << 4)) + m;
+    y[j + 16] = d * ((b[8 + j] >> 4) | (h1 << 4)) + m;
+  }
+}
+
 void q8_0(const uint8_t* b, float* y) {
   const float d = half(b);
   for (int j = 0; j < 32; ++j) y[j] = d * static_cast<int8_t>(b[2 + j]);
@@ -217,6 +235,8 @@ void dequantize_row(int ggml_type, const uint8_t* src, int n, float* dst) {
   switch (ggml_type) {
     case kQ4_0: block = q4_0; break;
     case kQ5_0: block = q5_0; break;
+    case kQ4_1: block = q4_1; break;
+    case kQ5_1: block = q5_1; break;
     case kQ8_0: block = q8_0; break;
     case kMXFP4: block = mxfp4; break;
     case kQ2_K: block = q2_k; break;

@@ -1,4 +1,5 @@
-// Integer dot products of 32-value block weights (Q4_0, Q5_0, Q8_0, MXFP4, IQ4_NL) with Q8_0 activations.
+// Integer dot products of 32-value block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, IQ4_NL) with Q8_0
+// activations.
 //
 // Rows are handled eight at a time, one float lane per row. For each block the exact integer dot
 // of a row with a token is formed first, then acc = fma(float(dot), dw * da, acc), block after
@@ -8,7 +9,10 @@
 // the same float steps, so results never depend on the batch or the CPU's VNNI.
 //
 // A decoder Dec gives a block's 32 weights as q + kOffset (unsigned, kOffset > 0) or as signed
-// int8 (kOffset == 0), its scale, and the scales of eight blocks as one vector.
+// int8 (kOffset == 0), its scale, and the scales of eight blocks as one vector. A type with a min
+// (kMin: w = d*q + m, q unsigned below 2 * kOffset) keeps its dot unsigned and, after the block's
+// scale step, adds acc = fma(float(sum of the activation q), m * da, acc); the CUDA kernels take
+// the same two steps.
 #pragma once
 
 #include <cstddef>
@@ -37,8 +41,18 @@ PM_INLINE ActQ8_0 act_view(const uint8_t* row, int cols) {
 struct alignas(32) CanonX8 {
   uint8_t q[8][32];
   float d[8];
+  float m[8];   // the mins of kMin types
 };
-static_assert(sizeof(CanonX8) == 288);
+static_assert(sizeof(CanonX8) == 320);
+
+// What the exact dot subtracts per activation sum: the offset of unsigned weights without a min.
+template <class Dec>
+constexpr int kSubtract = Dec::kMin ? 0 : Dec::kOffset;
+
+// acc + float(sum) * (m * da) per lane: the min step of a kMin type.
+PM_INLINE __m256 add_min(__m256 acc, __m256 m, int16_t sum, float da) {
+  return _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(sum)), _mm256_mul_ps(m, _mm256_set1_ps(da)), acc);
+}
 
 // The fused path's exact add tree over eight rows, from unpacks and adds (cheaper than hadd). It
 // starts from each row's products p (below); fold_pair(p_r, p_r+1) and fold_quad of two such pairs
@@ -142,12 +156,15 @@ __attribute__((noinline)) void fused8(const uint8_t* const (&w)[8], size_t row_b
       }
     });
     const __m256 dw = Dec::scales8(blk);
+    [[maybe_unused]] __m256 mw;
+    if constexpr (Dec::kMin) mw = Dec::mins8(blk);
     for (int c = 0; c < C; ++c) {
       const __m256i h0 = fold_quad<Dec>(pair[0][c], pair[1][c]);
       const __m256i h1 = fold_quad<Dec>(pair[2][c], pair[3][c]);
       __m256i dot = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
-      if constexpr (Dec::kOffset > 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(Dec::kOffset * a[c].sums[b]));
+      if constexpr (kSubtract<Dec> > 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kSubtract<Dec> * a[c].sums[b]));
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[c].d[b])), acc[c]);
+      if constexpr (Dec::kMin) acc[c] = add_min(acc[c], mw, a[c].sums[b], a[c].d[b]);
     }
   }
   for (int c = 0; c < C; ++c) store_rows(out + c * out_stride, acc[c], n_rows);
@@ -185,6 +202,7 @@ void repack8(const uint8_t* const (&w)[8], size_t row_bytes, int nb, CanonX8* ds
     transpose8x8(v);
     for (int s = 0; s < 8; ++s) _mm256_store_si256(reinterpret_cast<__m256i*>(dst[b].q[s]), v[s]);
     _mm256_store_ps(dst[b].d, Dec::scales8(blk));
+    if constexpr (Dec::kMin) _mm256_store_ps(dst[b].m, Dec::mins8(blk));
   }
 }
 
@@ -226,8 +244,9 @@ __attribute__((noinline)) void tile8(const CanonX8* w, const ActQ8_0* a, int nb,
     });
     const __m256 dw = _mm256_load_ps(w[b].d);
     for (int c = 0; c < C; ++c) {
-      if constexpr (Dec::kOffset > 0) dot[c] = _mm256_sub_epi32(dot[c], _mm256_set1_epi32(Dec::kOffset * a[c].sums[b]));
+      if constexpr (kSubtract<Dec> > 0) dot[c] = _mm256_sub_epi32(dot[c], _mm256_set1_epi32(kSubtract<Dec> * a[c].sums[b]));
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[c]), _mm256_mul_ps(dw, _mm256_set1_ps(a[c].d[b])), acc[c]);
+      if constexpr (Dec::kMin) acc[c] = add_min(acc[c], _mm256_load_ps(w[b].m), a[c].sums[b], a[c].d[b]);
     }
   }
   for (int c = 0; c < C; ++c) store_rows(out + c * out_stride, acc[c], n_rows);

@@ -6,20 +6,27 @@ namespace pocketmoe::PM_ISA::lfamily {
 
 // Sixteen rows of one block for 512-bit tiles: q[s] holds values 4s..4s+3 of rows 0..15 in turn.
 // For tile16 as unsigned bytes: signed weights (kOffset == 0) stored as q + 128, which it takes back
-// out of the exact integer dot with the activation sums; for AMX as the signed weights (q - kOffset).
+// out of the exact integer dot with the activation sums; for AMX as the signed weights (q - kOffset;
+// kMin types keep q, which is below 32).
 struct alignas(64) CanonX16 {
   uint8_t q[8][64];
   float d[16];
+  float m[16];   // the mins of kMin types
 };
-static_assert(sizeof(CanonX16) == 576);
+static_assert(sizeof(CanonX16) == 640);
 
 template <class Dec>
-constexpr int kBias16 = Dec::kOffset > 0 ? Dec::kOffset : 128;
+constexpr int kBias16 = Dec::kOffset > 0 ? kSubtract<Dec> : 128;
+
+// acc + float(sum) * (m * da) per lane: add_min of sixteen rows.
+PM_INLINE __m512 add_min16(__m512 acc, __m512 m, int16_t sum, float da) {
+  return _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(sum)), _mm512_mul_ps(m, _mm512_set1_ps(da)), acc);
+}
 
 template <class Dec, bool kSignedWeights = false>
 void repack16(const uint8_t* const (&w)[16], size_t row_bytes, int nb, CanonX16* dst) {
   // Added to every weight byte (mod 256): unsigned for tile16, signed for AMX.
-  const int shift = kSignedWeights ? -Dec::kOffset : Dec::kOffset > 0 ? 0 : 128;
+  const int shift = kSignedWeights ? -kSubtract<Dec> : Dec::kOffset > 0 ? 0 : 128;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(shift));
   for (int b = 0; b < nb; ++b) {
     const uint8_t* next = w[0] + 16 * row_bytes + static_cast<size_t>(b) * 16 * Dec::kBytes;
@@ -35,6 +42,7 @@ void repack16(const uint8_t* const (&w)[16], size_t row_bytes, int nb, CanonX16*
       for (int s = 0; s < 8; ++s)
         _mm256_store_si256(reinterpret_cast<__m256i*>(dst[b].q[s] + 32 * half), _mm256_add_epi8(v[s], flip));
       _mm256_store_ps(dst[b].d + 8 * half, Dec::scales8(blk));
+      if constexpr (Dec::kMin) _mm256_store_ps(dst[b].m + 8 * half, Dec::mins8(blk));
     }
   }
 }
@@ -62,8 +70,9 @@ __attribute__((noinline)) void tile16(const CanonX16* w, const ActQ8_0* a, int n
     });
     const __m512 dw = _mm512_load_ps(w[b].d);
     for (int c = 0; c < C; ++c) {
-      dot[c] = _mm512_sub_epi32(dot[c], _mm512_set1_epi32(kBias * a[c].sums[b]));
+      if constexpr (kBias > 0) dot[c] = _mm512_sub_epi32(dot[c], _mm512_set1_epi32(kBias * a[c].sums[b]));
       acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(dw, _mm512_set1_ps(a[c].d[b])), acc[c]);
+      if constexpr (Dec::kMin) acc[c] = add_min16(acc[c], _mm512_load_ps(w[b].m), a[c].sums[b], a[c].d[b]);
     }
   }
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * out_stride, acc[c]);
@@ -161,20 +170,28 @@ inline bool evenly_spaced(const uint8_t* const* acts, int n, size_t* stride) {
 // same integers as tile16's), then tile16's float steps, one token per register: bitwise its
 // results. Two blocks are in flight, so a block's products run while the one before is stored and
 // scaled.
-__attribute__((noinline)) inline void amx_tile16(const CanonX16* w, const uint8_t* const* acts, int n, size_t stride,
-                                                 int cols, float* out, ptrdiff_t out_stride) {
+template <bool kMin>
+__attribute__((noinline)) void amx_tile16(const CanonX16* w, const uint8_t* const* acts, int n, size_t stride, int cols,
+                                          float* out, ptrdiff_t out_stride) {
   const int nb = cols / 32;
   const uint8_t* act0 = acts[0];
   const float* da[16];
-  for (int i = 0; i < 16; ++i) da[i] = act_view(acts[i < n ? i : n - 1], cols).d;
+  const int16_t* sa[16];
+  for (int i = 0; i < 16; ++i) {
+    const ActQ8_0 a = act_view(acts[i < n ? i : n - 1], cols);
+    da[i] = a.d;
+    sa[i] = a.sums;
+  }
   __m512 acc[16];
   for (auto& v : acc) v = _mm512_setzero_ps();
   alignas(64) int32_t dots[16][16] = {};   // rows past n stay 0 (their results are not stored)
   const auto scale = [&](int b) {
     const __m512 dw = _mm512_load_ps(w[b].d);
-    for (int i = 0; i < 16; ++i)
+    for (int i = 0; i < 16; ++i) {
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[i])), _mm512_mul_ps(dw, _mm512_set1_ps(da[i][b])),
                                acc[i]);
+      if constexpr (kMin) acc[i] = add_min16(acc[i], _mm512_load_ps(w[b].m), sa[i][b], da[i][b]);
+    }
   };
   PM_AMX_DOTS(0, 2, 4, 0);
   int b = 0;
@@ -206,7 +223,7 @@ void amx_rows16(const MatmulTask& t, int r, size_t stride, CanonX16* canon, int*
   for (; t.n_tokens - tk >= kAmxMinTokens; tk += 16) {
     const int n = t.n_tokens - tk < 16 ? t.n_tokens - tk : 16;
     if (n != *configured) configure_tiles(*configured = n);
-    amx_tile16(canon, t.acts + tk, n, stride, t.cols, t.out + (r - t.row_begin) + tk * t.out_stride, t.out_stride);
+    amx_tile16<Dec::kMin>(canon, t.acts + tk, n, stride, t.cols, t.out + (r - t.row_begin) + tk * t.out_stride, t.out_stride);
   }
   if (tk < t.n_tokens) tiles16<Dec, true>(t, r, canon, tk, t.n_tokens);
 }

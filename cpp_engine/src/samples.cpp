@@ -50,6 +50,10 @@ std::vector<uint8_t> random_weight(int ggml_type, int rows, int cols, std::mt199
       case kQ4_0: case kQ5_0: case kQ8_0: case kIQ2_XXS: case kIQ4_XS: case kIQ4_NL:
         put_u16(b, half_bits(scale(rng)));
         break;
+      case kQ4_1: case kQ5_1:
+        put_u16(b, half_bits(scale(rng)));
+        put_u16(b + 2, half_bits(-16 * scale(rng)));
+        break;
       case kQ4_K: case kQ5_K:
         put_u16(b, half_bits(scale(rng)));
         put_u16(b + 2, half_bits(scale(rng)));

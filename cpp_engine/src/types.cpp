@@ -11,6 +11,8 @@ const TypeInfo kTypes[] = {
     {kF16, "F16", 1, 2, ActFormat::kF32},
     {kQ4_0, "Q4_0", 32, 18, ActFormat::kQ8_0},
     {kQ5_0, "Q5_0", 32, 22, ActFormat::kQ8_0},
+    {kQ4_1, "Q4_1", 32, 20, ActFormat::kQ8_0},
+    {kQ5_1, "Q5_1", 32, 24, ActFormat::kQ8_0},
     {kQ8_0, "Q8_0", 32, 34, ActFormat::kQ8_0},
     {kQ2_K, "Q2_K", 256, 84, ActFormat::kQ8_K},
     {kQ3_K, "Q3_K", 256, 110, ActFormat::kQ8_K},
