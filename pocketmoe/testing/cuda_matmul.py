@@ -13,13 +13,14 @@ from gguf import GGMLQuantizationType, quants
 
 # kernel suffix -> (ggml type, values per block); 32: Q8_0 activations, 256: Q8_K, 1: float activations.
 TYPES = {
-    "q4_0": (2, 32), "q5_0": (6, 32), "q8_0": (8, 32), "mxfp4": (39, 32),
+    "q4_0": (2, 32), "q4_1": (3, 32), "q5_0": (6, 32), "q5_1": (7, 32), "q8_0": (8, 32), "iq4_nl": (20, 32),
+    "mxfp4": (39, 32),
     "q2_k": (10, 256), "q3_k": (11, 256), "q4_k": (12, 256), "q5_k": (13, 256), "q6_k": (14, 256),
     "iq2_xxs": (16, 256), "iq1_m": (29, 256), "iq4_xs": (23, 256),
     "f32": (0, 1), "f16": (1, 1), "bf16": (30, 1),
 }
-# Types with a min term: (byte offset of the fp16 dmin, largest min multiplier).
-MINS = {"q2_k": (82, 15), "q4_k": (2, 63), "q5_k": (2, 63)}
+# Types with a min term: (byte offset of the fp16 dmin, largest min multiplier); Q4_1 / Q5_1 add their m itself.
+MINS = {"q4_1": (2, 1), "q5_1": (2, 1), "q2_k": (82, 15), "q4_k": (2, 63), "q5_k": (2, 63)}
 U = 2.0 ** -24   # unit roundoff of float32
 
 
@@ -84,8 +85,9 @@ def tolerance(name: str, raw: np.ndarray, w: np.ndarray, xd: np.ndarray, n_chain
     may pass 2^24) and d*da round once each before it enters the sum, whose additions (the fmas) round
     n_chain times at most: error <= gamma(n_chain + 2) * sum |terms| (recursive summation). sum |terms| <=
     S + 2M, S = sum_i |w_i x_i|, M = sum over blocks |dmin| * max_min * sum_i |x_i| (as |d sc q| <= |w| +
-    |dmin m|). gguf's float32 dequantization rounds a weight at most 4 times (Q2_K: d*sc, dmin*m, *q, -),
-    relative to |d sc q| + |dmin m|: 4u (S + 2M) more; the float64 reference matmul adds nothing visible.
+    |dmin m|; Q4_1 / Q5_1: w = d q + m and msum the block's activation sum, so |d q| <= |w| + |m|, max_min 1).
+    gguf's float32 dequantization rounds a weight at most 4 times (Q2_K: d*sc, dmin*m, *q, -), relative to
+    |d sc q| + |dmin m|: 4u (S + 2M) more; the float64 reference matmul adds nothing visible.
     Float weights: exact weights and products inside fmas, gamma(n_chain) * S."""
     n_chain = chain(name, w.shape[1]) if n_chain is None else n_chain
     s = np.abs(xd) @ np.abs(w).T
@@ -94,9 +96,10 @@ def tolerance(name: str, raw: np.ndarray, w: np.ndarray, xd: np.ndarray, n_chain
     m = np.zeros_like(s)
     if name in MINS:
         off, max_min = MINS[name]
-        rows, nb = w.shape[0], w.shape[1] // 256
+        bv = TYPES[name][1]
+        rows, nb = w.shape[0], w.shape[1] // bv
         dmin = raw.reshape(rows, nb, -1)[:, :, off:off + 2].copy().view(np.float16).astype(np.float64)[..., 0]
-        xabs = np.abs(xd).reshape(xd.shape[0], nb, 256).sum(axis=-1)
+        xabs = np.abs(xd).reshape(xd.shape[0], nb, bv).sum(axis=-1)
         m = xabs @ (np.abs(dmin) * max_min).T
     return (gamma(n_chain + 2) + 4 * U) * (s + 2 * m)
 

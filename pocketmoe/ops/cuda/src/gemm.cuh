@@ -19,7 +19,8 @@ struct ActRows {
   int q_stride, d_stride, s_stride;   // elements from one token's row to the next
 };
 
-// One warp step of a 32-value type: lane l takes block b0 + l (index ab0 + l in a).
+// One warp step of a 32-value type: lane l takes block b0 + l (index ab0 + l in a). A type with a min adds
+// m * da * (the sum of the block's activation quants), that sum formed here (Q8_0 rows carry none).
 template <class D, int NT>
 __device__ __forceinline__ void step_l(const uint8_t* wrow, int nb, int b0, const ActRows& a, int ab0, int nt,
                                        float (&acc)[NT]) {
@@ -29,15 +30,24 @@ __device__ __forceinline__ void step_l(const uint8_t* wrow, int nb, int b0, cons
   int q[8];
   D::quants(blk, q);
   const float dw = D::scale(blk);
+  float mw = 0.0f;
+  if constexpr (D::kMin) mw = D::min(blk);
   const int ab = ab0 + lane;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if (t < nt) {
       const int* x = reinterpret_cast<const int*>(a.q + t * a.q_stride + 32 * ab);
+      const float da = a.d[t * a.d_stride + ab];
       int dot = 0;
 #pragma unroll
       for (int k = 0; k < 8; ++k) dot = __dp4a(q[k], x[k], dot);
-      acc[t] = fmaf(static_cast<float>(dot), dw * a.d[t * a.d_stride + ab], acc[t]);
+      acc[t] = fmaf(static_cast<float>(dot), dw * da, acc[t]);
+      if constexpr (D::kMin) {
+        int sa = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) sa = __dp4a(0x01010101, x[k], sa);
+        acc[t] = fmaf(static_cast<float>(sa), mw * da, acc[t]);
+      }
     }
   }
 }

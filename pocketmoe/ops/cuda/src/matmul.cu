@@ -11,7 +11,8 @@
 // added exactly before the float step), then a xor butterfly over the warp: no atomics, and the GEMV and
 // the GEMM give bitwise the same value for the same row and activation row. Per block the float steps are
 // those of the CPU kernels: acc = fma(float(int dot), dw * da, acc) (k-quants: d * da, then dmin * da for
-// the min sum).
+// the min sum; Q4_1 / Q5_1: then fma(float(sum of the block's 32 activation quants), m * da, acc), that sum
+// formed in the kernel).
 //
 // Launch geometry (block = (B, 1, 1), B a multiple of 32, W = B / 32 warps):
 //   quantize_q8_0 / quantize_q8_k: grid (ceil(I / 32 / W) or ceil(I / 256 / W), T); one warp per block.
@@ -44,14 +45,29 @@ extern "C" __global__ void gemv_q4_0(const uint8_t* w, const int8_t* xq, const f
   pmq::gemv_q<pmq::Q4_0>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
+extern "C" __global__ void gemv_q4_1(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                    float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::Q4_1>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
 extern "C" __global__ void gemv_q5_0(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
                                     float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::Q5_0>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
+extern "C" __global__ void gemv_q5_1(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                    float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::Q5_1>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
 extern "C" __global__ void gemv_q8_0(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
                                     float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::Q8_0>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_iq4_nl(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                      float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::IQ4NL>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
 extern "C" __global__ void gemv_mxfp4(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
@@ -120,6 +136,13 @@ extern "C" __global__ void moe_gemm_q4_0(const uint8_t* const* experts, const in
   pmq::moe_gemm_q<pmq::Q4_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
+extern "C" __global__ void moe_gemm_q4_1(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::Q4_1>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
 extern "C" __global__ void moe_gemm_q5_0(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
@@ -127,11 +150,25 @@ extern "C" __global__ void moe_gemm_q5_0(const uint8_t* const* experts, const in
   pmq::moe_gemm_q<pmq::Q5_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
+extern "C" __global__ void moe_gemm_q5_1(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::Q5_1>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
 extern "C" __global__ void moe_gemm_q8_0(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
                                         int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::Q8_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_iq4_nl(const uint8_t* const* experts, const int32_t* offsets,
+                                          const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                          const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                          int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::IQ4NL>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_mxfp4(const uint8_t* const* experts, const int32_t* offsets,

@@ -5,13 +5,15 @@
 // word i / 4), the form __dp4a takes. Offsets (Q4_0's -8, Q6_K's -32, ...) are applied to the weights here,
 // so a dot with int8 activations is the exact integer the CPU kernels form (they subtract the offset from
 // activation sums instead: the same integer). Families:
-//   32-value blocks (Q4_0, Q5_0, Q8_0, MXFP4): scale(b), quants(b, q); w = scale * q.
+//   32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4): scale(b), quants(b, q); w = scale * q, and
+//     where the type has a min (kMin: Q4_1, Q5_1), min(b): w = scale * q + min (q unsigned).
 //   256-value super-blocks (k-quants, IQ types): head(b, d, dmin), group(b, g, q, sc, mn) for the 32 weights
 //     of group g (0..7), one scale per 16 weights (sc[0], sc[1]) and, where the type has mins (kMin), one
 //     min per 16 (mn[]); w = d * sc * q + dmin * mn (dmin holds the negated min scale, as in kfamily.h).
 //   Float rows (F32, F16, BF16): load(row, i).
-// Alignment: rows of Q4_K, Q5_K, Q2_K, IQ1_M, IQ4_XS and F32 start 4-byte aligned; every other type but
-// MXFP4 (any alignment) needs 2 bytes. Row starts of [rows, row_bytes] matrices keep that by construction.
+// Alignment: rows of Q4_1, Q5_1, Q4_K, Q5_K, Q2_K, IQ1_M, IQ4_XS and F32 start 4-byte aligned; every other
+// type but MXFP4 (any alignment) needs 2 bytes. Row starts of [rows, row_bytes] matrices keep that by
+// construction.
 #pragma once
 
 #include "common.cuh"
@@ -65,6 +67,7 @@ static __device__ const int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -3
 struct Q4_0 {
   static constexpr int kValues = 32;
   static constexpr int kBytes = 18;
+  static constexpr bool kMin = false;
   static __device__ __forceinline__ float scale(const uint8_t* b) { return ld_fp16(b); }
   static __device__ __forceinline__ void quants(const uint8_t* b, int (&q)[8]) {
 #pragma unroll
@@ -76,10 +79,44 @@ struct Q4_0 {
   }
 };
 
+// Q4_1, 20 bytes: d, m, qs[16] (nibbles as Q4_0); w = d * q + m.
+struct Q4_1 {
+  static constexpr int kValues = 32;
+  static constexpr int kBytes = 20;
+  static constexpr bool kMin = true;
+  static __device__ __forceinline__ float scale(const uint8_t* b) { return ld_fp16(b); }
+  static __device__ __forceinline__ float min(const uint8_t* b) { return ld_fp16(b + 2); }
+  static __device__ __forceinline__ void quants(const uint8_t* b, int (&q)[8]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t v = ld_u32(b + 4 + 4 * k);
+      q[k] = static_cast<int>(v & 0x0F0F0F0Fu);
+      q[k + 4] = static_cast<int>((v >> 4) & 0x0F0F0F0Fu);
+    }
+  }
+};
+
+// IQ4_NL, 18 bytes: d, qs[16] (nibbles as Q4_0); w = d * kIq4nlValues[nibble].
+struct IQ4NL {
+  static constexpr int kValues = 32;
+  static constexpr int kBytes = 18;
+  static constexpr bool kMin = false;
+  static __device__ __forceinline__ float scale(const uint8_t* b) { return ld_fp16(b); }
+  static __device__ __forceinline__ void quants(const uint8_t* b, int (&q)[8]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t v = ld_u32_a2(b + 2 + 4 * k);
+      q[k] = lookup4(kIq4nlValues, v, 0);
+      q[k + 4] = lookup4(kIq4nlValues, v, 4);
+    }
+  }
+};
+
 // Q5_0, 22 bytes: d, qh (bit i = bit 4 of weight i), qs[16]; w = d * (q - 16).
 struct Q5_0 {
   static constexpr int kValues = 32;
   static constexpr int kBytes = 22;
+  static constexpr bool kMin = false;
   static __device__ __forceinline__ float scale(const uint8_t* b) { return ld_fp16(b); }
   static __device__ __forceinline__ void quants(const uint8_t* b, int (&q)[8]) {
     const uint32_t qh = ld_u32_a2(b + 2);
@@ -92,10 +129,29 @@ struct Q5_0 {
   }
 };
 
+// Q5_1, 24 bytes: d, m, qh (bit i = bit 4 of weight i), qs[16]; w = d * q + m.
+struct Q5_1 {
+  static constexpr int kValues = 32;
+  static constexpr int kBytes = 24;
+  static constexpr bool kMin = true;
+  static __device__ __forceinline__ float scale(const uint8_t* b) { return ld_fp16(b); }
+  static __device__ __forceinline__ float min(const uint8_t* b) { return ld_fp16(b + 2); }
+  static __device__ __forceinline__ void quants(const uint8_t* b, int (&q)[8]) {
+    const uint32_t qh = ld_u32(b + 4);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t v = ld_u32(b + 8 + 4 * k);
+      q[k] = static_cast<int>((v & 0x0F0F0F0Fu) | (spread4((qh >> (4 * k)) & 15) << 4));
+      q[k + 4] = static_cast<int>(((v >> 4) & 0x0F0F0F0Fu) | (spread4((qh >> (16 + 4 * k)) & 15) << 4));
+    }
+  }
+};
+
 // Q8_0, 34 bytes: d, int8 qs[32].
 struct Q8_0 {
   static constexpr int kValues = 32;
   static constexpr int kBytes = 34;
+  static constexpr bool kMin = false;
   static __device__ __forceinline__ float scale(const uint8_t* b) { return ld_fp16(b); }
   static __device__ __forceinline__ void quants(const uint8_t* b, int (&q)[8]) {
 #pragma unroll
@@ -108,6 +164,7 @@ struct Q8_0 {
 struct MXFP4 {
   static constexpr int kValues = 32;
   static constexpr int kBytes = 17;
+  static constexpr bool kMin = false;
   static __device__ __forceinline__ float scale(const uint8_t* b) {
     const uint32_t e = b[0];
     return __int_as_float(static_cast<int>(e < 2 ? 0x00200000u << e : (e - 1) << 23));
