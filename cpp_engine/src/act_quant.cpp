@@ -1,5 +1,6 @@
 #include "pocketmoe/act_quant.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "simd.h"
@@ -52,21 +53,30 @@ void quantize_act_blocks(ActFormat format, const float* src, int cols, int block
     std::memcpy(reinterpret_cast<float*>(row) + block_begin, src, 4 * static_cast<size_t>(block_end - block_begin));
     return;
   }
+  const int nb = cols / bv;
   auto* qs = reinterpret_cast<int8_t*>(row);
   auto* d = reinterpret_cast<float*>(row + cols);
-  auto* sums = reinterpret_cast<int16_t*>(row + cols + 4 * (cols / bv));
+  auto* scaled_sums = reinterpret_cast<float*>(row + cols + 4 * nb);   // Q8_0 only
+  auto* sums = reinterpret_cast<int16_t*>(row + cols + (format == ActFormat::kQ8_0 ? 8 : 4) * nb);
   for (int b = block_begin; b < block_end; ++b) {
     const float* x = src + static_cast<ptrdiff_t>(b - block_begin) * bv;
     int8_t* q = qs + static_cast<ptrdiff_t>(b) * bv;
-    d[b] = quantize_block(x, bv, q);
-    // llama.cpp's block_q8_0 stores its scale as fp16 (the values are rounded with the fp32 one): the
-    // dot products then multiply by that fp16 value, and so do ours.
-    if (format == ActFormat::kQ8_0) d[b] = _cvtsh_ss(_cvtss_sh(d[b], _MM_FROUND_TO_NEAREST_INT));
+    const float d32 = quantize_block(x, bv, q);
+    d[b] = d32;
     for (int i = 0; i < bv / kSumValues[format == ActFormat::kQ8_K]; ++i) {
       const int n = kSumValues[format == ActFormat::kQ8_K];
       int s = 0;
       for (int j = 0; j < n; ++j) s += q[n * i + j];
       sums[b * (bv / n) + i] = static_cast<int16_t>(s);
+    }
+    if (format == ActFormat::kQ8_0) {
+      // llama.cpp's block_q8_0 stores its scale as fp16 (the values are rounded with the fp32 one): the
+      // dot products then multiply by that fp16 value, and so do ours. Its block_q8_1 (the activations of
+      // Q4_1 / Q5_1) also stores s = fp16(d32 * sum of q), which the min terms multiply; ours keeps the fp32
+      // product where fp16 would overflow to inf.
+      d[b] = _cvtsh_ss(_cvtss_sh(d32, _MM_FROUND_TO_NEAREST_INT));
+      const float s = d32 * static_cast<float>(sums[b]);
+      scaled_sums[b] = std::fabs(s) > 65504.0f ? s : _cvtsh_ss(_cvtss_sh(s, _MM_FROUND_TO_NEAREST_INT));
     }
   }
 }

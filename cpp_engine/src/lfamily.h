@@ -11,8 +11,8 @@
 // A decoder Dec gives a block's 32 weights as q + kOffset (unsigned, kOffset > 0) or as signed
 // int8 (kOffset == 0), its scale, and the scales of eight blocks as one vector. A type with a min
 // (kMin: w = d*q + m, q unsigned below 2 * kOffset) keeps its dot unsigned and, after the block's
-// scale step, adds acc = fma(float(sum of the activation q), m * da, acc); the CUDA kernels take
-// the same two steps.
+// scale step, adds acc = fma(m, s, acc) with the activation block's s = fp16(fp32 d * sum of q), as
+// llama.cpp's Q8_1 activations have it; the CUDA kernels take the same two steps.
 #pragma once
 
 #include <cstddef>
@@ -28,13 +28,14 @@ using namespace simd;
 struct ActQ8_0 {
   const int8_t* qs;
   const float* d;
+  const float* s;        // per block, fp16(fp32 d * sum of q): what the min of a kMin type multiplies
   const int16_t* sums;   // sum of the 32 q of each block
 };
 
 PM_INLINE ActQ8_0 act_view(const uint8_t* row, int cols) {
   const int nb = cols / 32;
   return {reinterpret_cast<const int8_t*>(row), reinterpret_cast<const float*>(row + cols),
-          reinterpret_cast<const int16_t*>(row + cols + 4 * nb)};
+          reinterpret_cast<const float*>(row + cols + 4 * nb), reinterpret_cast<const int16_t*>(row + cols + 8 * nb)};
 }
 
 // Eight rows of one block, interleaved: q[s] holds values 4s..4s+3 of rows 0..7 in turn.
@@ -49,10 +50,8 @@ static_assert(sizeof(CanonX8) == 320);
 template <class Dec>
 constexpr int kSubtract = Dec::kMin ? 0 : Dec::kOffset;
 
-// acc + float(sum) * (m * da) per lane: the min step of a kMin type.
-PM_INLINE __m256 add_min(__m256 acc, __m256 m, int16_t sum, float da) {
-  return _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(sum)), _mm256_mul_ps(m, _mm256_set1_ps(da)), acc);
-}
+// acc + m * s per lane: the min step of a kMin type.
+PM_INLINE __m256 add_min(__m256 acc, __m256 m, float s) { return _mm256_fmadd_ps(m, _mm256_set1_ps(s), acc); }
 
 // The fused path's exact add tree over eight rows, from unpacks and adds (cheaper than hadd). It
 // starts from each row's products p (below); fold_pair(p_r, p_r+1) and fold_quad of two such pairs
@@ -164,7 +163,7 @@ __attribute__((noinline)) void fused8(const uint8_t* const (&w)[8], size_t row_b
       __m256i dot = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
       if constexpr (kSubtract<Dec> > 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kSubtract<Dec> * a[c].sums[b]));
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[c].d[b])), acc[c]);
-      if constexpr (Dec::kMin) acc[c] = add_min(acc[c], mw, a[c].sums[b], a[c].d[b]);
+      if constexpr (Dec::kMin) acc[c] = add_min(acc[c], mw, a[c].s[b]);
     }
   }
   for (int c = 0; c < C; ++c) store_rows(out + c * out_stride, acc[c], n_rows);
@@ -246,7 +245,7 @@ __attribute__((noinline)) void tile8(const CanonX8* w, const ActQ8_0* a, int nb,
     for (int c = 0; c < C; ++c) {
       if constexpr (kSubtract<Dec> > 0) dot[c] = _mm256_sub_epi32(dot[c], _mm256_set1_epi32(kSubtract<Dec> * a[c].sums[b]));
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[c]), _mm256_mul_ps(dw, _mm256_set1_ps(a[c].d[b])), acc[c]);
-      if constexpr (Dec::kMin) acc[c] = add_min(acc[c], _mm256_load_ps(w[b].m), a[c].sums[b], a[c].d[b]);
+      if constexpr (Dec::kMin) acc[c] = add_min(acc[c], _mm256_load_ps(w[b].m), a[c].s[b]);
     }
   }
   for (int c = 0; c < C; ++c) store_rows(out + c * out_stride, acc[c], n_rows);

@@ -18,10 +18,8 @@ static_assert(sizeof(CanonX16) == 640);
 template <class Dec>
 constexpr int kBias16 = Dec::kOffset > 0 ? kSubtract<Dec> : 128;
 
-// acc + float(sum) * (m * da) per lane: add_min of sixteen rows.
-PM_INLINE __m512 add_min16(__m512 acc, __m512 m, int16_t sum, float da) {
-  return _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(sum)), _mm512_mul_ps(m, _mm512_set1_ps(da)), acc);
-}
+// acc + m * s per lane: add_min of sixteen rows.
+PM_INLINE __m512 add_min16(__m512 acc, __m512 m, float s) { return _mm512_fmadd_ps(m, _mm512_set1_ps(s), acc); }
 
 template <class Dec, bool kSignedWeights = false>
 void repack16(const uint8_t* const (&w)[16], size_t row_bytes, int nb, CanonX16* dst) {
@@ -72,7 +70,7 @@ __attribute__((noinline)) void tile16(const CanonX16* w, const ActQ8_0* a, int n
     for (int c = 0; c < C; ++c) {
       if constexpr (kBias > 0) dot[c] = _mm512_sub_epi32(dot[c], _mm512_set1_epi32(kBias * a[c].sums[b]));
       acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(dw, _mm512_set1_ps(a[c].d[b])), acc[c]);
-      if constexpr (Dec::kMin) acc[c] = add_min16(acc[c], _mm512_load_ps(w[b].m), a[c].sums[b], a[c].d[b]);
+      if constexpr (Dec::kMin) acc[c] = add_min16(acc[c], _mm512_load_ps(w[b].m), a[c].s[b]);
     }
   }
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * out_stride, acc[c]);
@@ -176,11 +174,11 @@ __attribute__((noinline)) void amx_tile16(const CanonX16* w, const uint8_t* cons
   const int nb = cols / 32;
   const uint8_t* act0 = acts[0];
   const float* da[16];
-  const int16_t* sa[16];
+  const float* sa[16];
   for (int i = 0; i < 16; ++i) {
     const ActQ8_0 a = act_view(acts[i < n ? i : n - 1], cols);
     da[i] = a.d;
-    sa[i] = a.sums;
+    sa[i] = a.s;
   }
   __m512 acc[16];
   for (auto& v : acc) v = _mm512_setzero_ps();
@@ -190,7 +188,7 @@ __attribute__((noinline)) void amx_tile16(const CanonX16* w, const uint8_t* cons
     for (int i = 0; i < 16; ++i) {
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[i])), _mm512_mul_ps(dw, _mm512_set1_ps(da[i][b])),
                                acc[i]);
-      if constexpr (kMin) acc[i] = add_min16(acc[i], _mm512_load_ps(w[b].m), sa[i][b], da[i][b]);
+      if constexpr (kMin) acc[i] = add_min16(acc[i], _mm512_load_ps(w[b].m), sa[i][b]);
     }
   };
   PM_AMX_DOTS(0, 2, 4, 0);

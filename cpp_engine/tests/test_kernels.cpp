@@ -59,8 +59,27 @@ std::vector<float> gemm_vec(const std::vector<uint8_t>& w, int type, int rows, i
   return y;
 }
 
-// Every output against sum_i w_i * a_i in double, where a is the activation the kernel sees;
-// the only difference left is float rounding: bounded by 1e-5 * sum_i |w_i a_i|.
+// What a Q4_1 / Q5_1 row's min terms see besides the dequantized activations: per block, the min m
+// multiplies the row's s (fp16(fp32 d * sum of q), llama.cpp's Q8_1 s) rather than d * sum of q.
+// Returns sum_b m_b * (s_b - d_b * sum_b), 0 for other types.
+double min_correction(int type, const uint8_t* wrow, const uint8_t* act, int cols) {
+  if (type != kQ4_1 && type != kQ5_1) return 0.0;
+  const int nb = cols / 32;
+  const TypeInfo& t = type_info(type);
+  const auto* d = reinterpret_cast<const float*>(act + cols);
+  const auto* s = reinterpret_cast<const float*>(act + cols + 4 * nb);
+  const auto* sums = reinterpret_cast<const int16_t*>(act + cols + 8 * nb);
+  double c = 0;
+  for (int b = 0; b < nb; ++b) {
+    uint16_t m;
+    std::memcpy(&m, wrow + static_cast<size_t>(b) * t.block_bytes + 2, 2);
+    c += static_cast<double>(_cvtsh_ss(m)) * (static_cast<double>(s[b]) - static_cast<double>(d[b]) * sums[b]);
+  }
+  return c;
+}
+
+// Every output against sum_i w_i * a_i in double, where a is the activation the kernel sees (plus
+// min_correction); the only difference left is float rounding: bounded by 1e-5 * sum_i |w_i a_i|.
 void test_gemm_matches_reference() {
   std::mt19937 rng(7);
   for (int type : supported_types()) {
@@ -85,7 +104,7 @@ void test_gemm_matches_reference() {
           quantize_act_row(t.act, x.data() + static_cast<size_t>(tk) * cols, cols, act.data());
           dequantize_act_row(t.act, act.data(), cols, a.data());
           for (int r = 0; r < rows; ++r) {
-            double ref = 0, mag = 0;
+            double ref = min_correction(type, w.data() + rb * r, act.data(), cols), mag = 0;
             for (int i = 0; i < cols; ++i) {
               ref += wf[static_cast<size_t>(r) * cols + i] * a[i];
               mag += std::fabs(wf[static_cast<size_t>(r) * cols + i] * a[i]);
