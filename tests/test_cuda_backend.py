@@ -30,7 +30,15 @@ from pocketmoe.ops.cuda.backend import CudaOps
 from pocketmoe.ops.cuda.experts import CudaExpertKernels
 from pocketmoe.ops.reference import ReferenceOps
 from pocketmoe.quant.quantize import random_blocks
-from pocketmoe.testing.cuda_matmul import TYPES, act_inputs, gamma, random_acts, reference_weight, tolerance
+from pocketmoe.testing.cuda_matmul import (
+    TYPES,
+    act_inputs,
+    exact,
+    gamma,
+    random_acts,
+    reference_weight,
+    tolerance,
+)
 from pocketmoe.testing.cuda_shim import ShimFaultError, ShimLauncher, shim_unavailable_reason
 
 REASON = shim_unavailable_reason()
@@ -69,18 +77,19 @@ def layer_of(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> QuantLi
 
 
 def check_linear(y: np.ndarray, raw: np.ndarray, name: str, layer: QuantLinear, x: np.ndarray) -> None:
-    """y against gguf dequantize x the kernels' activations (float64), and against the reference op."""
+    """y against gguf dequantize x the kernels' activations (float64; Q4_1 / Q5_1 with their min against the
+    activation's s: cuda_matmul.exact), and against the reference op."""
     _, bv = TYPES[name]
-    _, xd = act_inputs(x, bv)
+    acts, xd = act_inputs(x, bv)
     w = reference_weight(raw, name)
-    exact = xd @ w.T
-    tol = tolerance(name, raw, w, xd)
-    err = np.abs(y - exact)
+    value = exact(name, raw, w, xd, acts)
+    tol = tolerance(name, raw, w, xd, acts)
+    err = np.abs(y - value)
     assert (err <= tol).all(), f"{name}: max err {err.max():.3g} over the bound"
     # the torch reference op on the same activations: its own fp32 dot products are within gamma(I) |x| |w|
     ref = REF.linear(layer, torch.from_numpy(xd.astype(np.float32))).double().numpy()
     x32 = xd.astype(np.float32).astype(np.float64)
-    ref_tol = gamma(x.shape[1]) * (np.abs(x32) @ np.abs(w).T) + np.abs(exact - x32 @ w.T)
+    ref_tol = gamma(x.shape[1]) * (np.abs(x32) @ np.abs(w).T) + np.abs(value - x32 @ w.T)
     assert (np.abs(y - ref) <= tol + ref_tol + 1e-30).all(), f"{name}: off the reference op"
 
 

@@ -1,5 +1,6 @@
 """References for the CUDA matmul tests (tests/test_cuda_matmul.py): the CPU's activation quantization as
-numpy, weights through gguf.quants.dequantize, the derived float-rounding bound of a kernel output, and
+numpy, weights through gguf.quants.dequantize, the exact value of a kernel output (Q4_1 / Q5_1: against the
+activation block sums s the kernels take, as llama.cpp's Q8_1 dot does), its derived float-rounding bound, and
 expert routings with uneven (and empty) groups.
 """
 
@@ -21,12 +22,16 @@ TYPES = {
 }
 # Types with a min term: (byte offset of the fp16 dmin, largest min multiplier); Q4_1 / Q5_1 add their m itself.
 MINS = {"q4_1": (2, 1), "q5_1": (2, 1), "q2_k": (82, 15), "q4_k": (2, 63), "q5_k": (2, 63)}
+BLOCK_S = ("q4_1", "q5_1")   # the min types that take the Q8_0 rows' s
 U = 2.0 ** -24   # unit roundoff of float32
+FP16_MAX = np.float32(65504)
 
 
 def quantize_model(x: np.ndarray, bv: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x float32 [T, I] -> q int8 [T, I], d float32 [T, I/bv], sums of 16 int16 [T, I/16], as the CPU does:
-    d = max|x| / 127, q = rint(x * (127 / max|x|)) (ties to even); Q8_0 keeps d rounded to fp16."""
+    """x float32 [T, I] -> q int8 [T, I], d float32 [T, I/bv] and, as the CPU does, Q8_K: sums of 16 int16
+    [T, I/16], Q8_0: s float32 [T, I/32]. d = max|x| / 127, q = rint(x * (127 / max|x|)) (ties to even); Q8_0
+    keeps d rounded to fp16 and s = fp16(d32 * sum of the block's q), d32 the fp32 d (the product unrounded
+    past fp16's range)."""
     t, n = x.shape
     xb = x.reshape(t, n // bv, bv)
     amax = np.abs(xb).max(axis=-1)
@@ -36,23 +41,49 @@ def quantize_model(x: np.ndarray, bv: int) -> tuple[np.ndarray, np.ndarray, np.n
     q[zero] = 0
     d = np.where(zero, np.float32(0), amax / np.float32(127)).astype(np.float32)
     if bv == 32:
-        d = d.astype(np.float16).astype(np.float32)
+        prod = d * q.sum(axis=-1, dtype=np.int32).astype(np.float32)
+        with np.errstate(over="ignore"):
+            rounded = prod.astype(np.float16).astype(np.float32)
+        s = np.where(np.abs(prod) > FP16_MAX, prod, rounded).astype(np.float32)
+        return q.reshape(t, n), d.astype(np.float16).astype(np.float32), s
     q = q.reshape(t, n)
     return q, d, q.reshape(t, n // 16, 16).sum(axis=-1, dtype=np.int16)
 
 
 def act_inputs(x: np.ndarray, bv: int) -> tuple[list, np.ndarray]:
-    """The kernel's activation arguments for x, and the float64 values they stand for."""
+    """The kernel's activation arguments for x, and the float64 values they stand for (acts[2] of a Q8_0 row is
+    its s, which exact() and tolerance() read)."""
     if bv == 1:
         return [torch.from_numpy(x)], x.astype(np.float64)
     q, d, s = quantize_model(x, bv)
-    xs = torch.from_numpy(s) if bv == 256 else torch.zeros(1, dtype=torch.int16)
     deq = q.astype(np.float64) * np.repeat(d.astype(np.float64), bv, axis=1)
-    return [torch.from_numpy(q), torch.from_numpy(d), xs], deq
+    return [torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(s)], deq
 
 
 def reference_weight(raw: np.ndarray, name: str) -> np.ndarray:
     return quants.dequantize(raw, GGMLQuantizationType(TYPES[name][0])).astype(np.float64)
+
+
+def block_mins(raw: np.ndarray, name: str) -> np.ndarray:
+    """The fp16 m of each block of a Q4_1 / Q5_1 matrix (bytes 2-3), float64 [O, I/32]."""
+    blocks = raw.reshape(raw.shape[0], -1, {"q4_1": 20, "q5_1": 24}[name])
+    return blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+def split_min(raw: np.ndarray, name: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(d q [O, I], m [O, I/32]) of a Q4_1 / Q5_1 matrix: gguf's w = fl(d q + m) less m (d q is exact in
+    float32, so the float64 difference is within U |w| of it)."""
+    m = block_mins(raw, name)
+    return w - np.repeat(m, 32, axis=1), m
+
+
+def exact(name: str, raw: np.ndarray, w: np.ndarray, xd: np.ndarray, acts: list) -> np.ndarray:
+    """The value a kernel output stands for, float64 [T, O]: xd W^T, where Q4_1 / Q5_1 take their min against
+    the activation's s (acts[2], llama.cpp's Q8_1 s) rather than the sum of xd: sum_i d q_i xd_i + sum_b m_b s_b."""
+    if name not in BLOCK_S:
+        return xd @ w.T
+    dq, m = split_min(raw, name, w)
+    return xd @ dq.T + acts[2].numpy().astype(np.float64) @ m.T
 
 
 def chain(name: str, cols: int) -> int:
@@ -78,18 +109,26 @@ def gamma(n: int) -> float:
     return n * U / (1 - n * U)
 
 
-def tolerance(name: str, raw: np.ndarray, w: np.ndarray, xd: np.ndarray, n_chain: int | None = None) -> np.ndarray:
-    """Bound on |kernel - reference| per output [T, O] (n_chain: the sum's roundings, chain(...) by default).
+def tolerance(name: str, raw: np.ndarray, w: np.ndarray, xd: np.ndarray, acts: list,
+              n_chain: int | None = None) -> np.ndarray:
+    """Bound on |kernel - exact(...)| per output [T, O] (n_chain: the sum's roundings, chain(...) by default).
 
     The integer block dots are exact. A term of the sum is d*da*isum (and dmin*da*msum): float(isum) (|isum|
     may pass 2^24) and d*da round once each before it enters the sum, whose additions (the fmas) round
     n_chain times at most: error <= gamma(n_chain + 2) * sum |terms| (recursive summation). sum |terms| <=
     S + 2M, S = sum_i |w_i x_i|, M = sum over blocks |dmin| * max_min * sum_i |x_i| (as |d sc q| <= |w| +
-    |dmin m|; Q4_1 / Q5_1: w = d q + m and msum the block's activation sum, so |d q| <= |w| + |m|, max_min 1).
-    gguf's float32 dequantization rounds a weight at most 4 times (Q2_K: d*sc, dmin*m, *q, -), relative to
-    |d sc q| + |dmin m|: 4u (S + 2M) more; the float64 reference matmul adds nothing visible.
+    |dmin m|). gguf's float32 dequantization rounds a weight at most 4 times (Q2_K: d*sc, dmin*m, *q, -),
+    relative to |d sc q| + |dmin m|: 4u (S + 2M) more; the float64 reference matmul adds nothing visible.
+    Q4_1 / Q5_1: the terms are d*da*isum and m*s (exact inside its fma), sum |terms| <= (1 + u) S' + Ms with
+    S' = sum_i |d q_i x_i| and Ms = sum over blocks |m s|; the reference's d q (w - m) is off by gamma(1) |w|
+    at most (one rounding of d q + m), in the value and in S'.
     Float weights: exact weights and products inside fmas, gamma(n_chain) * S."""
     n_chain = chain(name, w.shape[1]) if n_chain is None else n_chain
+    if name in BLOCK_S:
+        dq, m = split_min(raw, name, w)
+        dq_abs = np.abs(dq) + gamma(1) * np.abs(w)
+        terms = (1 + U) * (np.abs(xd) @ dq_abs.T) + np.abs(acts[2].numpy().astype(np.float64)) @ np.abs(m).T
+        return gamma(n_chain + 2) * terms + gamma(1) * (np.abs(xd) @ np.abs(w).T)
     s = np.abs(xd) @ np.abs(w).T
     if TYPES[name][1] == 1:
         return gamma(n_chain) * s
@@ -126,7 +165,5 @@ def grouped(ids: np.ndarray, n_groups: int) -> tuple[torch.Tensor, torch.Tensor,
     return as_t(offsets), as_t(t_idx[order]), as_t(k_idx[order])
 
 
-def select_acts(acts: list, idx: np.ndarray, bv: int) -> list:
-    if bv == 1:
-        return [acts[0][idx].contiguous()]
-    return [acts[0][idx].contiguous(), acts[1][idx].contiguous(), acts[2][idx].contiguous() if bv == 256 else acts[2]]
+def select_acts(acts: list, idx: np.ndarray) -> list:
+    return [a[idx].contiguous() for a in acts]

@@ -109,30 +109,33 @@ def _copies(raw: np.ndarray, device: torch.device, rotate_bytes: int) -> list[to
     return [first] + [first.clone() for _ in range(n - 1)]
 
 
-def _check(name: str, y: np.ndarray, raw: np.ndarray, xd: np.ndarray) -> str:
-    """'ok', or where the kernel's output leaves the rounding bound of the float64 reference."""
-    from pocketmoe.testing.cuda_matmul import reference_weight, tolerance
+def _check(name: str, y: np.ndarray, raw: np.ndarray, xd: np.ndarray, model: list[torch.Tensor]) -> str:
+    """'ok', or where the kernel's output leaves the rounding bound of the float64 reference (model: the
+    activation arguments as pocketmoe.testing.cuda_matmul.act_inputs makes them, for the rows of xd)."""
+    from pocketmoe.testing.cuda_matmul import exact, reference_weight, tolerance
 
     w = reference_weight(raw, name)
-    err, tol = np.abs(y - xd @ w.T), tolerance(name, raw, w, xd)
+    ref = exact(name, raw, w, xd, model)
+    err, tol = np.abs(y - ref), tolerance(name, raw, w, xd, model)
     bad = ~(err <= tol)
     if not bad.any():
         return "ok"
     t, r = np.argwhere(bad)[0]
-    return f"wrong: token {t} row {r} is {y[t, r]:.6g}, the reference {(xd @ w.T)[t, r]:.6g} (bound {tol[t, r]:.3g})"
+    return f"wrong: token {t} row {r} is {y[t, r]:.6g}, the reference {ref[t, r]:.6g} (bound {tol[t, r]:.3g})"
 
 
 def _inputs(name: str, rows: int, cols: int, tokens: int, rng: np.random.Generator, launch: Any,
-            device: torch.device) -> tuple[np.ndarray, list[torch.Tensor], np.ndarray]:
-    """(raw blocks [rows, row_bytes], the kernel's activation arguments on the device, their float64 values)."""
+            device: torch.device) -> tuple[np.ndarray, list[torch.Tensor], np.ndarray, list[torch.Tensor]]:
+    """(raw blocks [rows, row_bytes], the kernel's activation arguments on the device, their float64 values, the
+    host model of those arguments)."""
     from pocketmoe.quant.quantize import random_blocks
     from pocketmoe.testing.cuda_matmul import TYPES, act_inputs
 
     ggml_type, bv = TYPES[name]
     x = rng.standard_normal((tokens, cols), dtype=np.float32)
     acts = matmul.quantize_activations(launch, torch.from_numpy(x).to(device), bv)
-    _, xd = act_inputs(x, bv)  # the model of that quantization (bit for bit, tests/test_cuda_matmul.py)
-    return random_blocks(ggml_type, (rows, cols), rng), acts, xd
+    model, xd = act_inputs(x, bv)  # the model of that quantization (bit for bit, tests/test_cuda_matmul.py)
+    return random_blocks(ggml_type, (rows, cols), rng), acts, xd, model
 
 
 def bench_gemv(name: str, shape: Shape, tokens: int, launch: Any, device: torch.device, timer: Timer,
@@ -141,7 +144,7 @@ def bench_gemv(name: str, shape: Shape, tokens: int, launch: Any, device: torch.
 
     ggml_type = TYPES[name][0]
     rng = np.random.default_rng([ggml_type, tokens])
-    raw, acts, xd = _inputs(name, shape.rows, shape.cols, tokens, rng, launch, device)
+    raw, acts, xd, model = _inputs(name, shape.rows, shape.cols, tokens, rng, launch, device)
     weights = _copies(raw, device, rotate_bytes)
     y = torch.empty((tokens, shape.rows), dtype=torch.float32, device=device)
 
@@ -149,7 +152,7 @@ def bench_gemv(name: str, shape: Shape, tokens: int, launch: Any, device: torch.
         matmul.gemv(launch, weights[i % len(weights)], ggml_type, shape.cols, acts, out=y)
 
     call(0)
-    check = _check(name, y[:, :CHECK_ROWS].cpu().numpy(), raw[:CHECK_ROWS], xd)
+    check = _check(name, y[:, :CHECK_ROWS].cpu().numpy(), raw[:CHECK_ROWS], xd, model)
     s = timer.per_call(call)
     gbps = raw.nbytes / s / 1e9
     return {"type": name, "rows": shape.rows, "cols": shape.cols, "tokens": tokens, "weight_mib": raw.nbytes / 2**20,
@@ -164,7 +167,7 @@ def bench_moe_gemm(name: str, experts: int, shape: Shape, chunk: int, top_k: int
 
     ggml_type = TYPES[name][0]
     rng = np.random.default_rng([ggml_type, experts, chunk])
-    raw0, acts, xd = _inputs(name, shape.rows, shape.cols, chunk, rng, launch, device)
+    raw0, acts, xd, model = _inputs(name, shape.rows, shape.cols, chunk, rng, launch, device)
     first = torch.from_numpy(raw0).to(device)
     bank = [first] + [first.clone() for _ in range(experts - 1)]  # each its own memory; the values do not matter
     ids = (np.arange(chunk)[:, None] * top_k + np.arange(top_k)[None, :]) % experts  # top_k distinct per token
@@ -180,7 +183,7 @@ def bench_moe_gemm(name: str, experts: int, shape: Shape, chunk: int, top_k: int
     p = np.arange(counts[0])
     tokens0, slots0 = tok.cpu().numpy()[p], slot.cpu().numpy()[p]
     y0 = out[torch.from_numpy(tokens0 * top_k + slots0).to(device).long(), :CHECK_ROWS].cpu().numpy()
-    check = _check(name, y0, raw0[:CHECK_ROWS], xd[tokens0])
+    check = _check(name, y0, raw0[:CHECK_ROWS], xd[tokens0], [a[tokens0] for a in model])
     s = timer.per_call(call)
     nbytes = raw0.nbytes * experts
     gbps = nbytes / s / 1e9

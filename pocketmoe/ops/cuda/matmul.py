@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from pocketmoe.errors import PocketMoEError
-from pocketmoe.ops.cuda.graphs import made_once
 
 Launcher = Callable[[str, str, tuple[int, int, int], tuple[int, int, int], Sequence[Any], int], None]
 
@@ -46,12 +45,10 @@ def _kernel(ggml_type: int, cols: int) -> tuple[str, int]:
     return name, bv
 
 
-_placeholders: dict[torch.device, torch.Tensor] = {}  # the Q8_0 path's unused sums argument, one per device
-
-
 def quantize_activations(launch: Launcher, x: torch.Tensor, block: int) -> list[torch.Tensor]:
     """x float32 [R, I] -> the activation arguments of a `block`-value weight type: [q, d, sums] (Q8_K, 256),
-    [q, d, unused] (Q8_0, 32) or [x] (float weights, 1). One quantization per row, reused by every matmul."""
+    [q, d, s] (Q8_0, 32; s float32 [R, I/32], fp16(d32 * sum of the block's q): src/matmul.cu) or [x] (float
+    weights, 1). One quantization per row, reused by every matmul."""
     if x.dtype != torch.float32:
         x = x.float()
     if not x.is_contiguous():
@@ -65,9 +62,10 @@ def quantize_activations(launch: Launcher, x: torch.Tensor, block: int) -> list[
     q = torch.empty((r, n), dtype=torch.int8, device=x.device)
     d = torch.empty((r, n // block), dtype=torch.float32, device=x.device)
     if block == 32:
-        unused = made_once(_placeholders, x.device, lambda: torch.zeros(1, dtype=torch.int16, device=x.device))
-        launch(SOURCE, "quantize_q8_0", (math.ceil(n // 32 / (THREADS // 32)), r, 1), (THREADS, 1, 1), [x, q, d, n], 0)
-        return [q, d, unused]
+        s = torch.empty((r, n // 32), dtype=torch.float32, device=x.device)
+        launch(SOURCE, "quantize_q8_0", (math.ceil(n // 32 / (THREADS // 32)), r, 1), (THREADS, 1, 1),
+               [x, q, d, s, n], 0)
+        return [q, d, s]
     sums = torch.empty((r, n // 16), dtype=torch.int16, device=x.device)
     launch(SOURCE, "quantize_q8_k", (math.ceil(n // 256 / (THREADS // 32)), r, 1), (THREADS, 1, 1),
            [x, q, d, sums, n], 0)

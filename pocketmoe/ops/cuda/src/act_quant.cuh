@@ -8,16 +8,25 @@ namespace pmq {
 // The fp32 scale of one block from its max |x|, and the int8 of x (|x * inv| <= 127; ties to even).
 __device__ __forceinline__ int round_q8(float x, float inv) { return __float2int_rn(x * inv); }
 
-__device__ __forceinline__ void quantize_q8_0_block(const float* x, int8_t* q, float* d, int cols) {
+// s: llama.cpp's block_q8_1 s, fp16(d32 * sum of the 32 q) with d32 the fp32 scale; past fp16's range
+// (where llama.cpp stores inf) the fp32 product itself.
+__device__ __forceinline__ void quantize_q8_0_block(const float* x, int8_t* q, float* d, float* s, int cols) {
   const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
   if (b >= cols / 32) return;
   const long long row = blockIdx.y;
   const float v = x[row * cols + 32 * b + lane];
   const float amax = warp_max(fabsf(v));
   const bool zero = !(amax > 0.0f);
-  q[row * cols + 32 * b + lane] = static_cast<int8_t>(zero ? 0 : round_q8(v, 127.0f / amax));
-  // llama.cpp's block_q8_0 keeps its scale as fp16; the values were rounded with the fp32 one.
-  if (lane == 0) d[row * (cols / 32) + b] = zero ? 0.0f : __half2float(__float2half(amax / 127.0f));
+  const int qv = zero ? 0 : round_q8(v, 127.0f / amax);
+  q[row * cols + 32 * b + lane] = static_cast<int8_t>(qv);
+  const int isum = warp_sum_int(qv);
+  if (lane == 0) {
+    const float d32 = zero ? 0.0f : amax / 127.0f;
+    const float p = d32 * static_cast<float>(isum);
+    // llama.cpp's block_q8_0 keeps its scale as fp16; the values were rounded with the fp32 one.
+    d[row * (cols / 32) + b] = __half2float(__float2half(d32));
+    s[row * (cols / 32) + b] = fabsf(p) > 65504.0f ? p : __half2float(__float2half(p));
+  }
 }
 
 __device__ __forceinline__ void quantize_q8_k_block(const float* x, int8_t* q, float* d, int16_t* sums, int cols) {

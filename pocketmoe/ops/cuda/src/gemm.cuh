@@ -15,12 +15,13 @@ constexpr int kFloatChunk = 256;   // float activation values per chunk
 struct ActRows {
   const int8_t* q;
   const float* d;
-  const int16_t* s;
+  const int16_t* s;    // Q8_K: sums of 16
+  const float* bs;     // Q8_0: the s of each block (matmul.cu), d_stride apart
   int q_stride, d_stride, s_stride;   // elements from one token's row to the next
 };
 
 // One warp step of a 32-value type: lane l takes block b0 + l (index ab0 + l in a). A type with a min adds
-// m * da * (the sum of the block's activation quants), that sum formed here (Q8_0 rows carry none).
+// m * s, s the activation block's fp16-rounded d32 * (sum of its quants), as llama.cpp's Q8_1 dot does.
 template <class D, int NT>
 __device__ __forceinline__ void step_l(const uint8_t* wrow, int nb, int b0, const ActRows& a, int ab0, int nt,
                                        float (&acc)[NT]) {
@@ -42,12 +43,7 @@ __device__ __forceinline__ void step_l(const uint8_t* wrow, int nb, int b0, cons
 #pragma unroll
       for (int k = 0; k < 8; ++k) dot = __dp4a(q[k], x[k], dot);
       acc[t] = fmaf(static_cast<float>(dot), dw * da, acc[t]);
-      if constexpr (D::kMin) {
-        int sa = 0;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) sa = __dp4a(0x01010101, x[k], sa);
-        acc[t] = fmaf(static_cast<float>(sa), mw * da, acc[t]);
-      }
+      if constexpr (D::kMin) acc[t] = fmaf(mw, a.bs[t * a.d_stride + ab], acc[t]);
     }
   }
 }
@@ -127,16 +123,29 @@ __device__ __forceinline__ void gemv_row(const uint8_t* wrow, const ActRows& a, 
   }
 }
 
-template <class D>
-__device__ __forceinline__ void gemv_q(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
-                                       float* y, int rows, int cols, int n_tokens) {
+// The rows of tokens t0.. : xs is the Q8_0 s (float, one per block) or the Q8_K sums (int16, one per 16).
+__device__ __forceinline__ ActRows act_rows(const int8_t* xq, const float* xd, const float* xs, int t0, int cols,
+                                            int nd) {
+  const long long t = t0;
+  return ActRows{xq + t * cols, xd + t * nd, nullptr, xs + t * nd, cols, nd, 0};
+}
+
+__device__ __forceinline__ ActRows act_rows(const int8_t* xq, const float* xd, const int16_t* xs, int t0, int cols,
+                                            int nd) {
+  const long long t = t0;
+  return ActRows{xq + t * cols, xd + t * nd, xs + t * (cols / 16), nullptr, cols, nd, cols / 16};
+}
+
+template <class D, class S>
+__device__ __forceinline__ void gemv_q(const uint8_t* w, const int8_t* xq, const float* xd, const S* xs, float* y,
+                                       int rows, int cols, int n_tokens) {
+  static_assert((D::kValues == 32) == (sizeof(S) == 4), "xs: float s (32-value types) or int16 sums");
   const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   const int t0 = blockIdx.y * kGemvTokens;
   if (row >= rows || t0 >= n_tokens) return;
   const int nt = min(n_tokens - t0, kGemvTokens);
-  const int nd = cols / D::kValues, ns = D::kValues == 256 ? cols / 16 : 0;
-  const ActRows a{xq + static_cast<long long>(t0) * cols, xd + static_cast<long long>(t0) * nd,
-                  xs + static_cast<long long>(t0) * ns, cols, nd, ns};
+  const int nd = cols / D::kValues;
+  const ActRows a = act_rows(xq, xd, xs, t0, cols, nd);
   const uint8_t* wrow = w + static_cast<long long>(row) * nd * D::kBytes;
   float* yt = y + static_cast<long long>(t0) * rows;
   if (nt == 1) {
@@ -242,15 +251,19 @@ __device__ __forceinline__ void store_tile(float (&acc)[kTileRows][NT], const in
   }
 }
 
-template <class D>
+// xs: as in act_rows; the Q8_0 s is staged for the types with a min only, the Q8_K sums for every type.
+template <class D, class S>
 __device__ __forceinline__ void moe_gemm_q(const uint8_t* const* experts, const int32_t* offsets,
                                            const int32_t* tokens, const int32_t* slots, const int8_t* xq,
-                                           const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                           const float* xd, const S* xs, float* y, int rows, int cols,
                                            int top_k, int act_by_pair) {
   constexpr int kD = kChunk / D::kValues, kS = kChunk / 16;
+  constexpr bool kSums = D::kValues == 256, kBlockS = D::kValues == 32 && D::kMin;
+  static_assert((D::kValues == 32) == (sizeof(S) == 4), "xs: float s (32-value types) or int16 sums");
   __shared__ int sq[kTilePairs * kChunk / 4];
   __shared__ float sd[kTilePairs * kD];
-  __shared__ int16_t ss[kTilePairs * kS];
+  __shared__ int16_t ss[kSums ? kTilePairs * kS : 1];
+  __shared__ float sbs[kBlockS ? kTilePairs * kD : 1];
   __shared__ int srow[kTilePairs];
   Tile tl;
   if (!gemm_tile(offsets, rows, tl)) return;
@@ -266,12 +279,13 @@ __device__ __forceinline__ void moe_gemm_q(const uint8_t* const* experts, const 
     for (int c0 = 0; c0 < cols; c0 += kChunk) {
       const int cn = min(kChunk, cols - c0);
       __syncthreads();   // the previous chunk's readers are done (and srow is written)
-      // int8 values four to an int (cols and c0 are multiples of 32), one scale per block, one sum per 16
+      // int8 values four to an int (cols and c0 are multiples of 32), one scale (and s) per block, one sum per 16
       stage_tile(sq, reinterpret_cast<const int*>(xq), srow, kChunk / 4, 4, cn, cols / 4, c0 / 4);
       stage_tile(sd, xd, srow, kD, D::kValues, cn, nb, c0 / D::kValues);
-      if constexpr (D::kValues == 256) stage_tile(ss, xs, srow, kS, 16, cn, cols / 16, c0 / 16);
+      if constexpr (kSums) stage_tile(ss, xs, srow, kS, 16, cn, cols / 16, c0 / 16);
+      if constexpr (kBlockS) stage_tile(sbs, xs, srow, kD, D::kValues, cn, nb, c0 / D::kValues);
       __syncthreads();
-      const ActRows a{reinterpret_cast<const int8_t*>(sq), sd, ss, kChunk, kD, kS};
+      const ActRows a{reinterpret_cast<const int8_t*>(sq), sd, ss, sbs, kChunk, kD, kS};
 #pragma unroll
       for (int i = 0; i < kTileRows; ++i) {
         const int r = tl.row0 + warp + warps * i;

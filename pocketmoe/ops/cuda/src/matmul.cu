@@ -2,17 +2,18 @@
 // the grouped expert GEMM of prefill. Legend: T tokens, O output rows, I input columns, P (token, slot) pairs.
 //
 // Activations, as the CPU kernels take them (cpp_engine/src/act_quant.cpp): 32-value weight types read Q8_0
-// rows (int8 q [T, I], float d [T, I/32] rounded to fp16 after q is rounded with the fp32 scale), 256-value
-// types read Q8_K rows (q [T, I], fp32 d [T, I/256], int16 sums of 16 [T, I/16]); d = max|x| / 127 and
-// q = round-to-nearest-even(x * (127 / max|x|)). Float weights take the float rows x [T, I].
+// rows (int8 q [T, I], float d [T, I/32] rounded to fp16 after q is rounded with the fp32 scale, float s
+// [T, I/32]), 256-value types read Q8_K rows (q [T, I], fp32 d [T, I/256], int16 sums of 16 [T, I/16]);
+// d = max|x| / 127 and q = round-to-nearest-even(x * (127 / max|x|)). s is llama.cpp's block_q8_1 s:
+// fp16(d32 * (exact sum of the block's 32 q)), d32 the fp32 scale before its fp16 rounding, kept unrounded
+// where |d32 * sum| passes 65504 (llama.cpp would store inf). Float weights take the float rows x [T, I].
 //
 // Each output is one lane-level sequence over the blocks of its row (lane l takes blocks l, l + 32, ... of
 // a 32-value type; lanes 8j..8j+7 share super-block j, j + 4, ..., one group of 32 each, their integer sums
 // added exactly before the float step), then a xor butterfly over the warp: no atomics, and the GEMV and
 // the GEMM give bitwise the same value for the same row and activation row. Per block the float steps are
 // those of the CPU kernels: acc = fma(float(int dot), dw * da, acc) (k-quants: d * da, then dmin * da for
-// the min sum; Q4_1 / Q5_1: then fma(float(sum of the block's 32 activation quants), m * da, acc), that sum
-// formed in the kernel).
+// the min sum; Q4_1 / Q5_1: then acc = fma(m, s, acc), as llama.cpp's Q8_1 dot does).
 //
 // Launch geometry (block = (B, 1, 1), B a multiple of 32, W = B / 32 warps):
 //   quantize_q8_0 / quantize_q8_k: grid (ceil(I / 32 / W) or ceil(I / 256 / W), T); one warp per block.
@@ -30,47 +31,47 @@
 
 // ---- activation quantization ----
 
-extern "C" __global__ void quantize_q8_0(const float* x, int8_t* q, float* d, int cols) {
-  pmq::quantize_q8_0_block(x, q, d, cols);
+extern "C" __global__ void quantize_q8_0(const float* x, int8_t* q, float* d, float* s, int cols) {
+  pmq::quantize_q8_0_block(x, q, d, s, cols);
 }
 
 extern "C" __global__ void quantize_q8_k(const float* x, int8_t* q, float* d, int16_t* sums, int cols) {
   pmq::quantize_q8_k_block(x, q, d, sums, cols);
 }
 
-// ---- GEMV: y [T, O] = x [T, I] W^T; xs (the Q8_K sums) is read by the 256-value types only ----
+// ---- GEMV: y [T, O] = x [T, I] W^T; xs: the Q8_0 rows' s (read by Q4_1 / Q5_1) or the Q8_K sums ----
 
-extern "C" __global__ void gemv_q4_0(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+extern "C" __global__ void gemv_q4_0(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs,
                                     float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::Q4_0>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
-extern "C" __global__ void gemv_q4_1(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+extern "C" __global__ void gemv_q4_1(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs,
                                     float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::Q4_1>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
-extern "C" __global__ void gemv_q5_0(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+extern "C" __global__ void gemv_q5_0(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs,
                                     float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::Q5_0>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
-extern "C" __global__ void gemv_q5_1(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+extern "C" __global__ void gemv_q5_1(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs,
                                     float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::Q5_1>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
-extern "C" __global__ void gemv_q8_0(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+extern "C" __global__ void gemv_q8_0(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs,
                                     float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::Q8_0>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
-extern "C" __global__ void gemv_iq4_nl(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+extern "C" __global__ void gemv_iq4_nl(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs,
                                       float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::IQ4NL>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
-extern "C" __global__ void gemv_mxfp4(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+extern "C" __global__ void gemv_mxfp4(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs,
                                      float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::MXFP4>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
@@ -131,49 +132,49 @@ extern "C" __global__ void gemv_bf16(const uint8_t* w, const float* x, float* y,
 
 extern "C" __global__ void moe_gemm_q4_0(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
-                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        const float* xd, const float* xs, float* y, int rows, int cols,
                                         int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::Q4_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_q4_1(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
-                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        const float* xd, const float* xs, float* y, int rows, int cols,
                                         int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::Q4_1>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_q5_0(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
-                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        const float* xd, const float* xs, float* y, int rows, int cols,
                                         int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::Q5_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_q5_1(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
-                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        const float* xd, const float* xs, float* y, int rows, int cols,
                                         int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::Q5_1>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_q8_0(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
-                                        const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                        const float* xd, const float* xs, float* y, int rows, int cols,
                                         int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::Q8_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_iq4_nl(const uint8_t* const* experts, const int32_t* offsets,
                                           const int32_t* tokens, const int32_t* slots, const int8_t* xq,
-                                          const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                          const float* xd, const float* xs, float* y, int rows, int cols,
                                           int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::IQ4NL>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_mxfp4(const uint8_t* const* experts, const int32_t* offsets,
                                          const int32_t* tokens, const int32_t* slots, const int8_t* xq,
-                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                         const float* xd, const float* xs, float* y, int rows, int cols,
                                          int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::MXFP4>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }

@@ -6,7 +6,8 @@
 // so a dot with int8 activations is the exact integer the CPU kernels form (they subtract the offset from
 // activation sums instead: the same integer). Families:
 //   32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4): scale(b), quants(b, q); w = scale * q, and
-//     where the type has a min (kMin: Q4_1, Q5_1), min(b): w = scale * q + min (q unsigned).
+//     where the type has a min (kMin: Q4_1, Q5_1), min(b): w = scale * q + min (q unsigned); the kernels add
+//     min * s, s the activation block's fp16-rounded scaled sum (llama.cpp's Q8_1 s; matmul.cu).
 //   256-value super-blocks (k-quants, IQ types): head(b, d, dmin), group(b, g, q, sc, mn) for the 32 weights
 //     of group g (0..7), one scale per 16 weights (sc[0], sc[1]) and, where the type has mins (kMin), one
 //     min per 16 (mn[]); w = d * sc * q + dmin * mn (dmin holds the negated min scale, as in kfamily.h).
