@@ -13,11 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFReader
 from llama_parity import llama_quantize, llama_tensors
 
 from pocketmoe import native
 from pocketmoe.engine import ModelRunner, RunnerConfig
 from pocketmoe.gguf import open_bundle
+from pocketmoe.quant.formats import type_name
 from pocketmoe.testing.synth import write_fixture
 
 pytest.importorskip("llama_cpp")
@@ -117,3 +119,40 @@ def test_llama_cpp_differs_from_itself_by_as_much(files: dict[str, Path]) -> Non
     for ref in (whole, single):
         assert float(np.abs(mine - ref).mean()) <= 3 * itself
     assert (mine.argmax(-1) == whole.argmax(-1)).mean() >= 0.9
+
+
+# Other llama.cpp mixes -> the fallback type its quantizer gives attn_k_b (64-value rows here, 128 in V2-Lite)
+MIXES = {"Q5_K_M": "Q5_1", "IQ4_XS": "IQ4_NL", "Q3_K_M": "Q4_0", "Q4_1": "Q4_1"}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_other_mixes_run_native_and_part_only_at_ties(files: dict[str, Path], mix: str) -> None:
+    """Files in the other mixes users download, fallback types included (Q5_1 for Q5_K_M: min terms against
+    llama.cpp's Q8_1 activation sums): every weight runs native (a decode step replays as one call), and
+    layer 0 matches llama.cpp as the Q4_K_M file does: rows part only where a quantizer input holds a tie."""
+    path = llama_quantize(files["F32"], files["F32"].with_name(f"{mix}.gguf"), mix)
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert types["blk.0.attn_k_b.weight"] == MIXES[mix]
+    known = {"F32", *(type_name(t) for t in native.supported_types())}
+    assert {n: t for n, t in types.items() if t not in known} == {}
+    r = ModelRunner(open_bundle(path), RunnerConfig(n_ctx=64, backend="native", threads=1))
+    r.generate_greedy(PROMPT[:4], 3)
+    assert [bool(p) for _, p in r.ops._programs.values()] == [True]
+
+    t = len(PROMPT)
+    names = {"attn_norm-0", "q-0", "kqv-0", "kqv_out-0", "ffn_inp-0", "ffn_norm-0", "ffn_swiglu-0", "l_out-0"}
+    _, theirs = llama_tensors(path, PROMPT, names)
+    _, mine = ours(path)
+    rows = {k: v.reshape(t, -1) if k != "kqv-0" else np.moveaxis(v.reshape(-1, t, v.shape[-1]), 1, 0).reshape(t, -1)
+            for k, v in theirs.items()}
+    q_nope = rows["q-0"].reshape(t, -1, N_NOPE + N_ROPE)[..., :N_NOPE].reshape(t, -1)
+
+    def tie(x: np.ndarray) -> np.ndarray:  # blocks of 32 (legacy types' Q8_0 / Q8_1 rows) or 256 (k-quants)
+        return near_tie(x, 32) | near_tie(x, 256)
+
+    tie_attn = tie(rows["attn_norm-0"]) | tie(q_nope) | tie(rows["kqv-0"]) | tie(rows["kqv_out-0"])
+    tie_ffn = tie_attn | tie(rows["ffn_norm-0"]) | tie(rows["ffn_swiglu-0"])
+    assert (~tie_ffn).sum() >= t // 2, "too few rows without a near-tie to judge"
+    for name, ties in (("ffn_inp-0", tie_attn), ("l_out-0", tie_ffn)):
+        rel = row_rel(mine[name], rows[name])
+        assert not ((rel > MATCH) & ~ties).any(), (name, rel[~ties].max())
