@@ -50,6 +50,22 @@ def _counted(items: list[tuple[str, int]]) -> dict[str, dict[str, int]]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
 
 
+def kernel_coverage(bundle: Any) -> dict[str, Any]:
+    """Per backend, the weight types of the file's matrices (2-D and up) that no kernel of it reads, with their
+    tensor and byte counts: those run through the torch reference (dequantized per call) instead."""
+    from pocketmoe import native
+    from pocketmoe.ops.cuda.matmul import KERNELS
+
+    weights = [t for t in bundle.tensors.values() if len(t.shape) >= 2]
+
+    def missing(types: frozenset[int] | set[int]) -> dict[str, dict[str, int]]:
+        return _counted([(_type_name(t.ggml_type), int(t.nbytes)) for t in weights if int(t.ggml_type) not in types])
+
+    cpu = {"available": native.available(), "missing": missing(native.supported_types())} if native.available() \
+        else {"available": False, "reason": native.unavailable_reason(), "missing": {}}
+    return {"native_cpu": cpu, "cuda": {"missing": missing(set(KERNELS))}}
+
+
 def summary(bundle: Any, spec: Any) -> dict[str, Any]:
     """Files, tensor bytes by GGML type and by role, and the MoE facts that set decode speed."""
     mb = model_bytes(spec, bundle.tensors)
@@ -66,6 +82,7 @@ def summary(bundle: Any, spec: Any) -> dict[str, Any]:
         "tensor_bytes": mb.total,
         "by_type": _counted([(_type_name(t.ggml_type), int(t.nbytes)) for t in bundle.tensors.values()]),
         "by_role": _counted([(t.role, t.nbytes) for t in mb.tensors]),
+        "kernels": kernel_coverage(bundle),
         "moe": {
             "n_experts": mb.n_experts,
             "n_experts_used": mb.n_experts_used,
@@ -102,7 +119,31 @@ def summary_text(s: Mapping[str, Any]) -> str:
         "\n".join(head),
         _share_table("Bytes by tensor type", "type", s["by_type"], s["tensor_bytes"]),
         _share_table("Bytes by role", "role", s["by_role"], s["tensor_bytes"]),
+        kernels_text(s["kernels"]),
     ])
+
+
+def kernels_text(k: Mapping[str, Any]) -> str:
+    """One line per backend: every weight type has a kernel there, or which do not and what that costs."""
+
+    def listed(missing: Mapping[str, Mapping[str, int]]) -> str:
+        return ", ".join(f"{name} ({v['tensors']} tensors, {size(v['bytes'])})" for name, v in missing.items())
+
+    cpu, cuda = k["native_cpu"], k["cuda"]
+    if not cpu["available"]:
+        lines = [f"Native CPU kernels: not built here ({cpu['reason']}); every weight would run through the torch "
+                 f"reference."]
+    elif cpu["missing"]:
+        lines = [f"Native CPU kernels: none for {listed(cpu['missing'])}; those weights run through the torch "
+                 f"reference (dequantized per call: slower, and a decode step runs op by op)."]
+    else:
+        lines = ["Native CPU kernels: every weight type has one."]
+    if cuda["missing"]:
+        lines.append(f"CUDA kernels: none for {listed(cuda['missing'])}; on a GPU those weights are computed on "
+                     f"the host (a copy each way per call).")
+    else:
+        lines.append("CUDA kernels: every weight type has one.")
+    return "Kernels\n" + "\n".join("  " + line for line in lines)
 
 
 def _flat(d: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
