@@ -18,6 +18,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from pocketmoe import native
 from pocketmoe.quant.quantize import quantize, random_blocks
+from pocketmoe.testing.cuda_matmul import block_mins, quantize_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
 
@@ -52,22 +53,19 @@ def quant_error_bound(x: np.ndarray, block: int) -> np.ndarray:
     return np.sqrt(block * ((amax / 254.0) ** 2).sum(axis=-1))
 
 
-MIN_TYPES = {3: 20, 7: 24}  # Q4_1, Q5_1 (w = d q + m): block bytes
+MIN_TYPES = {3: "q4_1", 7: "q5_1"}  # w = d q + m
 
 
-def min_term_correction(w: np.ndarray, t: int, x: np.ndarray, seen: np.ndarray) -> np.ndarray:
-    """[T, O]: what a Q4_1 / Q5_1 output adds to seen @ w^T. The min m of a block multiplies the activation
-    block's s = fp16(fp32 d * sum of q) (llama.cpp's Q8_1 s), where seen holds fp16(d) * q: sum_b m_b (s_b -
-    fp16(d_b) sum_b q). 0 for other types."""
+def min_term_correction(w: np.ndarray, t: int, x: np.ndarray) -> np.ndarray:
+    """[T, O]: what a Q4_1 / Q5_1 output adds to (dequantized activations) @ w^T. The min m of a block
+    multiplies the activation block's s = fp16(fp32 d * sum of q) (llama.cpp's Q8_1 s) rather than fp16(d) *
+    sum of q: sum_b m_b (s_b - d_b sum_b q), with q, d, s from the model of the CPU's activation quantization
+    (held to the native one bit for bit in test_cuda_matmul). 0 for other types."""
     if t not in MIN_TYPES:
         return np.zeros((len(x), len(w)))
-    xb = x.reshape(len(x), -1, 32)
-    d32 = np.abs(xb).max(-1) / np.float32(127)
-    d16 = d32.astype(np.float16).astype(np.float64)
-    isum = np.rint(seen.reshape(xb.shape) / d16[..., None]).sum(-1)
-    s = (d32 * isum.astype(np.float32)).astype(np.float16).astype(np.float64)
-    m = w.reshape(len(w), -1, MIN_TYPES[t])[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-    return (s - d16 * isum) @ m.T
+    q, d, s = quantize_model(x, 32)
+    isum = q.reshape(len(x), -1, 32).sum(-1, dtype=np.int32)
+    return (s.astype(np.float64) - d.astype(np.float64) * isum) @ block_mins(w, MIN_TYPES[t]).T
 
 
 @pytest.mark.parametrize("rows", [33, 257])
@@ -95,7 +93,7 @@ def test_gemm_matches_gguf_reference(name: str, rows: int) -> None:
             assert dx.max() < 2e-2 * x_norm.min()
             # And against the activations the kernel really multiplies: float rounding only.
             seen = native.activation_roundtrip(x, t).astype(np.float64)
-            tight = seen @ wf.T + min_term_correction(w, t, x, seen)
+            tight = seen @ wf.T + min_term_correction(w, t, x)
             assert np.all(np.abs(y - tight) <= 1e-5 * (np.abs(seen) @ np.abs(wf).T) + 1e-30), f"T={n_tokens}"
         err = np.abs(y - exact)
         assert np.all(err <= tol), f"T={n_tokens}: worst error/tolerance {(err / tol).max():.3g}"

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from pocketmoe.quant.formats import format_of
+
 # kernel suffix -> (ggml type, values per block); 32: Q8_0 activations, 256: Q8_K, 1: float activations.
 TYPES = {
     "q4_0": (2, 32), "q4_1": (3, 32), "q5_0": (6, 32), "q5_1": (7, 32), "q8_0": (8, 32), "iq4_nl": (20, 32),
@@ -66,7 +68,7 @@ def reference_weight(raw: np.ndarray, name: str) -> np.ndarray:
 
 def block_mins(raw: np.ndarray, name: str) -> np.ndarray:
     """The fp16 m of each block of a Q4_1 / Q5_1 matrix (bytes 2-3), float64 [O, I/32]."""
-    blocks = raw.reshape(raw.shape[0], -1, {"q4_1": 20, "q5_1": 24}[name])
+    blocks = raw.reshape(raw.shape[0], -1, format_of(TYPES[name][0]).type_size)
     return blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
 
 
