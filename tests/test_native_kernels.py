@@ -24,10 +24,10 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailabl
 
 TYPES = {
     "Q4_K": 12, "Q6_K": 14, "Q8_0": 8, "Q5_K": 13, "Q5_0": 6, "Q4_0": 2, "Q2_K": 10, "Q3_K": 11,
-    "IQ2_XXS": 16, "IQ1_M": 29, "IQ4_XS": 23, "MXFP4": 39, "IQ4_NL": 20, "Q4_1": 3, "Q5_1": 7, "F16": 1, "BF16": 30, "F32": 0,
+    "IQ2_XXS": 16, "IQ3_XXS": 18, "IQ1_S": 19, "IQ1_M": 29, "IQ4_XS": 23, "MXFP4": 39, "IQ4_NL": 20, "Q4_1": 3, "Q5_1": 7, "F16": 1, "BF16": 30, "F32": 0,
 }
 FLOAT_TYPES = {0, 1, 30}
-ACT_BLOCK = {**dict.fromkeys((2, 3, 6, 7, 8, 20, 39), 32), **dict.fromkeys((10, 11, 12, 13, 14, 16, 23, 29), 256)}
+ACT_BLOCK = {**dict.fromkeys((2, 3, 6, 7, 8, 20, 39), 32), **dict.fromkeys((10, 11, 12, 13, 14, 16, 18, 19, 23, 29), 256)}
 TOKENS = (1, 3, 17, 64)
 
 
@@ -373,7 +373,7 @@ def test_errors_are_clear() -> None:
     w = random_blocks(12, (4, 256), rng)
     x = np.zeros((1, 256), np.float32)
     with pytest.raises(native.NativeKernelError, match="no native kernel"):
-        native.gemm(random_blocks(18, (4, 256), rng), 18, x)        # IQ3_XXS
+        native.gemm(random_blocks(35, (4, 256), rng), 35, x)        # TQ2_0
     with pytest.raises(native.NativeKernelError, match="bytes"):
         native.gemm(w, 12, np.zeros((1, 512), np.float32))
     with pytest.raises(native.NativeKernelError, match="contiguous"):

@@ -1,4 +1,4 @@
-// Block decoders for IQ2_XXS, IQ1_M and IQ4_XS (layouts: SPECS.md section 4), as kfamily.h expects.
+// Block decoders for IQ2_XXS, IQ3_XXS, IQ1_S, IQ1_M and IQ4_XS (layouts: SPECS.md section 4), as kfamily.h expects.
 #pragma once
 
 #include "decode_kquants.h"
@@ -7,6 +7,12 @@
 #include "simd.h"
 
 namespace pocketmoe::PM_ISA::decode {
+
+// The eight bytes of IQ2_XXS / IQ3_XXS sign word w's four 7-bit sign indices, as +1 / -1 (32 lanes).
+PM_INLINE __m256i sign_bytes(uint32_t w) {
+  const uint64_t* s = tables::kSigns;
+  return set_u64x4(s[w & 127], s[(w >> 7) & 127], s[(w >> 14) & 127], s[(w >> 21) & 127]);
+}
 
 // IQ2_XXS, 66 bytes: d, then per 32 weights two u32: four grid indices, and four 7-bit sign indices
 // plus a 4-bit scale s in the top bits; w = d * (2s+1)/8 * grid * sign. Weights are stored + 64.
@@ -26,10 +32,69 @@ struct IQ2XXS {
   static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
     const uint32_t grid = load_u32(b + 2 + 8 * G), sign = load_u32(b + 6 + 8 * G);
     const uint64_t* t = tables::kIq2xxs;
-    const uint64_t* s = tables::kSigns;
     const __m256i g = set_u64x4(t[grid & 255], t[(grid >> 8) & 255], t[(grid >> 16) & 255], t[grid >> 24]);
-    const __m256i sg = set_u64x4(s[sign & 127], s[(sign >> 7) & 127], s[(sign >> 14) & 127], s[(sign >> 21) & 127]);
-    return _mm256_add_epi8(_mm256_sign_epi8(g, sg), _mm256_set1_epi8(64));
+    return _mm256_add_epi8(_mm256_sign_epi8(g, sign_bytes(sign)), _mm256_set1_epi8(64));
+  }
+  template <int G>
+  static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
+    return broadcast_i16<G>(h.sc);
+  }
+};
+
+// IQ3_XXS, 98 bytes: d, qs[64] (one grid index per 4 weights), then per 32 weights a u32 of four 7-bit
+// sign indices and a 4-bit scale s in the top bits; w = d * (2s+1)/4 * grid * sign, grid bytes 4..62.
+// Weights are stored + 64.
+struct IQ3XXS {
+  static constexpr int kBytes = 98;
+  static constexpr bool kCanonical = false;
+  static constexpr bool kSigned = false, kOffset = true, kMin = false;
+  using Head = KHead;
+  static PM_INLINE Head head(const uint8_t* b) {
+    alignas(16) int16_t ls[8];
+    for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>(2 * (load_u32(b + 66 + 4 * g) >> 28) + 1);
+    const __m128i sc = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
+    const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 6));
+    return {0.25f * fp16(b), 0.0f, corr, _mm256_broadcastsi128_si256(sc)};
+  }
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
+    const uint8_t* q = b + 2 + 8 * G;
+    const uint32_t* t = tables::kIq3xxs;
+    const __m256i g = _mm256_setr_epi32(static_cast<int>(t[q[0]]), static_cast<int>(t[q[1]]),
+                                        static_cast<int>(t[q[2]]), static_cast<int>(t[q[3]]),
+                                        static_cast<int>(t[q[4]]), static_cast<int>(t[q[5]]),
+                                        static_cast<int>(t[q[6]]), static_cast<int>(t[q[7]]));
+    return _mm256_add_epi8(_mm256_sign_epi8(g, sign_bytes(load_u32(b + 66 + 4 * G))), _mm256_set1_epi8(64));
+  }
+  template <int G>
+  static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
+    return broadcast_i16<G>(h.sc);
+  }
+};
+
+// IQ1_S, 50 bytes: d, qs[32], qh[8] (u16 per 32 weights: four 3-bit high grid-index bits, a 3-bit scale s,
+// the delta sign in bit 15); per 8 weights an 11-bit index into the IQ1 grid. w = d * (2s+1) * (grid +-
+// 1/8), stored as 8*grid + delta + 16 with d/8 as the block scale (IQ1_M's table).
+struct IQ1S {
+  static constexpr int kBytes = 50;
+  static constexpr bool kCanonical = false;
+  static constexpr bool kSigned = false, kOffset = true, kMin = false;
+  using Head = KHead;
+  static PM_INLINE Head head(const uint8_t* b) {
+    alignas(16) int16_t ls[8];
+    for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>(2 * ((load_u16(b + 34 + 2 * g) >> 12) & 7) + 1);
+    const __m128i sc = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
+    const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 4));
+    return {0.125f * fp16(b), 0.0f, corr, _mm256_broadcastsi128_si256(sc)};
+  }
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
+    const uint8_t* qs = b + 2 + 4 * G;
+    const uint32_t qh = load_u16(b + 34 + 2 * G);
+    const uint32_t delta = (qh >> 15) << 11;
+    const uint64_t* t = tables::kIq1m;
+    return set_u64x4(t[qs[0] | ((qh & 7) << 8) | delta], t[qs[1] | (((qh >> 3) & 7) << 8) | delta],
+                     t[qs[2] | (((qh >> 6) & 7) << 8) | delta], t[qs[3] | (((qh >> 9) & 7) << 8) | delta]);
   }
   template <int G>
   static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {

@@ -190,6 +190,36 @@ void iq1_m(const uint8_t* b, float* y) {
   }
 }
 
+void iq3_xxs(const uint8_t* b, float* y) {
+  const float d = half(b);
+  for (int g = 0; g < 8; ++g) {
+    const uint32_t signs = u32(b + 66 + 4 * g);
+    const float db = d * (0.5f + static_cast<float>(signs >> 28)) * 0.5f;
+    for (int l = 0; l < 4; ++l) {
+      const uint32_t s7 = (signs >> (7 * l)) & 127;
+      const uint32_t s8 = s7 | ((__builtin_popcount(s7) & 1) << 7);
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t row = tables::kIq3xxs[b[2 + 8 * g + 2 * l + j / 4]];
+        const int v = static_cast<int>((row >> (8 * (j % 4))) & 0xFF);
+        y[32 * g + 8 * l + j] = db * v * ((s8 >> j) & 1 ? -1.0f : 1.0f);
+      }
+    }
+  }
+}
+
+void iq1_s(const uint8_t* b, float* y) {
+  const float d = half(b);
+  for (int g = 0; g < 8; ++g) {
+    const uint32_t qh = u16(b + 34 + 2 * g);
+    const float dl = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1);
+    const float delta = qh & 0x8000 ? -0.125f : 0.125f;
+    for (int l = 0; l < 4; ++l) {
+      const uint64_t row = tables::kIq1Grid[b[2 + 4 * g + l] | (((qh >> (3 * l)) & 7) << 8)];
+      for (int j = 0; j < 8; ++j) y[32 * g + 8 * l + j] = dl * (grid_value(row, j) + delta);
+    }
+  }
+}
+
 const int kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 void iq4_nl(const uint8_t* b, float* y) {
@@ -246,6 +276,8 @@ void dequantize_row(int ggml_type, const uint8_t* src, int n, float* dst) {
     case kQ6_K: block = q6_k; break;
     case kIQ2_XXS: block = iq2_xxs; break;
     case kIQ1_M: block = iq1_m; break;
+    case kIQ3_XXS: block = iq3_xxs; break;
+    case kIQ1_S: block = iq1_s; break;
     case kIQ4_XS: block = iq4_xs; break;
     case kIQ4_NL: block = iq4_nl; break;
     default: throw std::invalid_argument("dequantize_row: no reference for this type");

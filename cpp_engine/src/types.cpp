@@ -22,6 +22,8 @@ const TypeInfo kTypes[] = {
     {kIQ2_XXS, "IQ2_XXS", 256, 66, ActFormat::kQ8_K},
     {kIQ4_XS, "IQ4_XS", 256, 136, ActFormat::kQ8_K},
     {kIQ1_M, "IQ1_M", 256, 56, ActFormat::kQ8_K},
+    {kIQ3_XXS, "IQ3_XXS", 256, 98, ActFormat::kQ8_K},
+    {kIQ1_S, "IQ1_S", 256, 50, ActFormat::kQ8_K},
     {kBF16, "BF16", 1, 2, ActFormat::kF32},
     {kMXFP4, "MXFP4", 32, 17, ActFormat::kQ8_0},
     {kIQ4_NL, "IQ4_NL", 32, 18, ActFormat::kQ8_0},

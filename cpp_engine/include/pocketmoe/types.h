@@ -21,6 +21,8 @@ enum GgmlType : int {
   kQ5_K = 13,
   kQ6_K = 14,
   kIQ2_XXS = 16,
+  kIQ3_XXS = 18,
+  kIQ1_S = 19,
   kIQ4_NL = 20,
   kIQ4_XS = 23,
   kIQ1_M = 29,

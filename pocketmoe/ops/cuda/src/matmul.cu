@@ -106,6 +106,16 @@ extern "C" __global__ void gemv_iq2_xxs(const uint8_t* w, const int8_t* xq, cons
   pmq::gemv_q<pmq::IQ2XXS>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
+extern "C" __global__ void gemv_iq3_xxs(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                       float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::IQ3XXS>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_iq1_s(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                     float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::IQ1S>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
 extern "C" __global__ void gemv_iq1_m(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
                                      float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::IQ1M>(w, xq, xd, xs, y, rows, cols, n_tokens);
@@ -219,6 +229,20 @@ extern "C" __global__ void moe_gemm_iq2_xxs(const uint8_t* const* experts, const
                                            const float* xd, const int16_t* xs, float* y, int rows, int cols,
                                            int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::IQ2XXS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_iq3_xxs(const uint8_t* const* experts, const int32_t* offsets,
+                                           const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                           const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                           int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::IQ3XXS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_iq1_s(const uint8_t* const* experts, const int32_t* offsets,
+                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                         int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::IQ1S>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_iq1_m(const uint8_t* const* experts, const int32_t* offsets,

@@ -1,10 +1,20 @@
-// Decoders of the IQ super-blocks (IQ2_XXS, IQ1_M, IQ4_XS); the interface is described in quant.cuh.
+// Decoders of the IQ super-blocks (IQ2_XXS, IQ3_XXS, IQ1_S, IQ1_M, IQ4_XS); the interface is described in quant.cuh.
 #pragma once
 
 // Included by quant.cuh (after its helpers), not on its own.
 #include "iq_tables.cuh"
 
 namespace pmq {
+
+// The 8 sign bits of 7-bit sign index l of an IQ2_XXS / IQ3_XXS sign word (the 8th makes the count of minus
+// signs even).
+__device__ __forceinline__ uint32_t full_signs(uint32_t word, int l) {
+  uint32_t s = (word >> (7 * l)) & 127;
+  uint32_t parity = s ^ (s >> 4);
+  parity ^= parity >> 2;
+  parity ^= parity >> 1;
+  return s | ((parity & 1) << 7);
+}
 
 // IQ2_XXS, 66 bytes: d, then per group two u32: four grid indices, and four 7-bit sign indices plus a 4-bit
 // scale s in the top bits; w = d * (2s + 1) / 8 * grid * sign (the 8th sign bit makes the count of minus
@@ -22,13 +32,33 @@ struct IQ2XXS {
 #pragma unroll
     for (int l = 0; l < 4; ++l) {
       const uint64_t row = kIq2xxsGrid[(grid >> (8 * l)) & 255];
-      uint32_t s = (signs >> (7 * l)) & 127;
-      uint32_t parity = s ^ (s >> 4);
-      parity ^= parity >> 2;
-      parity ^= parity >> 1;
-      s |= (parity & 1) << 7;
+      const uint32_t s = full_signs(signs, l);
       q[2 * l] = apply_signs(static_cast<uint32_t>(row), s & 15);
       q[2 * l + 1] = apply_signs(static_cast<uint32_t>(row >> 32), s >> 4);
+    }
+    sc[0] = sc[1] = 2 * static_cast<int>(signs >> 28) + 1;
+    mn[0] = mn[1] = 0;
+  }
+};
+
+// IQ3_XXS, 98 bytes: d, qs[64] (one grid index per 4 weights, grid bytes 4..62), then per group a u32 of four
+// 7-bit sign indices and a 4-bit scale s in the top bits; w = d * (2s + 1) / 4 * grid * sign.
+struct IQ3XXS {
+  static constexpr int kValues = 256;
+  static constexpr int kBytes = 98;
+  static constexpr bool kMin = false;
+  static __device__ __forceinline__ void head(const uint8_t* b, float& d, float& dmin) {
+    d = 0.25f * ld_fp16(b);
+    dmin = 0.0f;
+  }
+  static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
+    const uint8_t* qs = b + 2 + 8 * g;
+    const uint32_t signs = ld_u32_a2(b + 66 + 4 * g);
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      const uint32_t s = full_signs(signs, l);
+      q[2 * l] = apply_signs(kIq3xxsGrid[qs[2 * l]], s & 15);
+      q[2 * l + 1] = apply_signs(kIq3xxsGrid[qs[2 * l + 1]], s >> 4);
     }
     sc[0] = sc[1] = 2 * static_cast<int>(signs >> 28) + 1;
     mn[0] = mn[1] = 0;
@@ -41,6 +71,32 @@ __device__ __forceinline__ int iq1_values(uint32_t v, bool minus) {
   const uint32_t g1 = (0x01010101u + low) - (neg << 1);   // g + 1 per byte: 0, 1, 2
   return to_signed(g1 << 3, minus ? 9 : 7);
 }
+
+// IQ1_S, 50 bytes: d, qs[32], qh[8] (a u16 per group: four 3-bit high grid-index bits, a 3-bit scale s, the
+// delta sign in bit 15); per 8 weights an 11-bit index into the IQ1 grid. w = d * (2s + 1) * (grid +- 1/8),
+// taken as d / 8 * (2s + 1) * (8 * grid + delta).
+struct IQ1S {
+  static constexpr int kValues = 256;
+  static constexpr int kBytes = 50;
+  static constexpr bool kMin = false;
+  static __device__ __forceinline__ void head(const uint8_t* b, float& d, float& dmin) {
+    d = 0.125f * ld_fp16(b);
+    dmin = 0.0f;
+  }
+  static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
+    const uint8_t* qs = b + 2 + 4 * g;
+    const uint32_t qh = ld_u16(b + 34 + 2 * g);
+    const bool minus = (qh & 0x8000u) != 0;
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      const uint64_t row = kIq1sGrid[qs[l] | (((qh >> (3 * l)) & 7) << 8)];
+      q[2 * l] = iq1_values(static_cast<uint32_t>(row), minus);
+      q[2 * l + 1] = iq1_values(static_cast<uint32_t>(row >> 32), minus);
+    }
+    sc[0] = sc[1] = 2 * static_cast<int>((qh >> 12) & 7) + 1;
+    mn[0] = mn[1] = 0;
+  }
+};
 
 // IQ1_M, 56 bytes: qs[32], qh[16], scales[8]; per 8 weights an 11-bit grid index and a delta sign, per 16
 // weights a 3-bit scale s; the fp16 d sits in the top nibbles of the four u16 scale words.
