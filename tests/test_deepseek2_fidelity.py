@@ -122,7 +122,8 @@ def test_llama_cpp_differs_from_itself_by_as_much(files: dict[str, Path]) -> Non
 
 
 # Other llama.cpp mixes -> the fallback type its quantizer gives attn_k_b (64-value rows here, 128 in V2-Lite)
-MIXES = {"Q5_K_M": "Q5_1", "IQ4_XS": "IQ4_NL", "Q3_K_M": "Q4_0", "Q4_1": "Q4_1"}
+MIXES = {"Q5_K_M": "Q5_1", "IQ4_XS": "IQ4_NL", "Q3_K_M": "Q4_0", "Q4_1": "Q4_1", "IQ3_S": "IQ4_NL",
+         "IQ3_M": "IQ4_NL"}
 
 
 @pytest.mark.parametrize("mix", list(MIXES))

@@ -1,4 +1,4 @@
-// Block decoders for IQ2_XXS, IQ3_XXS, IQ1_S, IQ1_M and IQ4_XS (layouts: SPECS.md section 4), as kfamily.h expects.
+// Block decoders for IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M and IQ4_XS (layouts: SPECS.md section 4), as kfamily.h expects.
 #pragma once
 
 #include "decode_kquants.h"
@@ -34,6 +34,102 @@ struct IQ2XXS {
     const uint64_t* t = tables::kIq2xxs;
     const __m256i g = set_u64x4(t[grid & 255], t[(grid >> 8) & 255], t[(grid >> 16) & 255], t[grid >> 24]);
     return _mm256_add_epi8(_mm256_sign_epi8(g, sign_bytes(sign)), _mm256_set1_epi8(64));
+  }
+  template <int G>
+  static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
+    return broadcast_i16<G>(h.sc);
+  }
+};
+
+// Four sign bytes (bit j of byte l: weight 8l + j negative; IQ2_S, IQ3_S) as +1 / -1 (32 lanes).
+PM_INLINE __m256i sign_bits(uint32_t w) {
+  const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(w)),
+                                        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, bit), bit), _mm256_set1_epi8(1));
+}
+
+// The head of IQ2_XS / IQ2_S: 8 scale bytes at s, a 4-bit scale per 16 weights (low nibble: weights 0-15 of
+// group g, high: 16-31), w = d * (2s+1)/8 * grid; weights stored + 64.
+PM_INLINE KHead iq2_nibble_head(const uint8_t* b, const uint8_t* s) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  const __m128i raw = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+  const __m128i ls = _mm_add_epi8(_mm_add_epi8(raw, raw), _mm_set1_epi8(1));   // 16 scales in order
+  const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepu8_epi16(ls), 6));
+  return {0.125f * fp16(b), 0.0f, corr, split_scales_i16(ls)};
+}
+
+// IQ2_XS, 74 bytes: d, qs[32] (u16: a 9-bit grid index and a 7-bit sign index per 8 weights), scales[8].
+struct IQ2XS {
+  static constexpr int kBytes = 74;
+  static constexpr bool kCanonical = false;
+  static constexpr bool kSigned = false, kOffset = true, kMin = false;
+  using Head = KHead;
+  static PM_INLINE Head head(const uint8_t* b) { return iq2_nibble_head(b, b + 66); }
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
+    const uint8_t* q = b + 2 + 8 * G;
+    const uint32_t v0 = load_u16(q), v1 = load_u16(q + 2), v2 = load_u16(q + 4), v3 = load_u16(q + 6);
+    const uint64_t* t = tables::kIq2xs;
+    const uint64_t* s = tables::kSigns;
+    const __m256i g = set_u64x4(t[v0 & 511], t[v1 & 511], t[v2 & 511], t[v3 & 511]);
+    const __m256i sg = set_u64x4(s[v0 >> 9], s[v1 >> 9], s[v2 >> 9], s[v3 >> 9]);
+    return _mm256_add_epi8(_mm256_sign_epi8(g, sg), _mm256_set1_epi8(64));
+  }
+  template <int G>
+  static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
+    return broadcast_i16<G>(h.sc);
+  }
+};
+
+// IQ2_S, 82 bytes: d, qs[32] (low 8 bits of a 10-bit grid index per 8 weights), signs[32] (a byte per 8
+// weights), qh[8] (the indices' top 2 bits, four per group), scales[8] (as IQ2_XS).
+struct IQ2S {
+  static constexpr int kBytes = 82;
+  static constexpr bool kCanonical = false;
+  static constexpr bool kSigned = false, kOffset = true, kMin = false;
+  using Head = KHead;
+  static PM_INLINE Head head(const uint8_t* b) { return iq2_nibble_head(b, b + 74); }
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
+    const uint8_t* qs = b + 2 + 4 * G;
+    const uint32_t qh = b[66 + G];
+    const uint64_t* t = tables::kIq2s;
+    const __m256i g = set_u64x4(t[qs[0] | ((qh << 8) & 0x300)], t[qs[1] | ((qh << 6) & 0x300)],
+                                t[qs[2] | ((qh << 4) & 0x300)], t[qs[3] | ((qh << 2) & 0x300)]);
+    return _mm256_add_epi8(_mm256_sign_epi8(g, sign_bits(load_u32(b + 34 + 4 * G))), _mm256_set1_epi8(64));
+  }
+  template <int G>
+  static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
+    return broadcast_i16<G>(h.sc);
+  }
+};
+
+// IQ3_S, 110 bytes: d, qs[64] (low 8 bits of a 9-bit grid index per 4 weights), qh[8] (the indices' top
+// bits, eight per group), signs[32] (a byte per 8 weights), scales[4] (a 4-bit s per group);
+// w = d * (2s+1) * grid * sign, grid bytes 1..15, stored + 16.
+struct IQ3S {
+  static constexpr int kBytes = 110;
+  static constexpr bool kCanonical = false;
+  static constexpr bool kSigned = false, kOffset = true, kMin = false;
+  using Head = KHead;
+  static PM_INLINE Head head(const uint8_t* b) {
+    alignas(16) int16_t ls[8];
+    for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>(2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 15) + 1);
+    const __m128i sc = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
+    const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 4));
+    return {fp16(b), 0.0f, corr, _mm256_broadcastsi128_si256(sc)};
+  }
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
+    const uint8_t* q = b + 2 + 8 * G;
+    const uint32_t qh = b[66 + G];
+    const uint32_t* t = tables::kIq3s;
+    const auto row = [&](int k) { return static_cast<int>(t[q[k] | (((qh >> k) & 1) << 8)]); };
+    const __m256i g = _mm256_setr_epi32(row(0), row(1), row(2), row(3), row(4), row(5), row(6), row(7));
+    return _mm256_add_epi8(_mm256_sign_epi8(g, sign_bits(load_u32(b + 74 + 4 * G))), _mm256_set1_epi8(16));
   }
   template <int G>
   static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {

@@ -207,6 +207,39 @@ void iq3_xxs(const uint8_t* b, float* y) {
   }
 }
 
+float sign_of(uint32_t s8, int j) { return (s8 >> j) & 1 ? -1.0f : 1.0f; }
+
+void iq2_xs(const uint8_t* b, float* y) {
+  const float d = half(b);
+  for (int k = 0; k < 32; ++k) {
+    const uint32_t v = u16(b + 2 + 2 * k);
+    const float dl = d * (0.5f + static_cast<float>((b[66 + k / 4] >> (4 * (k % 4 / 2))) & 15)) * 0.25f;
+    const uint32_t s7 = v >> 9, s8 = s7 | ((__builtin_popcount(s7) & 1) << 7);
+    for (int j = 0; j < 8; ++j) y[8 * k + j] = dl * grid_value(tables::kIq2xs[v & 511], j) * sign_of(s8, j);
+  }
+}
+
+void iq2_s(const uint8_t* b, float* y) {
+  const float d = half(b);
+  for (int k = 0; k < 32; ++k) {
+    const int g = k / 4, l = k % 4;
+    const float dl = d * (0.5f + static_cast<float>((b[74 + g] >> (4 * (l / 2))) & 15)) * 0.25f;
+    const uint64_t row = tables::kIq2s[b[2 + k] | (((b[66 + g] >> (2 * l)) & 3) << 8)];
+    for (int j = 0; j < 8; ++j) y[8 * k + j] = dl * grid_value(row, j) * sign_of(b[34 + k], j);
+  }
+}
+
+void iq3_s(const uint8_t* b, float* y) {
+  const float d = half(b);
+  for (int k = 0; k < 64; ++k) {
+    const int g = k / 8;
+    const float dl = d * static_cast<float>(1 + 2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 15));
+    const uint32_t row = tables::kIq3s[b[2 + k] | (((b[66 + g] >> (k % 8)) & 1) << 8)];
+    for (int j = 0; j < 4; ++j)
+      y[4 * k + j] = dl * static_cast<float>((row >> (8 * j)) & 0xFF) * sign_of(b[74 + k / 2], 4 * (k % 2) + j);
+  }
+}
+
 void iq1_s(const uint8_t* b, float* y) {
   const float d = half(b);
   for (int g = 0; g < 8; ++g) {
@@ -278,6 +311,9 @@ void dequantize_row(int ggml_type, const uint8_t* src, int n, float* dst) {
     case kIQ1_M: block = iq1_m; break;
     case kIQ3_XXS: block = iq3_xxs; break;
     case kIQ1_S: block = iq1_s; break;
+    case kIQ2_XS: block = iq2_xs; break;
+    case kIQ2_S: block = iq2_s; break;
+    case kIQ3_S: block = iq3_s; break;
     case kIQ4_XS: block = iq4_xs; break;
     case kIQ4_NL: block = iq4_nl; break;
     default: throw std::invalid_argument("dequantize_row: no reference for this type");

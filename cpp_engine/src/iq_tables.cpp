@@ -45,6 +45,9 @@ const std::array<uint64_t, 4096> iq1m = make_iq1m();
 const uint64_t* const kIq2xxs = kIq2xxsGrid;
 const uint64_t* const kSigns = signs.data();
 const uint64_t* const kIq1m = iq1m.data();
+const uint64_t* const kIq2xs = kIq2xsGrid;
+const uint64_t* const kIq2s = kIq2sGrid;
+const uint32_t* const kIq3s = kIq3sGrid;
 const uint32_t* const kIq3xxs = kIq3xxsGrid;
 const uint64_t* const kIq1Grid = kIq1sGrid;
 

@@ -116,6 +116,21 @@ extern "C" __global__ void gemv_iq1_s(const uint8_t* w, const int8_t* xq, const 
   pmq::gemv_q<pmq::IQ1S>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
+extern "C" __global__ void gemv_iq2_xs(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                       float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::IQ2XS>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_iq2_s(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                      float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::IQ2S>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_iq3_s(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                      float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::IQ3S>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
 extern "C" __global__ void gemv_iq1_m(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
                                      float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::IQ1M>(w, xq, xd, xs, y, rows, cols, n_tokens);
@@ -243,6 +258,27 @@ extern "C" __global__ void moe_gemm_iq1_s(const uint8_t* const* experts, const i
                                          const float* xd, const int16_t* xs, float* y, int rows, int cols,
                                          int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::IQ1S>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_iq2_xs(const uint8_t* const* experts, const int32_t* offsets,
+                                           const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                           const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                           int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::IQ2XS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_iq2_s(const uint8_t* const* experts, const int32_t* offsets,
+                                          const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                          const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                          int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::IQ2S>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_iq3_s(const uint8_t* const* experts, const int32_t* offsets,
+                                          const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                          const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                          int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::IQ3S>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_iq1_m(const uint8_t* const* experts, const int32_t* offsets,

@@ -1,4 +1,4 @@
-// Decoders of the IQ super-blocks (IQ2_XXS, IQ3_XXS, IQ1_S, IQ1_M, IQ4_XS); the interface is described in quant.cuh.
+// Decoders of the IQ super-blocks (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_XS); the interface is described in quant.cuh.
 #pragma once
 
 // Included by quant.cuh (after its helpers), not on its own.
@@ -6,15 +6,90 @@
 
 namespace pmq {
 
-// The 8 sign bits of 7-bit sign index l of an IQ2_XXS / IQ3_XXS sign word (the 8th makes the count of minus
-// signs even).
-__device__ __forceinline__ uint32_t full_signs(uint32_t word, int l) {
-  uint32_t s = (word >> (7 * l)) & 127;
+// The 8 sign bits of a 7-bit sign index s (IQ2_XXS, IQ2_XS, IQ3_XXS): the 8th makes the count of minus signs
+// even.
+__device__ __forceinline__ uint32_t signs8(uint32_t s) {
   uint32_t parity = s ^ (s >> 4);
   parity ^= parity >> 2;
   parity ^= parity >> 1;
   return s | ((parity & 1) << 7);
 }
+
+// The same for sign index l of an IQ2_XXS / IQ3_XXS sign word (four 7-bit indices).
+__device__ __forceinline__ uint32_t full_signs(uint32_t word, int l) { return signs8((word >> (7 * l)) & 127); }
+
+// Eight IQ2 grid bytes (8, 25, 43) with the signs of the 8 bits of s as the two words q[0], q[1].
+__device__ __forceinline__ void signed_row(uint64_t row, uint32_t s, int& q0, int& q1) {
+  q0 = apply_signs(static_cast<uint32_t>(row), s & 15);
+  q1 = apply_signs(static_cast<uint32_t>(row >> 32), s >> 4);
+}
+
+// IQ2_XS, 74 bytes: d, qs[32] (u16: a 9-bit grid index and a 7-bit sign index per 8 weights), scales[8] (a
+// 4-bit s per 16 weights, low nibble first); w = d * (2s + 1) / 8 * grid * sign.
+struct IQ2XS {
+  static constexpr int kValues = 256;
+  static constexpr int kBytes = 74;
+  static constexpr bool kMin = false;
+  static __device__ __forceinline__ void head(const uint8_t* b, float& d, float& dmin) {
+    d = 0.125f * ld_fp16(b);
+    dmin = 0.0f;
+  }
+  static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      const uint32_t v = ld_u16(b + 2 + 8 * g + 2 * l);
+      signed_row(kIq2xsGrid[v & 511], signs8(v >> 9), q[2 * l], q[2 * l + 1]);
+    }
+    sc[0] = 2 * static_cast<int>(b[66 + g] & 15) + 1;
+    sc[1] = 2 * static_cast<int>(b[66 + g] >> 4) + 1;
+    mn[0] = mn[1] = 0;
+  }
+};
+
+// IQ2_S, 82 bytes: d, qs[32] (low 8 bits of a 10-bit grid index per 8 weights), signs[32] (a byte per 8
+// weights), qh[8] (the indices' top 2 bits, four per group), scales[8] (as IQ2_XS).
+struct IQ2S {
+  static constexpr int kValues = 256;
+  static constexpr int kBytes = 82;
+  static constexpr bool kMin = false;
+  static __device__ __forceinline__ void head(const uint8_t* b, float& d, float& dmin) {
+    d = 0.125f * ld_fp16(b);
+    dmin = 0.0f;
+  }
+  static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
+    const uint32_t qh = b[66 + g];
+#pragma unroll
+    for (int l = 0; l < 4; ++l)
+      signed_row(kIq2sGrid[b[2 + 4 * g + l] | (((qh >> (2 * l)) & 3) << 8)], b[34 + 4 * g + l], q[2 * l], q[2 * l + 1]);
+    sc[0] = 2 * static_cast<int>(b[74 + g] & 15) + 1;
+    sc[1] = 2 * static_cast<int>(b[74 + g] >> 4) + 1;
+    mn[0] = mn[1] = 0;
+  }
+};
+
+// IQ3_S, 110 bytes: d, qs[64] (low 8 bits of a 9-bit grid index per 4 weights), qh[8] (the indices' top bits,
+// eight per group), signs[32] (a byte per 8 weights), scales[4] (a 4-bit s per group, low nibble first);
+// w = d * (2s + 1) * grid * sign, grid bytes odd 1..15.
+struct IQ3S {
+  static constexpr int kValues = 256;
+  static constexpr int kBytes = 110;
+  static constexpr bool kMin = false;
+  static __device__ __forceinline__ void head(const uint8_t* b, float& d, float& dmin) {
+    d = ld_fp16(b);
+    dmin = 0.0f;
+  }
+  static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
+    const uint8_t* qs = b + 2 + 8 * g;
+    const uint32_t qh = b[66 + g];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t s = b[74 + 4 * g + k / 2] >> (4 * (k % 2));
+      q[k] = apply_signs(kIq3sGrid[qs[k] | (((qh >> k) & 1) << 8)], s & 15);
+    }
+    sc[0] = sc[1] = 2 * static_cast<int>((b[106 + g / 2] >> (4 * (g % 2))) & 15) + 1;
+    mn[0] = mn[1] = 0;
+  }
+};
 
 // IQ2_XXS, 66 bytes: d, then per group two u32: four grid indices, and four 7-bit sign indices plus a 4-bit
 // scale s in the top bits; w = d * (2s + 1) / 8 * grid * sign (the 8th sign bit makes the count of minus
@@ -31,10 +106,7 @@ struct IQ2XXS {
     const uint32_t grid = ld_u32_a2(b + 2 + 8 * g), signs = ld_u32_a2(b + 6 + 8 * g);
 #pragma unroll
     for (int l = 0; l < 4; ++l) {
-      const uint64_t row = kIq2xxsGrid[(grid >> (8 * l)) & 255];
-      const uint32_t s = full_signs(signs, l);
-      q[2 * l] = apply_signs(static_cast<uint32_t>(row), s & 15);
-      q[2 * l + 1] = apply_signs(static_cast<uint32_t>(row >> 32), s >> 4);
+      signed_row(kIq2xxsGrid[(grid >> (8 * l)) & 255], full_signs(signs, l), q[2 * l], q[2 * l + 1]);
     }
     sc[0] = sc[1] = 2 * static_cast<int>(signs >> 28) + 1;
     mn[0] = mn[1] = 0;
