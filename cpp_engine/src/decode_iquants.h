@@ -114,21 +114,39 @@ struct IQ3S {
   static constexpr int kBytes = 110;
   static constexpr bool kCanonical = false;
   static constexpr bool kSigned = false, kOffset = true, kMin = false;
-  using Head = KHead;
+  struct Head : KHead {
+    alignas(32) uint16_t idx[64];
+  };
   static PM_INLINE Head head(const uint8_t* b) {
+    Head h;
+    // Index k: qs[k] | bit k % 8 of qh[k / 8] << 8, sixteen at a time (each qh byte over eight lanes).
+    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i qh = _mm256_broadcastsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 66)));
+    static_for<4>([&](auto jc) {
+      constexpr int J = decltype(jc)::value;
+      constexpr char lo = 2 * J, hi = 2 * J + 1;
+      const __m256i byte = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(lo, -1, lo, -1, lo, -1, lo, -1, lo, -1, lo, -1, lo,
+                                                                    -1, lo, -1, hi, -1, hi, -1, hi, -1, hi, -1, hi, -1,
+                                                                    hi, -1, hi, -1, hi, -1));
+      const __m256i top = _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(byte, bit), bit), _mm256_set1_epi16(256));
+      store256(h.idx + 16 * J, _mm256_or_si256(_mm256_cvtepu8_epi16(load128(b + 2 + 16 * J)), top));
+    });
     alignas(16) int16_t ls[8];
     for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>(2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 15) + 1);
     const __m128i sc = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
-    const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 4));
-    return {fp16(b), 0.0f, corr, _mm256_broadcastsi128_si256(sc)};
+    h.corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 4));
+    h.sc = _mm256_broadcastsi128_si256(sc);
+    h.d = fp16(b);
+    h.dmin = 0.0f;
+    return h;
   }
   template <int G>
-  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
-    const uint8_t* q = b + 2 + 8 * G;
-    const uint32_t qh = b[66 + G];
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head& h) {
     const uint32_t* t = tables::kIq3s;
-    const auto row = [&](int k) { return static_cast<int>(t[q[k] | (((qh >> k) & 1) << 8)]); };
-    const __m256i g = _mm256_setr_epi32(row(0), row(1), row(2), row(3), row(4), row(5), row(6), row(7));
+    const uint16_t* i = h.idx + 8 * G;
+    const __m256i g = _mm256_setr_epi32(static_cast<int>(t[i[0]]), static_cast<int>(t[i[1]]), static_cast<int>(t[i[2]]),
+                                        static_cast<int>(t[i[3]]), static_cast<int>(t[i[4]]), static_cast<int>(t[i[5]]),
+                                        static_cast<int>(t[i[6]]), static_cast<int>(t[i[7]]));
     return _mm256_add_epi8(_mm256_sign_epi8(g, sign_bits(load_u32(b + 74 + 4 * G))), _mm256_set1_epi8(16));
   }
   template <int G>
@@ -170,27 +188,50 @@ struct IQ3XXS {
 
 // IQ1_S, 50 bytes: d, qs[32], qh[8] (u16 per 32 weights: four 3-bit high grid-index bits, a 3-bit scale s,
 // the delta sign in bit 15); per 8 weights an 11-bit index into the IQ1 grid. w = d * (2s+1) * (grid +-
-// 1/8), stored as 8*grid + delta + 16 with d/8 as the block scale (IQ1_M's table).
+// 1/8), stored as 8*grid + delta + 16 with d/8 as the block scale (IQ1_M's table). The head forms the 32
+// table indices (with the delta bit) in two vector passes, so a group is four loads.
 struct IQ1S {
   static constexpr int kBytes = 50;
   static constexpr bool kCanonical = false;
   static constexpr bool kSigned = false, kOffset = true, kMin = false;
-  using Head = KHead;
+  struct Head : KHead {
+    alignas(32) uint16_t idx[32];
+  };
+  // Indices 16H .. 16H+15 (groups 4H .. 4H+3): qs bytes | the group's word's 3-bit field l << 8 | its bit 15
+  // >> 4. The field moves to bits 9-11 by a multiply (2^(9-3l)), then down one.
+  template <int H>
+  static PM_INLINE __m256i indices(const uint8_t* b, __m256i qh) {
+    const __m256i q = _mm256_cvtepu8_epi16(load128(b + 2 + 16 * H));
+    constexpr char w0 = 8 * H, w1 = 8 * H + 2, w2 = 8 * H + 4, w3 = 8 * H + 6;
+    const __m256i w = _mm256_shuffle_epi8(
+        qh, _mm256_setr_epi8(w0, w0 + 1, w0, w0 + 1, w0, w0 + 1, w0, w0 + 1, w1, w1 + 1, w1, w1 + 1, w1, w1 + 1, w1,
+                             w1 + 1, w2, w2 + 1, w2, w2 + 1, w2, w2 + 1, w2, w2 + 1, w3, w3 + 1, w3, w3 + 1, w3, w3 + 1,
+                             w3, w3 + 1));
+    const __m256i field = _mm256_and_si256(
+        _mm256_mullo_epi16(w, _mm256_setr_epi16(512, 64, 8, 1, 512, 64, 8, 1, 512, 64, 8, 1, 512, 64, 8, 1)),
+        _mm256_set1_epi16(0x0E00));
+    const __m256i delta = _mm256_srli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(static_cast<int16_t>(0x8000))), 4);
+    return _mm256_or_si256(q, _mm256_or_si256(_mm256_srli_epi16(field, 1), delta));
+  }
   static PM_INLINE Head head(const uint8_t* b) {
-    alignas(16) int16_t ls[8];
-    for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>(2 * ((load_u16(b + 34 + 2 * g) >> 12) & 7) + 1);
-    const __m128i sc = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
-    const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 4));
-    return {0.125f * fp16(b), 0.0f, corr, _mm256_broadcastsi128_si256(sc)};
+    Head h;
+    const __m128i qh = load128(b + 34);
+    const __m256i qh2 = _mm256_broadcastsi128_si256(qh);
+    store256(h.idx, indices<0>(b, qh2));
+    store256(h.idx + 16, indices<1>(b, qh2));
+    const __m128i s = _mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7));
+    const __m128i sc = _mm_add_epi16(_mm_add_epi16(s, s), _mm_set1_epi16(1));
+    h.corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 4));
+    h.sc = _mm256_broadcastsi128_si256(sc);
+    h.d = 0.125f * fp16(b);
+    h.dmin = 0.0f;
+    return h;
   }
   template <int G>
-  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
-    const uint8_t* qs = b + 2 + 4 * G;
-    const uint32_t qh = load_u16(b + 34 + 2 * G);
-    const uint32_t delta = (qh >> 15) << 11;
+  static PM_INLINE __m256i quants(const uint8_t*, const Head& h) {
     const uint64_t* t = tables::kIq1m;
-    return set_u64x4(t[qs[0] | ((qh & 7) << 8) | delta], t[qs[1] | (((qh >> 3) & 7) << 8) | delta],
-                     t[qs[2] | (((qh >> 6) & 7) << 8) | delta], t[qs[3] | (((qh >> 9) & 7) << 8) | delta]);
+    const uint16_t* i = h.idx + 4 * G;
+    return set_u64x4(t[i[0]], t[i[1]], t[i[2]], t[i[3]]);
   }
   template <int G>
   static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
