@@ -151,7 +151,8 @@ def test_gemm_bitwise_stable(name: str, restore_threads) -> None:
         np.testing.assert_array_equal(native.gemm(w, t, x[i]), batch[i])
 
 
-BATCHED_TYPES = ["Q8_0", "Q5_0", "Q4_0", "IQ4_NL", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
+BATCHED_TYPES = ["Q8_0", "Q5_0", "Q4_0", "IQ4_NL", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ1_S", "IQ3_S",
+                 "F16", "BF16", "F32"]
 
 
 def batched_case(t: int, heads: int, rows: int, cols: int, n_tokens: int, seed: int):
