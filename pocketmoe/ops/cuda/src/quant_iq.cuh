@@ -24,6 +24,12 @@ __device__ __forceinline__ void signed_row(uint64_t row, uint32_t s, int& q0, in
   q1 = apply_signs(static_cast<uint32_t>(row >> 32), s >> 4);
 }
 
+// The two 4-bit scales s of IQ2_XS / IQ2_S group (low nibble: weights 0-15) as 2s + 1.
+__device__ __forceinline__ void nibble_scales(uint32_t byte, int (&sc)[2]) {
+  sc[0] = 2 * static_cast<int>(byte & 15) + 1;
+  sc[1] = 2 * static_cast<int>(byte >> 4) + 1;
+}
+
 // IQ2_XS, 74 bytes: d, qs[32] (u16: a 9-bit grid index and a 7-bit sign index per 8 weights), scales[8] (a
 // 4-bit s per 16 weights, low nibble first); w = d * (2s + 1) / 8 * grid * sign.
 struct IQ2XS {
@@ -40,8 +46,7 @@ struct IQ2XS {
       const uint32_t v = ld_u16(b + 2 + 8 * g + 2 * l);
       signed_row(kIq2xsGrid[v & 511], signs8(v >> 9), q[2 * l], q[2 * l + 1]);
     }
-    sc[0] = 2 * static_cast<int>(b[66 + g] & 15) + 1;
-    sc[1] = 2 * static_cast<int>(b[66 + g] >> 4) + 1;
+    nibble_scales(b[66 + g], sc);
     mn[0] = mn[1] = 0;
   }
 };
@@ -61,8 +66,7 @@ struct IQ2S {
 #pragma unroll
     for (int l = 0; l < 4; ++l)
       signed_row(kIq2sGrid[b[2 + 4 * g + l] | (((qh >> (2 * l)) & 3) << 8)], b[34 + 4 * g + l], q[2 * l], q[2 * l + 1]);
-    sc[0] = 2 * static_cast<int>(b[74 + g] & 15) + 1;
-    sc[1] = 2 * static_cast<int>(b[74 + g] >> 4) + 1;
+    nibble_scales(b[74 + g], sc);
     mn[0] = mn[1] = 0;
   }
 };
