@@ -1,4 +1,5 @@
-// Block decoders for IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M and IQ4_XS (layouts: SPECS.md section 4), as kfamily.h expects.
+// Block decoders for IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M and IQ4_XS (layouts: SPECS.md
+// section 4), as kfamily.h expects.
 #pragma once
 
 #include "decode_kquants.h"
@@ -14,6 +15,22 @@ PM_INLINE __m256i sign_bytes(uint32_t w) {
   return set_u64x4(s[w & 127], s[(w >> 7) & 127], s[(w >> 14) & 127], s[(w >> 21) & 127]);
 }
 
+// The head of a type with a scale 2s+1 per 32 weights (s: 8 int16) whose weights are stored + 2^Shift:
+// corr takes the offset back out, -(2s+1) << Shift per 16 weights.
+template <int Shift>
+PM_INLINE KHead odd_scale_head(float d, __m128i s) {
+  const __m128i sc = _mm_add_epi16(_mm_add_epi16(s, s), _mm_set1_epi16(1));
+  const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), Shift));
+  return {d, 0.0f, corr, _mm256_broadcastsi128_si256(sc)};
+}
+
+// The 4-bit scale in the top bits of the u32 at b + stride * g, for the 8 groups, as int16.
+PM_INLINE __m128i top_nibbles(const uint8_t* b, int stride) {
+  alignas(16) int16_t s[8];
+  for (int g = 0; g < 8; ++g) s[g] = static_cast<int16_t>(load_u32(b + stride * g) >> 28);
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(s));
+}
+
 // IQ2_XXS, 66 bytes: d, then per 32 weights two u32: four grid indices, and four 7-bit sign indices
 // plus a 4-bit scale s in the top bits; w = d * (2s+1)/8 * grid * sign. Weights are stored + 64.
 struct IQ2XXS {
@@ -21,13 +38,7 @@ struct IQ2XXS {
   static constexpr bool kCanonical = false;
   static constexpr bool kSigned = false, kOffset = true, kMin = false;
   using Head = KHead;
-  static PM_INLINE Head head(const uint8_t* b) {
-    alignas(16) int16_t ls[8];
-    for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>(2 * (load_u32(b + 6 + 8 * g) >> 28) + 1);
-    const __m128i sc = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
-    const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 6));
-    return {0.125f * fp16(b), 0.0f, corr, _mm256_broadcastsi128_si256(sc)};
-  }
+  static PM_INLINE Head head(const uint8_t* b) { return odd_scale_head<6>(0.125f * fp16(b), top_nibbles(b + 6, 8)); }
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
     const uint32_t grid = load_u32(b + 2 + 8 * G), sign = load_u32(b + 6 + 8 * G);
@@ -128,16 +139,14 @@ struct IQ3S {
       const __m256i byte = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(lo, -1, lo, -1, lo, -1, lo, -1, lo, -1, lo, -1, lo,
                                                                     -1, lo, -1, hi, -1, hi, -1, hi, -1, hi, -1, hi, -1,
                                                                     hi, -1, hi, -1, hi, -1));
-      const __m256i top = _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(byte, bit), bit), _mm256_set1_epi16(256));
+      const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(byte, bit), bit);
+      const __m256i top = _mm256_and_si256(set, _mm256_set1_epi16(256));
       store256(h.idx + 16 * J, _mm256_or_si256(_mm256_cvtepu8_epi16(load128(b + 2 + 16 * J)), top));
     });
-    alignas(16) int16_t ls[8];
-    for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>(2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 15) + 1);
-    const __m128i sc = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
-    h.corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 4));
-    h.sc = _mm256_broadcastsi128_si256(sc);
-    h.d = fp16(b);
-    h.dmin = 0.0f;
+    const __m128i x = _mm_cvtsi32_si128(static_cast<int>(load_u32(b + 106)));   // group g: nibble g % 2 of byte g / 2
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i s = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m)));
+    static_cast<KHead&>(h) = odd_scale_head<4>(fp16(b), s);
     return h;
   }
   template <int G>
@@ -163,13 +172,7 @@ struct IQ3XXS {
   static constexpr bool kCanonical = false;
   static constexpr bool kSigned = false, kOffset = true, kMin = false;
   using Head = KHead;
-  static PM_INLINE Head head(const uint8_t* b) {
-    alignas(16) int16_t ls[8];
-    for (int g = 0; g < 8; ++g) ls[g] = static_cast<int16_t>(2 * (load_u32(b + 66 + 4 * g) >> 28) + 1);
-    const __m128i sc = _mm_load_si128(reinterpret_cast<const __m128i*>(ls));
-    const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 6));
-    return {0.25f * fp16(b), 0.0f, corr, _mm256_broadcastsi128_si256(sc)};
-  }
+  static PM_INLINE Head head(const uint8_t* b) { return odd_scale_head<6>(0.25f * fp16(b), top_nibbles(b + 66, 4)); }
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
     const uint8_t* q = b + 2 + 8 * G;
@@ -220,11 +223,7 @@ struct IQ1S {
     store256(h.idx, indices<0>(b, qh2));
     store256(h.idx + 16, indices<1>(b, qh2));
     const __m128i s = _mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7));
-    const __m128i sc = _mm_add_epi16(_mm_add_epi16(s, s), _mm_set1_epi16(1));
-    h.corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(duplicate_i16(sc), 4));
-    h.sc = _mm256_broadcastsi128_si256(sc);
-    h.d = 0.125f * fp16(b);
-    h.dmin = 0.0f;
+    static_cast<KHead&>(h) = odd_scale_head<4>(0.125f * fp16(b), s);
     return h;
   }
   template <int G>

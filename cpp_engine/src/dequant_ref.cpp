@@ -159,6 +159,12 @@ void q6_k(const uint8_t* b, float* y) {
   }
 }
 
+// Sign j (bit j of s8) as +1 / -1.
+float sign_of(uint32_t s8, int j) { return (s8 >> j) & 1 ? -1.0f : 1.0f; }
+
+// A 7-bit sign index widened to the 8 signs it stands for: bit 7 makes the count of negatives even.
+uint32_t signs8(uint32_t s7) { return s7 | ((__builtin_popcount(s7) & 1) << 7); }
+
 void iq2_xxs(const uint8_t* b, float* y) {
   const float d = half(b);
   for (int g = 0; g < 8; ++g) {
@@ -166,9 +172,8 @@ void iq2_xxs(const uint8_t* b, float* y) {
     const float db = d * (0.5f + static_cast<float>(signs >> 28)) * 0.25f;
     for (int l = 0; l < 4; ++l) {
       const uint64_t row = tables::kIq2xxs[(grid >> (8 * l)) & 0xFF];
-      const uint32_t s7 = (signs >> (7 * l)) & 127;
-      const uint32_t s8 = s7 | ((__builtin_popcount(s7) & 1) << 7);
-      for (int j = 0; j < 8; ++j) y[32 * g + 8 * l + j] = db * grid_value(row, j) * ((s8 >> j) & 1 ? -1.0f : 1.0f);
+      const uint32_t s8 = signs8((signs >> (7 * l)) & 127);
+      for (int j = 0; j < 8; ++j) y[32 * g + 8 * l + j] = db * grid_value(row, j) * sign_of(s8, j);
     }
   }
 }
@@ -196,25 +201,22 @@ void iq3_xxs(const uint8_t* b, float* y) {
     const uint32_t signs = u32(b + 66 + 4 * g);
     const float db = d * (0.5f + static_cast<float>(signs >> 28)) * 0.5f;
     for (int l = 0; l < 4; ++l) {
-      const uint32_t s7 = (signs >> (7 * l)) & 127;
-      const uint32_t s8 = s7 | ((__builtin_popcount(s7) & 1) << 7);
+      const uint32_t s8 = signs8((signs >> (7 * l)) & 127);
       for (int j = 0; j < 8; ++j) {
         const uint32_t row = tables::kIq3xxs[b[2 + 8 * g + 2 * l + j / 4]];
         const int v = static_cast<int>((row >> (8 * (j % 4))) & 0xFF);
-        y[32 * g + 8 * l + j] = db * v * ((s8 >> j) & 1 ? -1.0f : 1.0f);
+        y[32 * g + 8 * l + j] = db * v * sign_of(s8, j);
       }
     }
   }
 }
-
-float sign_of(uint32_t s8, int j) { return (s8 >> j) & 1 ? -1.0f : 1.0f; }
 
 void iq2_xs(const uint8_t* b, float* y) {
   const float d = half(b);
   for (int k = 0; k < 32; ++k) {
     const uint32_t v = u16(b + 2 + 2 * k);
     const float dl = d * (0.5f + static_cast<float>((b[66 + k / 4] >> (4 * (k % 4 / 2))) & 15)) * 0.25f;
-    const uint32_t s7 = v >> 9, s8 = s7 | ((__builtin_popcount(s7) & 1) << 7);
+    const uint32_t s8 = signs8(v >> 9);
     for (int j = 0; j < 8; ++j) y[8 * k + j] = dl * grid_value(tables::kIq2xs[v & 511], j) * sign_of(s8, j);
   }
 }

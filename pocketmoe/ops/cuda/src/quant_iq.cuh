@@ -1,4 +1,5 @@
-// Decoders of the IQ super-blocks (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_XS); the interface is described in quant.cuh.
+// Decoders of the IQ super-blocks (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_XS); the interface
+// is described in quant.cuh.
 #pragma once
 
 // Included by quant.cuh (after its helpers), not on its own.
