@@ -38,6 +38,16 @@ def test_sources_cover_the_contract() -> None:
     assert (cc.SRC / "common.cuh").is_file()
 
 
+def test_matmul_defines_every_registered_type() -> None:
+    """Each weight type of the host table (matmul.KERNELS: NVFP4 among them) has its GEMV and grouped GEMM in
+    matmul.cu, so the compile and spill gates cover it."""
+    from pocketmoe.ops.cuda.matmul import KERNELS
+
+    defined = set(_KERNEL.findall((cc.SRC / "matmul.cu").read_text()))
+    want = {f"{kind}_{name}" for name, _ in KERNELS.values() for kind in ("gemv", "moe_gemm")}
+    assert "gemv_nvfp4" in want and want <= defined, sorted(want - defined)
+
+
 @pytest.mark.skipif(cc.nvcc_path() is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("arch", cc.ARCHS)
 def test_hot_kernels_do_not_spill(arch: str) -> None:

@@ -163,6 +163,24 @@ def test_mxfp4_smallest_exponents(mod: ShimModule) -> None:
     assert 0 < np.abs(y).max() < 1e-25
 
 
+def test_nvfp4_every_scale_byte(mod: ShimModule) -> None:
+    """All 256 UE4M3 scale bytes, each twice: 0x00, 0x80 and 0x7F (NaN) read as 0, exponent field 0 as
+    m * 2^-10 (the decoder's other branch), bit 7 ignored (as gguf reads it). Rows of 224 values (3.5 NVFP4
+    blocks) are refused."""
+    from pocketmoe.ops.cuda import matmul
+
+    rng = np.random.default_rng(40)
+    raw = random_blocks(40, (32, 256), rng)
+    raw.reshape(32, 4, 36)[:, :, :4] = rng.permutation(np.tile(np.arange(256, dtype=np.uint8), 2)).reshape(32, 4, 4)
+    acts, xd = act_inputs(random_acts(rng, 2, 256), 32)
+    w = reference_weight(raw, "nvfp4")
+    y = gemv(mod, "nvfp4", raw, acts, 32, 256, 2)
+    assert (np.abs(y - exact("nvfp4", raw, w, xd, acts)) <= tolerance("nvfp4", raw, w, xd, acts)).all()
+    assert (w == 0).any() and np.abs(w).max() == 12 * 240   # 0xFF: half of 1.875 * 2^8, times e2m1 6 doubled
+    with pytest.raises(matmul.CudaMatmulError, match="multiple of 64"):
+        matmul.gemv(lambda *_: pytest.fail("launched"), torch.from_numpy(raw[:, :126]), 40, 224, acts)
+
+
 @pytest.mark.parametrize("name", list(TYPES))
 def test_gemv_matches_native_cpu_kernels(mod: ShimModule, name: str) -> None:
     native = pytest.importorskip("pocketmoe.native")

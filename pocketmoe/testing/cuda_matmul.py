@@ -14,10 +14,11 @@ from gguf import GGMLQuantizationType, quants
 
 from pocketmoe.quant.formats import format_of
 
-# kernel suffix -> (ggml type, values per block); 32: Q8_0 activations, 256: Q8_K, 1: float activations.
+# kernel suffix -> (ggml type, values per activation block); 32: Q8_0 activations, 256: Q8_K, 1: float
+# activations.
 TYPES = {
     "q4_0": (2, 32), "q4_1": (3, 32), "q5_0": (6, 32), "q5_1": (7, 32), "q8_0": (8, 32), "iq4_nl": (20, 32),
-    "mxfp4": (39, 32),
+    "mxfp4": (39, 32), "nvfp4": (40, 32),
     "q2_k": (10, 256), "q3_k": (11, 256), "q4_k": (12, 256), "q5_k": (13, 256), "q6_k": (14, 256),
     "iq2_xxs": (16, 256), "iq2_xs": (17, 256), "iq2_s": (22, 256), "iq3_xxs": (18, 256), "iq3_s": (21, 256),
     "iq1_s": (19, 256), "iq1_m": (29, 256), "iq4_xs": (23, 256),
@@ -26,6 +27,7 @@ TYPES = {
 # Types with a min term: (byte offset of the fp16 dmin, largest min multiplier); Q4_1 / Q5_1 add their m itself.
 MINS = {"q4_1": (2, 1), "q5_1": (2, 1), "q2_k": (82, 15), "q4_k": (2, 63), "q5_k": (2, 63)}
 BLOCK_S = ("q4_1", "q5_1")   # the min types that take the Q8_0 rows' s
+PER_16 = ("nvfp4",)          # a float step per 16 values (a scale per 16) under Q8_0 activations
 U = 2.0 ** -24   # unit roundoff of float32
 FP16_MAX = np.float32(65504)
 
@@ -89,23 +91,28 @@ def exact(name: str, raw: np.ndarray, w: np.ndarray, xd: np.ndarray, acts: list)
     return xd @ dq.T + acts[2].numpy().astype(np.float64) @ m.T
 
 
+def steps(name: str) -> int:
+    """Float steps per activation block: two with a min term or a scale per 16, else one."""
+    return 2 if name in MINS or name in PER_16 else 1
+
+
 def chain(name: str, cols: int) -> int:
     """Roundings a kernel output's sum goes through: each lane adds its blocks in turn (32-value types: blocks
-    l, l + 32, ...; 256-value: one in 4; floats: one value in 32), two fmas per block where the type has a min
-    term, then 5 butterfly levels."""
+    l, l + 32, ...; 256-value: one in 4; floats: one value in 32), steps(name) fmas per block, then 5
+    butterfly levels."""
     bv = TYPES[name][1]
     per_lane = math.ceil(cols / 32) if bv == 1 else math.ceil(cols // bv / (32 if bv == 32 else 4))
-    return per_lane * (2 if name in MINS else 1) + 5
+    return per_lane * steps(name) + 5
 
 
 def cpu_chain(name: str, cols: int) -> int:
     """The same for the native CPU kernels: one vector lane per row adds every block in turn (k-quants: 8 lanes
-    of partial sums per block, two fmas with a min term, then a horizontal add of 8); floats: 8 lanes of
-    cols / 8 fmas, a horizontal add and the cols % 8 tail."""
+    of partial sums per block, two fmas with a min term, then a horizontal add of 8; NVFP4: a step per 16);
+    floats: 8 lanes of cols / 8 fmas, a horizontal add and the cols % 8 tail."""
     bv = TYPES[name][1]
     if bv == 1:
         return cols // 8 + 3 + cols % 8
-    return cols // bv * (2 if name in MINS else 1) + (3 if bv == 256 else 0)
+    return cols // bv * steps(name) + (3 if bv == 256 else 0)
 
 
 def gamma(n: int) -> float:
@@ -125,6 +132,7 @@ def tolerance(name: str, raw: np.ndarray, w: np.ndarray, xd: np.ndarray, acts: l
     Q4_1 / Q5_1: the terms are d*da*isum and m*s (exact inside its fma), sum |terms| <= (1 + u) S' + Ms with
     S' = sum_i |d q_i x_i| and Ms = sum over blocks |m s|; the reference's d q (w - m) is off by gamma(1) |w|
     at most (one rounding of d q + m), in the value and in S'.
+    NVFP4: a term per 16 values (d_s*da*isum16), the same bound with S.
     Float weights: exact weights and products inside fmas, gamma(n_chain) * S."""
     n_chain = chain(name, w.shape[1]) if n_chain is None else n_chain
     if name in BLOCK_S:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pocketmoe.errors import PocketMoEError
+from pocketmoe.quant.formats import format_of
 
 Launcher = Callable[[str, str, tuple[int, int, int], tuple[int, int, int], Sequence[Any], int], None]
 
@@ -25,7 +26,7 @@ GEMM_ROWS = 4 * (THREADS // 32)
 KERNELS: dict[int, tuple[str, int]] = {
     0: ("f32", 1), 1: ("f16", 1), 30: ("bf16", 1),
     2: ("q4_0", 32), 3: ("q4_1", 32), 6: ("q5_0", 32), 7: ("q5_1", 32), 8: ("q8_0", 32), 20: ("iq4_nl", 32),
-    39: ("mxfp4", 32),
+    39: ("mxfp4", 32), 40: ("nvfp4", 32),
     10: ("q2_k", 256), 11: ("q3_k", 256), 12: ("q4_k", 256), 13: ("q5_k", 256), 14: ("q6_k", 256),
     16: ("iq2_xxs", 256), 17: ("iq2_xs", 256), 22: ("iq2_s", 256), 18: ("iq3_xxs", 256), 21: ("iq3_s", 256),
     19: ("iq1_s", 256), 29: ("iq1_m", 256), 23: ("iq4_xs", 256),
@@ -41,8 +42,9 @@ def _kernel(ggml_type: int, cols: int) -> tuple[str, int]:
         raise CudaMatmulError(f"ggml type {ggml_type} has no CUDA matmul kernel; the types with one are "
                               f"{sorted(KERNELS)}")
     name, bv = KERNELS[ggml_type]
-    if cols <= 0 or cols % bv != 0:
-        raise CudaMatmulError(f"{name} rows need a positive multiple of {max(bv, 1)} columns, got {cols}")
+    need = max(bv, format_of(ggml_type).block_size)  # NVFP4: 64-value blocks under 32-value activation blocks
+    if cols <= 0 or cols % need != 0:
+        raise CudaMatmulError(f"{name} rows need a positive multiple of {need} columns, got {cols}")
     return name, bv
 
 

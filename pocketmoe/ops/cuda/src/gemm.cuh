@@ -11,6 +11,11 @@ constexpr int kTilePairs = 8;      // pairs per GEMM tile
 constexpr int kChunk = 1024;       // quantized activation values per chunk: one warp step of every type
 constexpr int kFloatChunk = 256;   // float activation values per chunk
 
+// Values per activation scale under a decoder: Q8_0 (32) for the 32- and 64-value types, Q8_K (256) for the
+// super-blocks. Block indices of the steps count these (a 64-value block is two).
+template <class D>
+__device__ __forceinline__ constexpr int act_block() { return D::kValues == 256 ? 256 : 32; }
+
 // A few tokens' activation rows; block indices count from the rows' first block.
 struct ActRows {
   const int8_t* q;
@@ -22,16 +27,23 @@ struct ActRows {
 
 // One warp step of a 32-value type: lane l takes block b0 + l (index ab0 + l in a). A type with a min adds
 // m * s, s the activation block's fp16-rounded d32 * (sum of its quants), as llama.cpp's Q8_1 dot does.
+// A 64-value type (a scale per 16) is taken in 32-value halves, half b0 + l, a float step per 16.
 template <class D, int NT>
 __device__ __forceinline__ void step_l(const uint8_t* wrow, int nb, int b0, const ActRows& a, int ab0, int nt,
                                        float (&acc)[NT]) {
-  const int lane = threadIdx.x % WARP;
-  if (b0 + lane >= nb) return;
-  const uint8_t* blk = wrow + static_cast<long long>(b0 + lane) * D::kBytes;
+  constexpr bool kHalves = D::kValues == 64;
+  const int lane = threadIdx.x % WARP, b = b0 + lane;
+  if (b >= nb) return;
+  const uint8_t* blk = wrow + static_cast<long long>(kHalves ? b / 2 : b) * D::kBytes;
   int q[8];
-  D::quants(blk, q);
-  const float dw = D::scale(blk);
-  float mw = 0.0f;
+  float dw[2] = {0.0f, 0.0f}, mw = 0.0f;
+  if constexpr (kHalves) {
+    D::quants(blk, b % 2, q);
+    D::scales(blk, b % 2, dw);
+  } else {
+    D::quants(blk, q);
+    dw[0] = D::scale(blk);
+  }
   if constexpr (D::kMin) mw = D::min(blk);
   const int ab = ab0 + lane;
 #pragma unroll
@@ -39,10 +51,21 @@ __device__ __forceinline__ void step_l(const uint8_t* wrow, int nb, int b0, cons
     if (t < nt) {
       const int* x = reinterpret_cast<const int*>(a.q + t * a.q_stride + 32 * ab);
       const float da = a.d[t * a.d_stride + ab];
-      int dot = 0;
+      if constexpr (kHalves) {
+        int d0 = 0, d1 = 0;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) dot = __dp4a(q[k], x[k], dot);
-      acc[t] = fmaf(static_cast<float>(dot), dw * da, acc[t]);
+        for (int k = 0; k < 4; ++k) {
+          d0 = __dp4a(q[k], x[k], d0);
+          d1 = __dp4a(q[k + 4], x[k + 4], d1);
+        }
+        acc[t] = fmaf(static_cast<float>(d0), dw[0] * da, acc[t]);
+        acc[t] = fmaf(static_cast<float>(d1), dw[1] * da, acc[t]);
+      } else {
+        int dot = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) dot = __dp4a(q[k], x[k], dot);
+        acc[t] = fmaf(static_cast<float>(dot), dw[0] * da, acc[t]);
+      }
       if constexpr (D::kMin) acc[t] = fmaf(mw, a.bs[t * a.d_stride + ab], acc[t]);
     }
   }
@@ -97,7 +120,7 @@ __device__ __forceinline__ void step_k(const uint8_t* wrow, int nb, int b0, cons
 template <class D, int NT>
 __device__ __forceinline__ void step(const uint8_t* wrow, int nb, int b0, const ActRows& a, int ab0, int nt,
                                      float (&acc)[NT]) {
-  if constexpr (D::kValues == 32) {
+  if constexpr (act_block<D>() == 32) {
     step_l<D, NT>(wrow, nb, b0, a, ab0, nt, acc);
   } else {
     step_k<D, NT>(wrow, nb, b0, a, ab0, nt, acc);
@@ -109,11 +132,11 @@ __device__ __forceinline__ void step(const uint8_t* wrow, int nb, int b0, const 
 template <class D, int NT>
 __device__ __forceinline__ void gemv_row(const uint8_t* wrow, const ActRows& a, float* y, int rows, int cols, int row,
                                          int nt) {
-  const int nb = cols / D::kValues;
+  const int nb = cols / act_block<D>();
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-  for (int b0 = 0; b0 < nb; b0 += kChunk / D::kValues) step<D, NT>(wrow, nb, b0, a, b0, nt, acc);
+  for (int b0 = 0; b0 < nb; b0 += kChunk / act_block<D>()) step<D, NT>(wrow, nb, b0, a, b0, nt, acc);
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if (t < nt) {
@@ -139,14 +162,14 @@ __device__ __forceinline__ ActRows act_rows(const int8_t* xq, const float* xd, c
 template <class D, class S>
 __device__ __forceinline__ void gemv_q(const uint8_t* w, const int8_t* xq, const float* xd, const S* xs, float* y,
                                        int rows, int cols, int n_tokens) {
-  static_assert((D::kValues == 32) == (sizeof(S) == 4), "xs: float s (32-value types) or int16 sums");
+  static_assert((act_block<D>() == 32) == (sizeof(S) == 4), "xs: float s (Q8_0 rows) or int16 sums");
   const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   const int t0 = blockIdx.y * kGemvTokens;
   if (row >= rows || t0 >= n_tokens) return;
   const int nt = min(n_tokens - t0, kGemvTokens);
-  const int nd = cols / D::kValues;
+  const int nd = cols / act_block<D>();
   const ActRows a = act_rows(xq, xd, xs, t0, cols, nd);
-  const uint8_t* wrow = w + static_cast<long long>(row) * nd * D::kBytes;
+  const uint8_t* wrow = w + static_cast<long long>(row) * (cols / D::kValues) * D::kBytes;
   float* yt = y + static_cast<long long>(t0) * rows;
   if (nt == 1) {
     gemv_row<D, 1>(wrow, a, yt, rows, cols, row, 1);
@@ -257,9 +280,9 @@ __device__ __forceinline__ void moe_gemm_q(const uint8_t* const* experts, const 
                                            const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                            const float* xd, const S* xs, float* y, int rows, int cols,
                                            int top_k, int act_by_pair) {
-  constexpr int kD = kChunk / D::kValues, kS = kChunk / 16;
-  constexpr bool kSums = D::kValues == 256, kBlockS = D::kValues == 32 && D::kMin;
-  static_assert((D::kValues == 32) == (sizeof(S) == 4), "xs: float s (32-value types) or int16 sums");
+  constexpr int kA = act_block<D>(), kD = kChunk / kA, kS = kChunk / 16;
+  constexpr bool kSums = kA == 256, kBlockS = kA == 32 && D::kMin;
+  static_assert((kA == 32) == (sizeof(S) == 4), "xs: float s (Q8_0 rows) or int16 sums");
   __shared__ int sq[kTilePairs * kChunk / 4];
   __shared__ float sd[kTilePairs * kD];
   __shared__ int16_t ss[kSums ? kTilePairs * kS : 1];
@@ -268,9 +291,9 @@ __device__ __forceinline__ void moe_gemm_q(const uint8_t* const* experts, const 
   Tile tl;
   if (!gemm_tile(offsets, rows, tl)) return;
   const int warps = blockDim.x / WARP, warp = threadIdx.x / WARP;
-  const int nb = cols / D::kValues;
+  const int nb = cols / kA;
   const uint8_t* w = experts[blockIdx.z];
-  const long long row_bytes = static_cast<long long>(nb) * D::kBytes;
+  const long long row_bytes = static_cast<long long>(cols / D::kValues) * D::kBytes;
   for (int tile = blockIdx.y; tile * kTilePairs < tl.count; tile += gridDim.y) {
     const int p0 = tl.begin + tile * kTilePairs, np = min(kTilePairs, tl.count - tile * kTilePairs);
     tile_rows(srow, tokens, slots, p0, np, top_k, act_by_pair);
@@ -281,15 +304,15 @@ __device__ __forceinline__ void moe_gemm_q(const uint8_t* const* experts, const 
       __syncthreads();   // the previous chunk's readers are done (and srow is written)
       // int8 values four to an int (cols and c0 are multiples of 32), one scale (and s) per block, one sum per 16
       stage_tile(sq, reinterpret_cast<const int*>(xq), srow, kChunk / 4, 4, cn, cols / 4, c0 / 4);
-      stage_tile(sd, xd, srow, kD, D::kValues, cn, nb, c0 / D::kValues);
+      stage_tile(sd, xd, srow, kD, kA, cn, nb, c0 / kA);
       if constexpr (kSums) stage_tile(ss, xs, srow, kS, 16, cn, cols / 16, c0 / 16);
-      if constexpr (kBlockS) stage_tile(sbs, xs, srow, kD, D::kValues, cn, nb, c0 / D::kValues);
+      if constexpr (kBlockS) stage_tile(sbs, xs, srow, kD, kA, cn, nb, c0 / kA);
       __syncthreads();
       const ActRows a{reinterpret_cast<const int8_t*>(sq), sd, ss, sbs, kChunk, kD, kS};
 #pragma unroll
       for (int i = 0; i < kTileRows; ++i) {
         const int r = tl.row0 + warp + warps * i;
-        if (r < rows) step<D, kTilePairs>(w + r * row_bytes, nb, c0 / D::kValues, a, 0, np, acc[i]);
+        if (r < rows) step<D, kTilePairs>(w + r * row_bytes, nb, c0 / kA, a, 0, np, acc[i]);
       }
     }
     store_tile<kTilePairs>(acc, tokens, slots, p0, np, y, rows, tl.row0, top_k);

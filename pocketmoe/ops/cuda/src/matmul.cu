@@ -1,19 +1,20 @@
 // Matmuls straight from raw GGUF blocks: activation quantization (once per row), GEMV for a few tokens, and
 // the grouped expert GEMM of prefill. Legend: T tokens, O output rows, I input columns, P (token, slot) pairs.
 //
-// Activations, as the CPU kernels take them (cpp_engine/src/act_quant.cpp): 32-value weight types read Q8_0
-// rows (int8 q [T, I], float d [T, I/32] rounded to fp16 after q is rounded with the fp32 scale, float s
-// [T, I/32]), 256-value types read Q8_K rows (q [T, I], fp32 d [T, I/256], int16 sums of 16 [T, I/16]);
-// d = max|x| / 127 and q = round-to-nearest-even(x * (127 / max|x|)). s is llama.cpp's block_q8_1 s:
-// fp16(d32 * (exact sum of the block's 32 q)), d32 the fp32 scale before its fp16 rounding, kept unrounded
+// Activations, as the CPU kernels take them (cpp_engine/src/act_quant.cpp): 32-value weight types and NVFP4
+// read Q8_0 rows (int8 q [T, I], float d [T, I/32] rounded to fp16 after q is rounded with the fp32 scale,
+// float s [T, I/32]), 256-value types read Q8_K rows (q [T, I], fp32 d [T, I/256], int16 sums of 16
+// [T, I/16]); d = max|x| / 127 and q = round-to-nearest-even(x * (127 / max|x|)). s is llama.cpp's block_q8_1
+// s: fp16(d32 * (exact sum of the block's 32 q)), d32 the fp32 scale before its fp16 rounding, kept unrounded
 // where |d32 * sum| passes 65504 (llama.cpp would store inf). Float weights take the float rows x [T, I].
 //
 // Each output is one lane-level sequence over the blocks of its row (lane l takes blocks l, l + 32, ... of
-// a 32-value type; lanes 8j..8j+7 share super-block j, j + 4, ..., one group of 32 each, their integer sums
-// added exactly before the float step), then a xor butterfly over the warp: no atomics, and the GEMV and
-// the GEMM give bitwise the same value for the same row and activation row. Per block the float steps are
-// those of the CPU kernels: acc = fma(float(int dot), dw * da, acc) (k-quants: d * da, then dmin * da for
-// the min sum; Q4_1 / Q5_1: then acc = fma(m, s, acc), as llama.cpp's Q8_1 dot does).
+// a 32-value type, the same 32-value halves of NVFP4's 64-value blocks; lanes 8j..8j+7 share super-block j,
+// j + 4, ..., one group of 32 each, their integer sums added exactly before the float step), then a xor
+// butterfly over the warp: no atomics, and the GEMV and the GEMM give bitwise the same value for the same row
+// and activation row. Per block the float steps are those of the CPU kernels: acc = fma(float(int dot),
+// dw * da, acc) (k-quants: d * da, then dmin * da for the min sum; Q4_1 / Q5_1: then acc = fma(m, s, acc), as
+// llama.cpp's Q8_1 dot does; NVFP4: one step per 16 values, d_s * da, in order, as llama.cpp's CPU dot).
 //
 // Launch geometry (block = (B, 1, 1), B a multiple of 32, W = B / 32 warps):
 //   quantize_q8_0 / quantize_q8_k: grid (ceil(I / 32 / W) or ceil(I / 256 / W), T); one warp per block.
@@ -74,6 +75,11 @@ extern "C" __global__ void gemv_iq4_nl(const uint8_t* w, const int8_t* xq, const
 extern "C" __global__ void gemv_mxfp4(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs,
                                      float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::MXFP4>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_nvfp4(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs,
+                                     float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::NVFP4>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
 extern "C" __global__ void gemv_q2_k(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
@@ -202,6 +208,13 @@ extern "C" __global__ void moe_gemm_mxfp4(const uint8_t* const* experts, const i
                                          const float* xd, const float* xs, float* y, int rows, int cols,
                                          int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::MXFP4>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_nvfp4(const uint8_t* const* experts, const int32_t* offsets,
+                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                         const float* xd, const float* xs, float* y, int rows, int cols,
+                                         int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::NVFP4>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_q2_k(const uint8_t* const* experts, const int32_t* offsets,

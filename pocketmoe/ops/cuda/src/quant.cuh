@@ -8,12 +8,14 @@
 //   32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4): scale(b), quants(b, q); w = scale * q, and
 //     where the type has a min (kMin: Q4_1, Q5_1), min(b): w = scale * q + min (q unsigned); the kernels add
 //     min * s, s the activation block's fp16-rounded scaled sum (llama.cpp's Q8_1 s; matmul.cu).
+//   64-value blocks with a scale per 16 (NVFP4), read in 32-value halves h (0, 1) under Q8_0 activations:
+//     scales(b, h, d) gives the scales of the half's two 16s, quants(b, h, q) its 32 weights; w = d[k] * q.
 //   256-value super-blocks (k-quants, IQ types): head(b, d, dmin), group(b, g, q, sc, mn) for the 32 weights
 //     of group g (0..7), one scale per 16 weights (sc[0], sc[1]) and, where the type has mins (kMin), one
 //     min per 16 (mn[]); w = d * sc * q + dmin * mn (dmin holds the negated min scale, as in kfamily.h).
 //   Float rows (F32, F16, BF16): load(row, i).
-// Alignment: rows of Q4_1, Q5_1, Q4_K, Q5_K, Q2_K, IQ1_M, IQ4_XS and F32 start 4-byte aligned; every other
-// type but MXFP4 (any alignment) needs 2 bytes. Row starts of [rows, row_bytes] matrices keep that by
+// Alignment: rows of Q4_1, Q5_1, NVFP4, Q4_K, Q5_K, Q2_K, IQ1_M, IQ4_XS and F32 start 4-byte aligned; every
+// other type but MXFP4 (any alignment) needs 2 bytes. Row starts of [rows, row_bytes] matrices keep that by
 // construction.
 #pragma once
 
@@ -177,6 +179,41 @@ struct MXFP4 {
       const uint32_t v = p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<uint32_t>(p[3]) << 24);
       q[k] = lookup4(kMxfp4Values, v, 0);
       q[k + 4] = lookup4(kMxfp4Values, v, 4);
+    }
+  }
+};
+
+// ---- 64-value blocks, a scale per 16 (Q8_0 activations) ----
+
+// NVFP4, 36 bytes: UE4M3 scales d[4] (one per 16 weights), qs[32] (16-weight sub-block s in bytes 8s..8s+7:
+// byte j low nibble = weight 16s + j, high = 16s + 8 + j); w = e2m1[q] * d_s, taken as doubled e2m1 values
+// times half of d_s, as the CPU kernel does.
+struct NVFP4 {
+  static constexpr int kValues = 64;
+  static constexpr int kBytes = 36;
+  static constexpr bool kMin = false;
+  // Half of UE4M3 byte x (bit 7 ignored; 0x7F, its NaN, gives 0): m * 2^-10 for exponent field 0, else the
+  // 7 bits as a float's exponent and top mantissa bits, rebiased by 127 - 8.
+  static __device__ __forceinline__ float ue4m3_half(uint32_t x) {
+    const uint32_t e = x & 0x7F;
+    if (x == 0x7F) return 0.0f;
+    if (e < 8) return static_cast<float>(e) * 0x1p-10f;
+    return __int_as_float(static_cast<int>((e << 20) + (119u << 23)));
+  }
+  static __device__ __forceinline__ void scales(const uint8_t* b, int h, float (&d)[2]) {
+    d[0] = ue4m3_half(b[2 * h]);
+    d[1] = ue4m3_half(b[2 * h + 1]);
+  }
+  // Weights 32h..32h+31: sub-blocks 2h and 2h + 1, each its 8 low nibbles then its 8 high ones.
+  static __device__ __forceinline__ void quants(const uint8_t* b, int h, int (&q)[8]) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const uint32_t v = ld_u32(b + 4 + 16 * h + 8 * s + 4 * k);
+        q[4 * s + k] = lookup4(kMxfp4Values, v, 0);
+        q[4 * s + k + 2] = lookup4(kMxfp4Values, v, 4);
+      }
     }
   }
 };
