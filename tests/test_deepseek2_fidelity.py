@@ -134,6 +134,21 @@ def test_other_mixes_run_native_and_part_only_at_ties(files: dict[str, Path], mi
     path = llama_quantize(files["F32"], files["F32"].with_name(f"{mix}.gguf"), mix)
     types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
     assert types["blk.0.attn_k_b.weight"] == MIXES[mix]
+    check_native_layer0(path, types)
+
+
+def test_nvfp4_file_runs_native_and_parts_only_at_ties(tmp_path: Path) -> None:
+    """An NVFP4 file (a scale per 16 values: llama.cpp's CPU dot takes a float step per 16 against Q8_0
+    activations) written here, as this llama.cpp's quantizer does not make the type: the same checks."""
+    path = write_fixture("deepseek2", "tiny", "NVFP4", tmp_path / "nvfp4.gguf", **SHAPE)[0]
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert set(types.values()) == {"NVFP4", "F32"}
+    check_native_layer0(path, types)
+
+
+def check_native_layer0(path: Path, types: dict[str, str]) -> None:
+    """Every weight of `path` has a native kernel, a decode step replays as one native call, and layer 0's
+    rows match llama.cpp's graph tensors to MATCH except where a quantizer input holds a near-tie."""
     known = {"F32", *(type_name(t) for t in native.supported_types())}
     assert {n: t for n, t in types.items() if t not in known} == {}
     r = ModelRunner(open_bundle(path), RunnerConfig(n_ctx=64, backend="native", threads=1))

@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
       {kQ3_K, 1408, 2048}, {kIQ2_XXS, 1536, 3072}, {kIQ1_M, 1536, 3072}, {kIQ4_XS, 1408, 2048},
       {kIQ1_S, 1536, 3072}, {kIQ2_XS, 1536, 3072}, {kIQ2_S, 1536, 3072}, {kIQ3_XXS, 1536, 3072},
       {kIQ3_S, 1536, 3072},
-      {kMXFP4, 2048, 2048}, {kF16, 1408, 2048}, {kBF16, 1408, 2048}, {kF32, 64, 2048},
+      {kMXFP4, 2048, 2048}, {kNVFP4, 2048, 2048}, {kF16, 1408, 2048}, {kBF16, 1408, 2048}, {kF32, 64, 2048},
   };
   for (const Shape& s : shapes) bench_gemm(s, rng);
   const MoEShape moes[] = {

@@ -34,8 +34,14 @@ PM_INLINE __m256i iq4nl_values(__m256i nibbles) {
   return _mm256_shuffle_epi8(values, nibbles);
 }
 
+// What lfamily.h reads of a plain 32-value block type: one block per 32 values, one scale per block.
+struct Block32 {
+  static constexpr int kPieces = 1;
+  static constexpr bool kHalfScales = false;
+};
+
 // Q4_0, 18 bytes: d, qs[16] (low nibbles = weights 0-15, high = 16-31); w = d*(q - 8).
-struct Q4_0 {
+struct Q4_0 : Block32 {
   static constexpr int kBytes = 18;
   static constexpr int kOffset = 8;
   static constexpr bool kMin = false;
@@ -45,7 +51,7 @@ struct Q4_0 {
 };
 
 // Q5_0, 22 bytes: d, qh (bit i = bit 4 of weight i), qs[16]; w = d*(q - 16).
-struct Q5_0 {
+struct Q5_0 : Block32 {
   static constexpr int kBytes = 22;
   static constexpr int kOffset = 16;
   static constexpr bool kMin = false;
@@ -59,7 +65,7 @@ struct Q5_0 {
 
 // Q4_1, 20 bytes: d, m, qs[16] (nibbles as Q4_0); w = d*q + m with q unsigned (kMin: no offset
 // is taken out; the min adds m times the activation sum instead).
-struct Q4_1 {
+struct Q4_1 : Block32 {
   static constexpr int kBytes = 20;
   static constexpr int kOffset = 8;
   static constexpr bool kMin = true;
@@ -70,7 +76,7 @@ struct Q4_1 {
 };
 
 // Q5_1, 24 bytes: d, m, qh (bit i = bit 4 of weight i), qs[16]; w = d*q + m, q unsigned (kMin).
-struct Q5_1 {
+struct Q5_1 : Block32 {
   static constexpr int kBytes = 24;
   static constexpr int kOffset = 16;
   static constexpr bool kMin = true;
@@ -84,7 +90,7 @@ struct Q5_1 {
 };
 
 // Q8_0, 34 bytes: d, int8 qs[32].
-struct Q8_0 {
+struct Q8_0 : Block32 {
   static constexpr int kBytes = 34;
   static constexpr int kOffset = 0;
   static constexpr bool kMin = false;
@@ -95,7 +101,7 @@ struct Q8_0 {
 
 // MXFP4, 17 bytes: E8M0 exponent e, qs[16] (weight j low nibble, j+16 high); w = e2m1[q] * 2^(e-127).
 // The table holds doubled e2m1 values plus 12 (0..24), so the scale is 2^(e-128) and the offset 12.
-struct MXFP4 {
+struct MXFP4 : Block32 {
   static constexpr int kBytes = 17;
   static constexpr int kOffset = 12;
   static constexpr bool kMin = false;
@@ -122,13 +128,51 @@ struct MXFP4 {
 };
 
 // IQ4_NL, 18 bytes: d, qs[16] (low nibbles = weights 0-15, high = 16-31); w = d * values[q], signed.
-struct IQ4_NL {
+struct IQ4_NL : Block32 {
   static constexpr int kBytes = 18;
   static constexpr int kOffset = 0;
   static constexpr bool kMin = false;
   static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
   static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
   static PM_INLINE __m256i quants(const uint8_t* b) { return iq4nl_values(load_nibbles(b + 2)); }
+};
+
+// NVFP4, 36 bytes per 64 values: d[4] (a UE4M3 scale per 16 values), qs[32] (values 16s + j in the low
+// nibble of byte 8s + j, 16s + 8 + j in the high one, j < 8); w = e2m1[q] * d. Two 32-value pieces per
+// block, each with a scale per half (kHalfScales): lfamily.h takes a float step per 16 values, as
+// llama.cpp's NVFP4 x Q8_0 dot does. Values are the doubled e2m1 table (signed), scales halved.
+struct NVFP4 {
+  static constexpr int kBytes = 36;
+  static constexpr int kPieces = 2;
+  static constexpr bool kHalfScales = true;
+  static constexpr int kOffset = 0;
+  static constexpr bool kMin = false;
+  // UE4M3 bytes (int32 lanes) as half their value: (1 + m/8) 2^(e-8) for e > 0, m 2^-10 for e == 0;
+  // 0x7F (NaN) reads as 0 and bit 7 is ignored, as in ggml.
+  static PM_INLINE __m256 ue4m3_half(__m256i x) {
+    const __m256i y = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(y, 20), _mm256_set1_epi32(119 << 23)));
+    const __m256 small = _mm256_mul_ps(_mm256_cvtepi32_ps(y), _mm256_set1_ps(1.0f / 1024));
+    const __m256 v = _mm256_blendv_ps(normal, small, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), y)));
+    return _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(x, _mm256_set1_epi32(0x7F))), v);
+  }
+  // The scales of piece p of eight blocks: its first 16 values' in lo, its last 16 values' in hi.
+  static PM_INLINE void scales8(const uint8_t* const* blk, int p, __m256& lo, __m256& hi) {
+    const __m256i v = _mm256_setr_epi32(load_u16(blk[0] + 2 * p), load_u16(blk[1] + 2 * p), load_u16(blk[2] + 2 * p),
+                                        load_u16(blk[3] + 2 * p), load_u16(blk[4] + 2 * p), load_u16(blk[5] + 2 * p),
+                                        load_u16(blk[6] + 2 * p), load_u16(blk[7] + 2 * p));
+    lo = ue4m3_half(_mm256_and_si256(v, _mm256_set1_epi32(0xFF)));
+    hi = ue4m3_half(_mm256_srli_epi32(v, 8));
+  }
+  static PM_INLINE __m256i quants(const uint8_t* b, int p) {
+    const __m128i x = load128(b + 4 + 16 * p);
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+    const __m256i idx = _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
+    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                           0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    return _mm256_shuffle_epi8(table, idx);
+  }
 };
 
 struct F32 {

@@ -100,6 +100,19 @@ void mxfp4(const uint8_t* b, float* y) {
   }
 }
 
+// NVFP4: a UE4M3 scale per 16 values (unsigned: 4 exponent bits, bias 7, 3 mantissa bits; 0x7F reads as 0).
+void nvfp4(const uint8_t* b, float* y) {
+  static const float kE2m1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, 0, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+  for (int s = 0; s < 4; ++s) {
+    const int x = b[s], e = (x >> 3) & 15, m = x & 7;
+    const float d = x == 0x7F ? 0.0f : e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+    for (int j = 0; j < 8; ++j) {
+      y[16 * s + j] = d * kE2m1[b[4 + 8 * s + j] & 0x0F];
+      y[16 * s + 8 + j] = d * kE2m1[b[4 + 8 * s + j] >> 4];
+    }
+  }
+}
+
 void q2_k(const uint8_t* b, float* y) {
   const float d = half(b + 80), dmin = half(b + 82);
   for (int v = 0; v < 256; ++v) {
@@ -304,6 +317,7 @@ void dequantize_row(int ggml_type, const uint8_t* src, int n, float* dst) {
     case kQ5_1: block = q5_1; break;
     case kQ8_0: block = q8_0; break;
     case kMXFP4: block = mxfp4; break;
+    case kNVFP4: block = nvfp4; break;
     case kQ2_K: block = q2_k; break;
     case kQ3_K: block = q3_k; break;
     case kQ4_K: block = q4_k; break;

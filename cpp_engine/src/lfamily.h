@@ -13,6 +13,10 @@
 // (kMin: w = d*q + m, q unsigned below 2 * kOffset) keeps its dot unsigned and, after the block's
 // scale step, adds acc = fma(m, s, acc) with the activation block's s = fp16(fp32 d * sum of q), as
 // llama.cpp's Q8_1 activations have it; the CUDA kernels take the same two steps.
+//
+// A block may hold several 32-value pieces (kPieces; NVFP4: 2 per 64-value block); the decoder then
+// takes the piece index. With kHalfScales a piece has a scale per 16 values, and each half gets its
+// own float step (first half, then second), from the same integer dots split by 128-bit lane.
 #pragma once
 
 #include <cstddef>
@@ -41,17 +45,51 @@ PM_INLINE ActQ8_0 act_view(const uint8_t* row, int cols) {
 // Eight rows of one block, interleaved: q[s] holds values 4s..4s+3 of rows 0..7 in turn.
 struct alignas(32) CanonX8 {
   uint8_t q[8][32];
-  float d[8];
-  float m[8];   // the mins of kMin types
+  float d[8];   // the scales (of the first half with kHalfScales)
+  float m[8];   // the mins of kMin types, or the second half's scales with kHalfScales
 };
 static_assert(sizeof(CanonX8) == 320);
+
+// Piece b of a row: the block it lies in, its 32 weights and the scales of eight rows.
+template <class Dec>
+PM_INLINE const uint8_t* block_of(const uint8_t* row, int b) {
+  return row + static_cast<size_t>(b / Dec::kPieces) * Dec::kBytes;
+}
+
+template <class Dec>
+PM_INLINE __m256i quants_of(const uint8_t* blk, int b) {
+  if constexpr (Dec::kPieces == 1) {
+    return Dec::quants(blk);
+  } else {
+    return Dec::quants(blk, b % Dec::kPieces);
+  }
+}
+
+// Eight rows' scales of piece b: lo (the whole piece's, or its first half's with kHalfScales) and hi
+// (the second half's; the min with kMin).
+template <class Dec>
+PM_INLINE void scales_of(const uint8_t* const* blk, int b, __m256& lo, __m256& hi) {
+  if constexpr (Dec::kHalfScales) {
+    Dec::scales8(blk, b % Dec::kPieces, lo, hi);
+  } else {
+    lo = Dec::scales8(blk);
+    if constexpr (Dec::kMin) hi = Dec::mins8(blk);
+  }
+}
+
+// One block's scale step for eight rows x one token: the integer dots of the piece's two halves (or
+// lo_dot alone: the whole piece), the weights' scales as scales_of gives them, the token's scale and s.
+template <class Dec>
+PM_INLINE __m256 scale_step(__m256 acc, __m256i lo_dot, __m256i hi_dot, __m256 lo, __m256 hi, float d, float s) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot), _mm256_mul_ps(lo, _mm256_set1_ps(d)), acc);
+  if constexpr (Dec::kHalfScales) acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_dot), _mm256_mul_ps(hi, _mm256_set1_ps(d)), acc);
+  if constexpr (Dec::kMin) acc = _mm256_fmadd_ps(hi, _mm256_set1_ps(s), acc);
+  return acc;
+}
 
 // What the exact dot subtracts per activation sum: the offset of unsigned weights without a min.
 template <class Dec>
 constexpr int kSubtract = Dec::kMin ? 0 : Dec::kOffset;
-
-// acc + m * s per lane: the min step of a kMin type.
-PM_INLINE __m256 add_min(__m256 acc, __m256 m, float s) { return _mm256_fmadd_ps(m, _mm256_set1_ps(s), acc); }
 
 // The fused path's exact add tree over eight rows, from unpacks and adds (cheaper than hadd). It
 // starts from each row's products p (below); fold_pair(p_r, p_r+1) and fold_quad of two such pairs
@@ -128,8 +166,9 @@ PM_INLINE void store_rows(float* out, __m256 v, int n_rows) {
 // the b-th share of them (8 * kBytes). The prefetchers follow that far better than eight streams.
 template <class Dec>
 PM_INLINE void prefetch_next_group(const uint8_t* group, int b, size_t row_bytes) {
-  const uint8_t* p = group + 8 * row_bytes + static_cast<size_t>(b) * 8 * Dec::kBytes;
-  for (int off = 0; off < 8 * Dec::kBytes; off += 64) prefetch(p + off);
+  constexpr int kShare = 8 * Dec::kBytes / Dec::kPieces;
+  const uint8_t* p = group + 8 * row_bytes + static_cast<size_t>(b) * kShare;
+  for (int off = 0; off < kShare; off += 64) prefetch(p + off);
 }
 
 // Eight raw rows (pointers; repeat one to pad) x C tokens, decoding blocks on the fly. Each row's
@@ -144,26 +183,26 @@ __attribute__((noinline)) void fused8(const uint8_t* const (&w)[8], size_t row_b
   for (int b = 0; b < nb; ++b) {
     prefetch_next_group<Dec>(w[0], b, row_bytes);
     const uint8_t* blk[8];
-    for (int r = 0; r < 8; ++r) blk[r] = w[r] + static_cast<size_t>(b) * Dec::kBytes;
+    for (int r = 0; r < 8; ++r) blk[r] = block_of<Dec>(w[r], b);
     __m256i pair[4][C];
     static_for<4>([&](auto pc) {
       constexpr int p = decltype(pc)::value;
-      const __m256i q0 = Dec::quants(blk[2 * p]), q1 = Dec::quants(blk[2 * p + 1]);
+      const __m256i q0 = quants_of<Dec>(blk[2 * p], b), q1 = quants_of<Dec>(blk[2 * p + 1], b);
       for (int c = 0; c < C; ++c) {
         const int8_t* ac = a[c].qs + 32 * b;
         pair[p][c] = fold_pair<Dec>(products<Dec>(q0, ac), products<Dec>(q1, ac));
       }
     });
-    const __m256 dw = Dec::scales8(blk);
-    [[maybe_unused]] __m256 mw;
-    if constexpr (Dec::kMin) mw = Dec::mins8(blk);
+    __m256 lo, hi;
+    scales_of<Dec>(blk, b, lo, hi);
     for (int c = 0; c < C; ++c) {
       const __m256i h0 = fold_quad<Dec>(pair[0][c], pair[1][c]);
       const __m256i h1 = fold_quad<Dec>(pair[2][c], pair[3][c]);
-      __m256i dot = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+      // Rows 0-7 over the piece's first 16 values, then over its last 16.
+      const __m256i first = _mm256_permute2x128_si256(h0, h1, 0x20), second = _mm256_permute2x128_si256(h0, h1, 0x31);
+      __m256i dot = Dec::kHalfScales ? first : _mm256_add_epi32(first, second);
       if constexpr (kSubtract<Dec> > 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kSubtract<Dec> * a[c].sums[b]));
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[c].d[b])), acc[c]);
-      if constexpr (Dec::kMin) acc[c] = add_min(acc[c], mw, a[c].s[b]);
+      acc[c] = scale_step<Dec>(acc[c], dot, second, lo, hi, a[c].d[b], a[c].s[b]);
     }
   }
   for (int c = 0; c < C; ++c) store_rows(out + c * out_stride, acc[c], n_rows);
@@ -195,13 +234,15 @@ void repack8(const uint8_t* const (&w)[8], size_t row_bytes, int nb, CanonX8* ds
     const uint8_t* blk[8];
     __m256i v[8];
     for (int r = 0; r < 8; ++r) {
-      blk[r] = w[r] + static_cast<size_t>(b) * Dec::kBytes;
-      v[r] = Dec::quants(blk[r]);
+      blk[r] = block_of<Dec>(w[r], b);
+      v[r] = quants_of<Dec>(blk[r], b);
     }
     transpose8x8(v);
     for (int s = 0; s < 8; ++s) _mm256_store_si256(reinterpret_cast<__m256i*>(dst[b].q[s]), v[s]);
-    _mm256_store_ps(dst[b].d, Dec::scales8(blk));
-    if constexpr (Dec::kMin) _mm256_store_ps(dst[b].m, Dec::mins8(blk));
+    __m256 lo, hi = _mm256_setzero_ps();
+    scales_of<Dec>(blk, b, lo, hi);
+    _mm256_store_ps(dst[b].d, lo);
+    _mm256_store_ps(dst[b].m, hi);
   }
 }
 
@@ -214,7 +255,7 @@ __attribute__((noinline)) void tile8(const CanonX8* w, const ActQ8_0* a, int nb,
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   for (int b = 0; b < nb; ++b) {
     __m256i dot[C];
-    [[maybe_unused]] __m256i part[C];
+    [[maybe_unused]] __m256i part[C], first[C];
     for (int c = 0; c < C; ++c) dot[c] = _mm256_setzero_si256();
     static_for<8>([&](auto sc) {
       constexpr int s = decltype(sc)::value;
@@ -239,13 +280,20 @@ __attribute__((noinline)) void tile8(const CanonX8* w, const ActQ8_0* a, int nb,
 #endif
         // A running sum: left free, GCC turns the steps into a tree and spills them (see kfamily.h).
         keep_in_register(dot[c]);
+        if constexpr (Dec::kHalfScales && s == 3) {   // values 0-15 done: the first half's dot
+          first[c] = dot[c];
+          dot[c] = _mm256_setzero_si256();
+        }
       }
     });
-    const __m256 dw = _mm256_load_ps(w[b].d);
+    const __m256 lo = _mm256_load_ps(w[b].d), hi = _mm256_load_ps(w[b].m);
     for (int c = 0; c < C; ++c) {
       if constexpr (kSubtract<Dec> > 0) dot[c] = _mm256_sub_epi32(dot[c], _mm256_set1_epi32(kSubtract<Dec> * a[c].sums[b]));
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[c]), _mm256_mul_ps(dw, _mm256_set1_ps(a[c].d[b])), acc[c]);
-      if constexpr (Dec::kMin) acc[c] = add_min(acc[c], _mm256_load_ps(w[b].m), a[c].s[b]);
+      if constexpr (Dec::kHalfScales) {
+        acc[c] = scale_step<Dec>(acc[c], first[c], dot[c], lo, hi, a[c].d[b], a[c].s[b]);
+      } else {
+        acc[c] = scale_step<Dec>(acc[c], dot[c], dot[c], lo, hi, a[c].d[b], a[c].s[b]);
+      }
     }
   }
   for (int c = 0; c < C; ++c) store_rows(out + c * out_stride, acc[c], n_rows);
@@ -271,18 +319,22 @@ void matmul(const MatmulTask& t) {
   const int nb = t.cols / 32;
   auto* canon = reinterpret_cast<CanonX8*>(t.scratch);
   int r = t.row_begin;
+  // Multi-piece types take the 256-bit paths in every set.
+  if constexpr (Dec::kPieces == 1) {
 #if PM_AMX
-  size_t stride;
-  if (t.n_tokens >= kAmxMinTokens && r + 16 <= t.row_end && evenly_spaced(t.acts, t.n_tokens, &stride)) {
-    int configured = 0;
-    for (; r + 16 <= t.row_end; r += 16) amx_rows16<Dec>(t, r, stride, reinterpret_cast<CanonX16*>(t.scratch), &configured);
-    PM_TILE_RELEASE();
-  }
+    size_t stride;
+    if (t.n_tokens >= kAmxMinTokens && r + 16 <= t.row_end && evenly_spaced(t.acts, t.n_tokens, &stride)) {
+      int configured = 0;
+      for (; r + 16 <= t.row_end; r += 16)
+        amx_rows16<Dec>(t, r, stride, reinterpret_cast<CanonX16*>(t.scratch), &configured);
+      PM_TILE_RELEASE();
+    }
 #endif
 #if PM_AVX512
-  if (t.n_tokens > kFusedMaxTokens)
-    for (; r + 16 <= t.row_end; r += 16) rows16<Dec>(t, r, reinterpret_cast<CanonX16*>(t.scratch));
+    if (t.n_tokens > kFusedMaxTokens)
+      for (; r + 16 <= t.row_end; r += 16) rows16<Dec>(t, r, reinterpret_cast<CanonX16*>(t.scratch));
 #endif
+  }
   for (; r < t.row_end; r += 8) {
     const int n_rows = t.row_end - r < 8 ? t.row_end - r : 8;
     const uint8_t* w[8];

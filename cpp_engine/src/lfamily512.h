@@ -18,7 +18,7 @@ static_assert(sizeof(CanonX16) == 640);
 template <class Dec>
 constexpr int kBias16 = Dec::kOffset > 0 ? kSubtract<Dec> : 128;
 
-// acc + m * s per lane: add_min of sixteen rows.
+// acc + m * s per lane: the min step of a kMin type for sixteen rows.
 PM_INLINE __m512 add_min16(__m512 acc, __m512 m, float s) { return _mm512_fmadd_ps(m, _mm512_set1_ps(s), acc); }
 
 template <class Dec, bool kSignedWeights = false>

@@ -65,6 +65,12 @@ std::vector<uint8_t> random_weight(int ggml_type, int rows, int cols, std::mt199
       case kQ3_K: put_u16(b + 108, half_bits(scale(rng))); break;
       case kQ6_K: put_u16(b + 208, half_bits(scale(rng))); break;
       case kMXFP4: b[0] = static_cast<uint8_t>(118 + byte(rng) % 6); break;
+      case kNVFP4:   // exponents 1..3 (half scales 2^-7 .. 2^-5 times 1 + m/8); now and then a subnormal or 0x7F
+        for (int s = 0; s < 4; ++s) {
+          const int r = byte(rng);
+          b[s] = static_cast<uint8_t>(r < 8 ? (r == 0 ? 0x7F : r) : ((1 + r % 3) << 3) | (r >> 5));
+        }
+        break;
       case kIQ1_M: {
         const uint16_t d = half_bits(scale(rng));
         for (int k = 0; k < 4; ++k) {

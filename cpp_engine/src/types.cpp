@@ -29,6 +29,7 @@ const TypeInfo kTypes[] = {
     {kIQ3_S, "IQ3_S", 256, 110, ActFormat::kQ8_K},
     {kBF16, "BF16", 1, 2, ActFormat::kF32},
     {kMXFP4, "MXFP4", 32, 17, ActFormat::kQ8_0},
+    {kNVFP4, "NVFP4", 64, 36, ActFormat::kQ8_0},
     {kIQ4_NL, "IQ4_NL", 32, 18, ActFormat::kQ8_0},
 };
 

@@ -31,6 +31,7 @@ enum GgmlType : int {
   kIQ1_M = 29,
   kBF16 = 30,
   kMXFP4 = 39,
+  kNVFP4 = 40,
 };
 
 // How a weight type wants its activations: float rows, or int8 rows with one float scale per
