@@ -58,6 +58,7 @@ void quantize_act_blocks(ActFormat format, const float* src, int cols, int block
   auto* d = reinterpret_cast<float*>(row + cols);
   auto* scaled_sums = reinterpret_cast<float*>(row + cols + 4 * nb);   // Q8_0 only
   auto* sums = reinterpret_cast<int16_t*>(row + cols + (format == ActFormat::kQ8_0 ? 8 : 4) * nb);
+  auto* half_sums = reinterpret_cast<int16_t*>(row + cols + 10 * nb);   // Q8_0 only: per 16 values
   for (int b = block_begin; b < block_end; ++b) {
     const float* x = src + static_cast<ptrdiff_t>(b - block_begin) * bv;
     int8_t* q = qs + static_cast<ptrdiff_t>(b) * bv;
@@ -75,6 +76,11 @@ void quantize_act_blocks(ActFormat format, const float* src, int cols, int block
       // Q4_1 / Q5_1) also stores s = fp16(d32 * sum of q), which the min terms multiply; ours keeps the fp32
       // product where fp16 would overflow to inf.
       d[b] = _cvtsh_ss(_cvtss_sh(d32, _MM_FROUND_TO_NEAREST_INT));
+      for (int h = 0; h < 2; ++h) {
+        int s = 0;
+        for (int j = 0; j < 16; ++j) s += q[16 * h + j];
+        half_sums[2 * b + h] = static_cast<int16_t>(s);
+      }
       const float s = d32 * static_cast<float>(sums[b]);
       scaled_sums[b] = std::fabs(s) > 65504.0f ? s : _cvtsh_ss(_cvtss_sh(s, _MM_FROUND_TO_NEAREST_INT));
     }

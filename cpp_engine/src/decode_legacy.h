@@ -40,6 +40,13 @@ struct Block32 {
   static constexpr bool kHalfScales = false;
 };
 
+// Doubled e2m1 values plus 12 (0..24) at 32 nibble indices: MXFP4's and NVFP4's weights.
+PM_INLINE __m256i e2m1_plus12(__m256i nibbles) {
+  const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                         12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+  return _mm256_shuffle_epi8(table, nibbles);
+}
+
 // Q4_0, 18 bytes: d, qs[16] (low nibbles = weights 0-15, high = 16-31); w = d*(q - 8).
 struct Q4_0 : Block32 {
   static constexpr int kBytes = 18;
@@ -120,11 +127,7 @@ struct MXFP4 : Block32 {
     const __m256i is_small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, small, is_small));
   }
-  static PM_INLINE __m256i quants(const uint8_t* b) {
-    const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
-                                           12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-    return _mm256_shuffle_epi8(table, load_nibbles(b + 1));
-  }
+  static PM_INLINE __m256i quants(const uint8_t* b) { return e2m1_plus12(load_nibbles(b + 1)); }
 };
 
 // IQ4_NL, 18 bytes: d, qs[16] (low nibbles = weights 0-15, high = 16-31); w = d * values[q], signed.
@@ -140,12 +143,12 @@ struct IQ4_NL : Block32 {
 // NVFP4, 36 bytes per 64 values: d[4] (a UE4M3 scale per 16 values), qs[32] (values 16s + j in the low
 // nibble of byte 8s + j, 16s + 8 + j in the high one, j < 8); w = e2m1[q] * d. Two 32-value pieces per
 // block, each with a scale per half (kHalfScales): lfamily.h takes a float step per 16 values, as
-// llama.cpp's NVFP4 x Q8_0 dot does. Values are the doubled e2m1 table (signed), scales halved.
+// llama.cpp's NVFP4 x Q8_0 dot does. Weights are doubled e2m1 values plus 12, scales halved.
 struct NVFP4 {
   static constexpr int kBytes = 36;
   static constexpr int kPieces = 2;
   static constexpr bool kHalfScales = true;
-  static constexpr int kOffset = 0;
+  static constexpr int kOffset = 12;
   static constexpr bool kMin = false;
   // UE4M3 bytes (int32 lanes) as half their value: (1 + m/8) 2^(e-8) for e > 0, m 2^-10 for e == 0;
   // 0x7F (NaN) reads as 0 and bit 7 is ignored, as in ggml.
@@ -165,13 +168,10 @@ struct NVFP4 {
     hi = ue4m3_half(_mm256_srli_epi32(v, 8));
   }
   static PM_INLINE __m256i quants(const uint8_t* b, int p) {
-    const __m128i x = load128(b + 4 + 16 * p);
-    const __m128i m = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
-    const __m256i idx = _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
-    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                           0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    return _mm256_shuffle_epi8(table, idx);
+    // Bytes 0-7 into both 64-bit halves of the low lane, bytes 8-15 into the high lane's; the upper copies
+    // give their high nibbles.
+    const __m256i x = _mm256_permute4x64_epi64(_mm256_castsi128_si256(load128(b + 4 + 16 * p)), 0x50);
+    return e2m1_plus12(_mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(0, 4, 0, 4)), _mm256_set1_epi8(0x0F)));
   }
 };
 

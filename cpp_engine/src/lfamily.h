@@ -34,12 +34,14 @@ struct ActQ8_0 {
   const float* d;
   const float* s;        // per block, fp16(fp32 d * sum of q): what the min of a kMin type multiplies
   const int16_t* sums;   // sum of the 32 q of each block
+  const int16_t* half_sums;   // sums of its first and its last 16 q
 };
 
 PM_INLINE ActQ8_0 act_view(const uint8_t* row, int cols) {
   const int nb = cols / 32;
   return {reinterpret_cast<const int8_t*>(row), reinterpret_cast<const float*>(row + cols),
-          reinterpret_cast<const float*>(row + cols + 4 * nb), reinterpret_cast<const int16_t*>(row + cols + 8 * nb)};
+          reinterpret_cast<const float*>(row + cols + 4 * nb), reinterpret_cast<const int16_t*>(row + cols + 8 * nb),
+          reinterpret_cast<const int16_t*>(row + cols + 10 * nb)};
 }
 
 // Eight rows of one block, interleaved: q[s] holds values 4s..4s+3 of rows 0..7 in turn.
@@ -49,6 +51,10 @@ struct alignas(32) CanonX8 {
   float m[8];   // the mins of kMin types, or the second half's scales with kHalfScales
 };
 static_assert(sizeof(CanonX8) == 320);
+
+// What the exact dot subtracts per activation sum: the offset of unsigned weights without a min.
+template <class Dec>
+constexpr int kSubtract = Dec::kMin ? 0 : Dec::kOffset;
 
 // Piece b of a row: the block it lies in, its 32 weights and the scales of eight rows.
 template <class Dec>
@@ -77,6 +83,18 @@ PM_INLINE void scales_of(const uint8_t* const* blk, int b, __m256& lo, __m256& h
   }
 }
 
+// The exact dots of piece b of eight rows with one token, from the unsigned ones: lo (the piece's, or its first
+// half's with kHalfScales) and hi (the second half's) lose the offset times the token's sum over their values.
+template <class Dec>
+PM_INLINE void take_offset(__m256i& lo, __m256i& hi, const ActQ8_0& a, int b) {
+  if constexpr (kSubtract<Dec> > 0 && Dec::kHalfScales) {
+    lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(kSubtract<Dec> * a.half_sums[2 * b]));
+    hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(kSubtract<Dec> * a.half_sums[2 * b + 1]));
+  } else if constexpr (kSubtract<Dec> > 0) {
+    lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(kSubtract<Dec> * a.sums[b]));
+  }
+}
+
 // One block's scale step for eight rows x one token: the integer dots of the piece's two halves (or
 // lo_dot alone: the whole piece), the weights' scales as scales_of gives them, the token's scale and s.
 template <class Dec>
@@ -86,10 +104,6 @@ PM_INLINE __m256 scale_step(__m256 acc, __m256i lo_dot, __m256i hi_dot, __m256 l
   if constexpr (Dec::kMin) acc = _mm256_fmadd_ps(hi, _mm256_set1_ps(s), acc);
   return acc;
 }
-
-// What the exact dot subtracts per activation sum: the offset of unsigned weights without a min.
-template <class Dec>
-constexpr int kSubtract = Dec::kMin ? 0 : Dec::kOffset;
 
 // The fused path's exact add tree over eight rows, from unpacks and adds (cheaper than hadd). It
 // starts from each row's products p (below); fold_pair(p_r, p_r+1) and fold_quad of two such pairs
@@ -200,9 +214,9 @@ __attribute__((noinline)) void fused8(const uint8_t* const (&w)[8], size_t row_b
       const __m256i h1 = fold_quad<Dec>(pair[2][c], pair[3][c]);
       // Rows 0-7 over the piece's first 16 values, then over its last 16.
       const __m256i first = _mm256_permute2x128_si256(h0, h1, 0x20), second = _mm256_permute2x128_si256(h0, h1, 0x31);
-      __m256i dot = Dec::kHalfScales ? first : _mm256_add_epi32(first, second);
-      if constexpr (kSubtract<Dec> > 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kSubtract<Dec> * a[c].sums[b]));
-      acc[c] = scale_step<Dec>(acc[c], dot, second, lo, hi, a[c].d[b], a[c].s[b]);
+      __m256i dot = Dec::kHalfScales ? first : _mm256_add_epi32(first, second), dot2 = second;
+      take_offset<Dec>(dot, dot2, a[c], b);
+      acc[c] = scale_step<Dec>(acc[c], dot, dot2, lo, hi, a[c].d[b], a[c].s[b]);
     }
   }
   for (int c = 0; c < C; ++c) store_rows(out + c * out_stride, acc[c], n_rows);
@@ -288,10 +302,11 @@ __attribute__((noinline)) void tile8(const CanonX8* w, const ActQ8_0* a, int nb,
     });
     const __m256 lo = _mm256_load_ps(w[b].d), hi = _mm256_load_ps(w[b].m);
     for (int c = 0; c < C; ++c) {
-      if constexpr (kSubtract<Dec> > 0) dot[c] = _mm256_sub_epi32(dot[c], _mm256_set1_epi32(kSubtract<Dec> * a[c].sums[b]));
       if constexpr (Dec::kHalfScales) {
+        take_offset<Dec>(first[c], dot[c], a[c], b);
         acc[c] = scale_step<Dec>(acc[c], first[c], dot[c], lo, hi, a[c].d[b], a[c].s[b]);
       } else {
+        take_offset<Dec>(dot[c], dot[c], a[c], b);
         acc[c] = scale_step<Dec>(acc[c], dot[c], dot[c], lo, hi, a[c].d[b], a[c].s[b]);
       }
     }

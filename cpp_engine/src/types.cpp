@@ -77,7 +77,7 @@ size_t act_row_bytes(ActFormat format, int cols) {
   size_t n = 0;
   switch (format) {
     case ActFormat::kF32: n = 4 * static_cast<size_t>(cols); break;
-    case ActFormat::kQ8_0: n = static_cast<size_t>(cols) + 10 * static_cast<size_t>(cols / 32); break;
+    case ActFormat::kQ8_0: n = static_cast<size_t>(cols) + 14 * static_cast<size_t>(cols / 32); break;
     case ActFormat::kQ8_K: n = static_cast<size_t>(cols) + 4 * static_cast<size_t>(cols / 256) + 2 * (cols / 16); break;
   }
   return (n + 63) / 64 * 64;

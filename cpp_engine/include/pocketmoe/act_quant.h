@@ -2,9 +2,10 @@
 //
 // Q8_K row (cols % 256 == 0): int8 qs[cols] | float d[cols/256] | int16 bsums[cols/16]
 // Q8_0 row (cols % 32 == 0):  int8 qs[cols] | float d[cols/32] (fp16-exact, as llama.cpp stores it) |
-//                             float s[cols/32] (fp16(fp32 d * sum of q), llama.cpp's Q8_1 s) | int16 sums[cols/32]
+//                             float s[cols/32] (fp16(fp32 d * sum of q), llama.cpp's Q8_1 s) | int16 sums[cols/32] |
+//                             int16 half_sums[cols/16] (each 16 values' sum, for NVFP4's scale per 16)
 // F32 row:                    float x[cols]
-// Each value is x ~= d * q with d = max|x| / 127 over its block; bsums / sums add up q's.
+// Each value is x ~= d * q with d = max|x| / 127 over its block; bsums / sums / half_sums add up q's.
 #pragma once
 
 #include <cstdint>
