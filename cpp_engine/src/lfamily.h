@@ -100,7 +100,8 @@ PM_INLINE void take_offset(__m256i& lo, __m256i& hi, const ActQ8_0& a, int b) {
 template <class Dec>
 PM_INLINE __m256 scale_step(__m256 acc, __m256i lo_dot, __m256i hi_dot, __m256 lo, __m256 hi, float d, float s) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot), _mm256_mul_ps(lo, _mm256_set1_ps(d)), acc);
-  if constexpr (Dec::kHalfScales) acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_dot), _mm256_mul_ps(hi, _mm256_set1_ps(d)), acc);
+  if constexpr (Dec::kHalfScales)
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_dot), _mm256_mul_ps(hi, _mm256_set1_ps(d)), acc);
   if constexpr (Dec::kMin) acc = _mm256_fmadd_ps(hi, _mm256_set1_ps(s), acc);
   return acc;
 }
@@ -177,7 +178,7 @@ PM_INLINE void store_rows(float* out, __m256 v, int n_rows) {
 
 // Raw rows stream from DRAM once. While eight rows are read block by block (eight interleaved
 // streams), the next eight, which follow in memory, are requested as one sequential run: at block b
-// the b-th share of them (8 * kBytes). The prefetchers follow that far better than eight streams.
+// the b-th share of them (8 * kBytes per piece). The prefetchers follow that far better than eight streams.
 template <class Dec>
 PM_INLINE void prefetch_next_group(const uint8_t* group, int b, size_t row_bytes) {
   constexpr int kShare = 8 * Dec::kBytes / Dec::kPieces;
