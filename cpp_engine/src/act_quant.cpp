@@ -41,8 +41,12 @@ float quantize_block(const float* x, int n, int8_t* q) {
   return amax / 127.0f;
 }
 
-// Values per stored sum: a whole Q8_0 block, a sixteenth of a Q8_K block.
-constexpr int kSumValues[2] = {32, 16};
+// The sum of 16 quantized values: Q8_K stores one per 16, Q8_0 one per 16 and one per block of 32.
+int16_t sum16(const int8_t* q) {
+  int s = 0;
+  for (int j = 0; j < 16; ++j) s += q[j];
+  return static_cast<int16_t>(s);
+}
 
 }  // namespace
 
@@ -64,26 +68,20 @@ void quantize_act_blocks(ActFormat format, const float* src, int cols, int block
     int8_t* q = qs + static_cast<ptrdiff_t>(b) * bv;
     const float d32 = quantize_block(x, bv, q);
     d[b] = d32;
-    for (int i = 0; i < bv / kSumValues[format == ActFormat::kQ8_K]; ++i) {
-      const int n = kSumValues[format == ActFormat::kQ8_K];
-      int s = 0;
-      for (int j = 0; j < n; ++j) s += q[n * i + j];
-      sums[b * (bv / n) + i] = static_cast<int16_t>(s);
+    if (format == ActFormat::kQ8_K) {
+      for (int i = 0; i < bv / 16; ++i) sums[b * (bv / 16) + i] = sum16(q + 16 * i);
+      continue;
     }
-    if (format == ActFormat::kQ8_0) {
-      // llama.cpp's block_q8_0 stores its scale as fp16 (the values are rounded with the fp32 one): the
-      // dot products then multiply by that fp16 value, and so do ours. Its block_q8_1 (the activations of
-      // Q4_1 / Q5_1) also stores s = fp16(d32 * sum of q), which the min terms multiply; ours keeps the fp32
-      // product where fp16 would overflow to inf.
-      d[b] = _cvtsh_ss(_cvtss_sh(d32, _MM_FROUND_TO_NEAREST_INT));
-      for (int h = 0; h < 2; ++h) {
-        int s = 0;
-        for (int j = 0; j < 16; ++j) s += q[16 * h + j];
-        half_sums[2 * b + h] = static_cast<int16_t>(s);
-      }
-      const float s = d32 * static_cast<float>(sums[b]);
-      scaled_sums[b] = std::fabs(s) > 65504.0f ? s : _cvtsh_ss(_cvtss_sh(s, _MM_FROUND_TO_NEAREST_INT));
-    }
+    // llama.cpp's block_q8_0 stores its scale as fp16 (the values are rounded with the fp32 one): the dot
+    // products then multiply by that fp16 value, and so do ours. Its block_q8_1 (the activations of Q4_1 /
+    // Q5_1) also stores s = fp16(d32 * sum of q), which the min terms multiply; ours keeps the fp32 product
+    // where fp16 would overflow to inf.
+    d[b] = _cvtsh_ss(_cvtss_sh(d32, _MM_FROUND_TO_NEAREST_INT));
+    half_sums[2 * b] = sum16(q);
+    half_sums[2 * b + 1] = sum16(q + 16);
+    sums[b] = static_cast<int16_t>(half_sums[2 * b] + half_sums[2 * b + 1]);
+    const float s = d32 * static_cast<float>(sums[b]);
+    scaled_sums[b] = std::fabs(s) > 65504.0f ? s : _cvtsh_ss(_cvtss_sh(s, _MM_FROUND_TO_NEAREST_INT));
   }
 }
 
