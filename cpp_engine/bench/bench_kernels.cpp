@@ -1,6 +1,6 @@
 // Microbenchmark of the native kernels: memory read bandwidth (the physical bound), GEMV GB/s and
 // GEMM GFLOP/s per weight type, and one routed-expert MoE layer (decode and 128-token prefill).
-//   bench_kernels [threads] [--cpu-time]
+//   bench_kernels [threads] [--cpu-time] [--only TYPE[,TYPE...]]   (--only: those GEMV / GEMM rows, nothing else)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -173,16 +173,20 @@ void bench_moe(const MoEShape& m, std::mt19937& rng) {
 
 int main(int argc, char** argv) {
   int threads = physical_core_count();
+  std::string only;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--cpu-time") {
       g_cpu_time = true;
+    } else if (std::string(argv[i]) == "--only" && i + 1 < argc) {
+      only = "," + std::string(argv[++i]) + ",";
     } else {
       threads = std::atoi(argv[i]);
     }
   }
   set_num_threads(threads);
   std::printf("%s%s\n", describe().c_str(), g_cpu_time ? "; times are process CPU time" : "");
-  std::printf("memory read bandwidth (%d threads, 512 MiB): %.1f GB/s\n", threads, read_bandwidth(threads));
+  if (only.empty())
+    std::printf("memory read bandwidth (%d threads, 512 MiB): %.1f GB/s\n", threads, read_bandwidth(threads));
   std::mt19937 rng(1234);
   const Shape shapes[] = {
       {kQ4_K, 1408, 2048}, {kQ6_K, 1408, 2048}, {kQ4_K, 2048, 2048}, {kQ5_0, 2048, 1408},
@@ -192,7 +196,10 @@ int main(int argc, char** argv) {
       {kIQ3_S, 1536, 3072},
       {kMXFP4, 2048, 2048}, {kNVFP4, 2048, 2048}, {kF16, 1408, 2048}, {kBF16, 1408, 2048}, {kF32, 64, 2048},
   };
-  for (const Shape& s : shapes) bench_gemm(s, rng);
+  for (const Shape& s : shapes)
+    if (only.empty() || only.find("," + std::string(type_info(s.type).name) + ",") != std::string::npos)
+      bench_gemm(s, rng);
+  if (!only.empty()) return 0;
   const MoEShape moes[] = {
       {"DeepSeek-V2-Lite (Q4_K gate/up, Q5_0 down)", 2048, 1408, 64, 6, kQ4_K, kQ5_0, 2},
       {"DeepSeek-V2-Lite (Q4_K gate/up, Q8_0 down)", 2048, 1408, 64, 6, kQ4_K, kQ8_0, 2},
