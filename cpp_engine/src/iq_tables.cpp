@@ -15,17 +15,6 @@ uint64_t pack_bytes(const int8_t (&v)[8]) {
 
 int8_t byte_of(uint64_t row, int j) { return static_cast<int8_t>((row >> (8 * j)) & 0xFF); }
 
-std::array<uint64_t, 128> make_signs() {
-  std::array<uint64_t, 128> t{};
-  for (int i = 0; i < 128; ++i) {
-    const int bits = i | ((__builtin_popcount(i) & 1) << 7);
-    int8_t v[8];
-    for (int j = 0; j < 8; ++j) v[j] = (bits >> j) & 1 ? -1 : 1;
-    t[i] = pack_bytes(v);
-  }
-  return t;
-}
-
 std::array<uint64_t, 4096> make_iq1m() {
   std::array<uint64_t, 4096> t{};
   for (int i = 0; i < 4096; ++i) {
@@ -37,13 +26,11 @@ std::array<uint64_t, 4096> make_iq1m() {
   return t;
 }
 
-const std::array<uint64_t, 128> signs = make_signs();
 const std::array<uint64_t, 4096> iq1m = make_iq1m();
 
 }  // namespace
 
 const uint64_t* const kIq2xxs = kIq2xxsGrid;
-const uint64_t* const kSigns = signs.data();
 const uint64_t* const kIq1m = iq1m.data();
 const uint64_t* const kIq2xs = kIq2xsGrid;
 const uint64_t* const kIq2s = kIq2sGrid;

@@ -6,7 +6,6 @@
 namespace pocketmoe::tables {
 
 extern const uint64_t* const kIq2xxs;     // [256] grid rows, bytes 8 / 25 / 43
-extern const uint64_t* const kSigns;      // [128] 7-bit sign index -> 8 bytes of +1 / -1 (bit 7 = parity)
 extern const uint64_t* const kIq1m;       // [4096] (grid index | delta bit << 11) -> bytes 8*g + 16 + delta
 extern const uint64_t* const kIq2xs;      // [512] grid rows, bytes 8 / 25 / 43
 extern const uint64_t* const kIq2s;       // [1024] grid rows, bytes 8 / 25 / 43
