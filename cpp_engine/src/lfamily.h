@@ -303,13 +303,9 @@ __attribute__((noinline)) void tile8(const CanonX8* w, const ActQ8_0* a, int nb,
     });
     const __m256 lo = _mm256_load_ps(w[b].d), hi = _mm256_load_ps(w[b].m);
     for (int c = 0; c < C; ++c) {
-      if constexpr (Dec::kHalfScales) {
-        take_offset<Dec>(first[c], dot[c], a[c], b);
-        acc[c] = scale_step<Dec>(acc[c], first[c], dot[c], lo, hi, a[c].d[b], a[c].s[b]);
-      } else {
-        take_offset<Dec>(dot[c], dot[c], a[c], b);
-        acc[c] = scale_step<Dec>(acc[c], dot[c], dot[c], lo, hi, a[c].d[b], a[c].s[b]);
-      }
+      __m256i& lo_dot = Dec::kHalfScales ? first[c] : dot[c];   // the first half's dot, or the whole block's
+      take_offset<Dec>(lo_dot, dot[c], a[c], b);
+      acc[c] = scale_step<Dec>(acc[c], lo_dot, dot[c], lo, hi, a[c].d[b], a[c].s[b]);
     }
   }
   for (int c = 0; c < C; ++c) store_rows(out + c * out_stride, acc[c], n_rows);
