@@ -159,13 +159,16 @@ struct NVFP4 {
     const __m256 v = _mm256_blendv_ps(normal, small, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), y)));
     return _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(x, _mm256_set1_epi32(0x7F))), v);
   }
-  // The scales of piece p of eight blocks: its first 16 values' in lo, its last 16 values' in hi.
-  static PM_INLINE void scales8(const uint8_t* const* blk, int p, __m256& lo, __m256& hi) {
-    const __m256i v = _mm256_setr_epi32(load_u16(blk[0] + 2 * p), load_u16(blk[1] + 2 * p), load_u16(blk[2] + 2 * p),
-                                        load_u16(blk[3] + 2 * p), load_u16(blk[4] + 2 * p), load_u16(blk[5] + 2 * p),
-                                        load_u16(blk[6] + 2 * p), load_u16(blk[7] + 2 * p));
-    lo = ue4m3_half(_mm256_and_si256(v, _mm256_set1_epi32(0xFF)));
-    hi = ue4m3_half(_mm256_srli_epi32(v, 8));
+  // The four scales of eight blocks, read as one dword per block: piece p's first 16 values' in lo[p],
+  // its last 16 values' in hi[p].
+  static PM_INLINE void scales8(const uint8_t* const* blk, __m256 (&lo)[2], __m256 (&hi)[2]) {
+    const __m256i v = _mm256_setr_epi32(load_u32(blk[0]), load_u32(blk[1]), load_u32(blk[2]), load_u32(blk[3]),
+                                        load_u32(blk[4]), load_u32(blk[5]), load_u32(blk[6]), load_u32(blk[7]));
+    const __m256i byte = _mm256_set1_epi32(0xFF);
+    lo[0] = ue4m3_half(_mm256_and_si256(v, byte));
+    hi[0] = ue4m3_half(_mm256_and_si256(_mm256_srli_epi32(v, 8), byte));
+    lo[1] = ue4m3_half(_mm256_and_si256(_mm256_srli_epi32(v, 16), byte));
+    hi[1] = ue4m3_half(_mm256_srli_epi32(v, 24));
   }
   static PM_INLINE __m256i quants(const uint8_t* b, int p) {
     // Bytes 0-7 into both 64-bit halves of the low lane, bytes 8-15 into the high lane's; the upper copies

@@ -56,31 +56,43 @@ static_assert(sizeof(CanonX8) == 320);
 template <class Dec>
 constexpr int kSubtract = Dec::kMin ? 0 : Dec::kOffset;
 
-// Piece b of a row: the block it lies in, its 32 weights and the scales of eight rows.
+// Block i of a row, and the 32 weights of its piece P.
 template <class Dec>
-PM_INLINE const uint8_t* block_of(const uint8_t* row, int b) {
-  return row + static_cast<size_t>(b / Dec::kPieces) * Dec::kBytes;
+PM_INLINE const uint8_t* block_of(const uint8_t* row, int i) {
+  return row + static_cast<size_t>(i) * Dec::kBytes;
 }
 
-template <class Dec>
-PM_INLINE __m256i quants_of(const uint8_t* blk, int b) {
+template <class Dec, int P>
+PM_INLINE __m256i quants_of(const uint8_t* blk) {
   if constexpr (Dec::kPieces == 1) {
     return Dec::quants(blk);
   } else {
-    return Dec::quants(blk, b % Dec::kPieces);
+    return Dec::quants(blk, P);
   }
 }
 
-// Eight rows' scales of piece b: lo (the whole piece's, or its first half's with kHalfScales) and hi
-// (the second half's; the min with kMin).
+// Eight rows' scales of one block, converted once for all its pieces: for piece p, lo[p] (the whole
+// piece's, or its first half's with kHalfScales) and hi[p] (the second half's; the min with kMin).
 template <class Dec>
-PM_INLINE void scales_of(const uint8_t* const* blk, int b, __m256& lo, __m256& hi) {
+struct BlockScales {
+  __m256 lo[Dec::kPieces], hi[Dec::kPieces];
+};
+
+template <class Dec>
+PM_INLINE BlockScales<Dec> scales_of(const uint8_t* const* blk) {
+  BlockScales<Dec> s;
   if constexpr (Dec::kHalfScales) {
-    Dec::scales8(blk, b % Dec::kPieces, lo, hi);
+    Dec::scales8(blk, s.lo, s.hi);
   } else {
-    lo = Dec::scales8(blk);
-    if constexpr (Dec::kMin) hi = Dec::mins8(blk);
+    static_assert(Dec::kPieces == 1);
+    s.lo[0] = Dec::scales8(blk);
+    if constexpr (Dec::kMin) {
+      s.hi[0] = Dec::mins8(blk);
+    } else {
+      s.hi[0] = _mm256_setzero_ps();
+    }
   }
+  return s;
 }
 
 // The exact dots of piece b of eight rows with one token, from the unsigned ones: lo (the piece's, or its first
@@ -96,7 +108,7 @@ PM_INLINE void take_offset(__m256i& lo, __m256i& hi, const ActQ8_0& a, int b) {
 }
 
 // One block's scale step for eight rows x one token: the integer dots of the piece's two halves (or
-// lo_dot alone: the whole piece), the weights' scales as scales_of gives them, the token's scale and s.
+// lo_dot alone: the whole piece), the weights' scales as scales_of gives them for the piece, the token's scale and s.
 template <class Dec>
 PM_INLINE __m256 scale_step(__m256 acc, __m256i lo_dot, __m256i hi_dot, __m256 lo, __m256 hi, float d, float s) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot), _mm256_mul_ps(lo, _mm256_set1_ps(d)), acc);
@@ -195,30 +207,35 @@ __attribute__((noinline)) void fused8(const uint8_t* const (&w)[8], size_t row_b
   const int nb = cols / 32;
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    prefetch_next_group<Dec>(w[0], b, row_bytes);
+  for (int i = 0; i < nb / Dec::kPieces; ++i) {
     const uint8_t* blk[8];
-    for (int r = 0; r < 8; ++r) blk[r] = block_of<Dec>(w[r], b);
-    __m256i pair[4][C];
-    static_for<4>([&](auto pc) {
-      constexpr int p = decltype(pc)::value;
-      const __m256i q0 = quants_of<Dec>(blk[2 * p], b), q1 = quants_of<Dec>(blk[2 * p + 1], b);
+    for (int r = 0; r < 8; ++r) blk[r] = block_of<Dec>(w[r], i);
+    BlockScales<Dec> sc;
+    static_for<Dec::kPieces>([&](auto pc) {
+      constexpr int piece = decltype(pc)::value;
+      const int b = i * Dec::kPieces + piece;
+      prefetch_next_group<Dec>(w[0], b, row_bytes);
+      __m256i pair[4][C];
+      static_for<4>([&](auto rc) {
+        constexpr int p = decltype(rc)::value;
+        const __m256i q0 = quants_of<Dec, piece>(blk[2 * p]), q1 = quants_of<Dec, piece>(blk[2 * p + 1]);
+        for (int c = 0; c < C; ++c) {
+          const int8_t* ac = a[c].qs + 32 * b;
+          pair[p][c] = fold_pair<Dec>(products<Dec>(q0, ac), products<Dec>(q1, ac));
+        }
+      });
+      if constexpr (piece == 0) sc = scales_of<Dec>(blk);   // after the first piece's loads, as the scales are used
       for (int c = 0; c < C; ++c) {
-        const int8_t* ac = a[c].qs + 32 * b;
-        pair[p][c] = fold_pair<Dec>(products<Dec>(q0, ac), products<Dec>(q1, ac));
+        const __m256i h0 = fold_quad<Dec>(pair[0][c], pair[1][c]);
+        const __m256i h1 = fold_quad<Dec>(pair[2][c], pair[3][c]);
+        // Rows 0-7 over the piece's first 16 values, then over its last 16.
+        const __m256i first = _mm256_permute2x128_si256(h0, h1, 0x20);
+        const __m256i second = _mm256_permute2x128_si256(h0, h1, 0x31);
+        __m256i dot = Dec::kHalfScales ? first : _mm256_add_epi32(first, second), dot2 = second;
+        take_offset<Dec>(dot, dot2, a[c], b);
+        acc[c] = scale_step<Dec>(acc[c], dot, dot2, sc.lo[piece], sc.hi[piece], a[c].d[b], a[c].s[b]);
       }
     });
-    __m256 lo, hi;
-    scales_of<Dec>(blk, b, lo, hi);
-    for (int c = 0; c < C; ++c) {
-      const __m256i h0 = fold_quad<Dec>(pair[0][c], pair[1][c]);
-      const __m256i h1 = fold_quad<Dec>(pair[2][c], pair[3][c]);
-      // Rows 0-7 over the piece's first 16 values, then over its last 16.
-      const __m256i first = _mm256_permute2x128_si256(h0, h1, 0x20), second = _mm256_permute2x128_si256(h0, h1, 0x31);
-      __m256i dot = Dec::kHalfScales ? first : _mm256_add_epi32(first, second), dot2 = second;
-      take_offset<Dec>(dot, dot2, a[c], b);
-      acc[c] = scale_step<Dec>(acc[c], dot, dot2, lo, hi, a[c].d[b], a[c].s[b]);
-    }
   }
   for (int c = 0; c < C; ++c) store_rows(out + c * out_stride, acc[c], n_rows);
 }
@@ -244,20 +261,21 @@ PM_INLINE void transpose8x8(__m256i (&v)[8]) {
 
 template <class Dec>
 void repack8(const uint8_t* const (&w)[8], size_t row_bytes, int nb, CanonX8* dst) {
-  for (int b = 0; b < nb; ++b) {
-    prefetch_next_group<Dec>(w[0], b, row_bytes);
+  for (int i = 0; i < nb / Dec::kPieces; ++i) {
     const uint8_t* blk[8];
-    __m256i v[8];
-    for (int r = 0; r < 8; ++r) {
-      blk[r] = block_of<Dec>(w[r], b);
-      v[r] = quants_of<Dec>(blk[r], b);
-    }
-    transpose8x8(v);
-    for (int s = 0; s < 8; ++s) _mm256_store_si256(reinterpret_cast<__m256i*>(dst[b].q[s]), v[s]);
-    __m256 lo, hi = _mm256_setzero_ps();
-    scales_of<Dec>(blk, b, lo, hi);
-    _mm256_store_ps(dst[b].d, lo);
-    _mm256_store_ps(dst[b].m, hi);
+    for (int r = 0; r < 8; ++r) blk[r] = block_of<Dec>(w[r], i);
+    const BlockScales<Dec> sc = scales_of<Dec>(blk);
+    static_for<Dec::kPieces>([&](auto pc) {
+      constexpr int piece = decltype(pc)::value;
+      const int b = i * Dec::kPieces + piece;
+      prefetch_next_group<Dec>(w[0], b, row_bytes);
+      __m256i v[8];
+      for (int r = 0; r < 8; ++r) v[r] = quants_of<Dec, piece>(blk[r]);
+      transpose8x8(v);
+      for (int s = 0; s < 8; ++s) _mm256_store_si256(reinterpret_cast<__m256i*>(dst[b].q[s]), v[s]);
+      _mm256_store_ps(dst[b].d, sc.lo[piece]);
+      _mm256_store_ps(dst[b].m, sc.hi[piece]);
+    });
   }
 }
 
