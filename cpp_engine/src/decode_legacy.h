@@ -171,9 +171,11 @@ struct NVFP4 {
     hi[1] = ue4m3_half(_mm256_srli_epi32(v, 24));
   }
   static PM_INLINE __m256i quants(const uint8_t* b, int p) {
-    // Bytes 0-7 into both 64-bit halves of the low lane, bytes 8-15 into the high lane's; the upper copies
-    // give their high nibbles.
-    const __m256i x = _mm256_permute4x64_epi64(_mm256_castsi128_si256(load128(b + 4 + 16 * p)), 0x50);
+    // Bytes 0-7 into both 64-bit halves of the low lane, bytes 8-15 into the high lane's (an in-lane shuffle of
+    // the broadcast 16 bytes); the upper copies give their high nibbles.
+    const __m256i x = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(load128(b + 4 + 16 * p)),
+                                          _mm256_setr_epi64x(0x0706050403020100, 0x0706050403020100,
+                                                             0x0F0E0D0C0B0A0908, 0x0F0E0D0C0B0A0908));
     return e2m1_plus12(_mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(0, 4, 0, 4)), _mm256_set1_epi8(0x0F)));
   }
 };
