@@ -46,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pocketmoe.inspect_gguf",
                                 description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--gguf-path", required=True, help="a GGUF file, any shard of a bundle, or a directory")
+    p.add_argument("path", nargs="?", default=None, metavar="GGUF",
+                   help="the model, as --gguf-path gives it (either one)")
+    p.add_argument("--gguf-path", default=None, help="a GGUF file, any shard of a bundle, or a directory")
     p.add_argument("--architecture", default="auto",
                    help="spec to use; 'auto' = general.architecture; another name validates the file "
                         "against that spec and reports the mismatch as a validation error")
@@ -177,8 +179,21 @@ def collect(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str], i
     return data, text, code
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The flags, with the model path from --gguf-path or the positional GGUF (one of them, or both the same)."""
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.gguf_path is None and args.path is None:
+        p.error("no model given; name the GGUF file, e.g. `python -m pocketmoe.inspect_gguf model.gguf` "
+                "or `--gguf-path model.gguf`")
+    if args.gguf_path is not None and args.path is not None and args.gguf_path != args.path:
+        p.error(f"two models given ({args.path!r} and --gguf-path {args.gguf_path!r}); give one")
+    args.gguf_path = args.gguf_path if args.gguf_path is not None else args.path
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     data, text, code = collect(args)
     if args.json:
         print(json.dumps(data, indent=2, default=str))

@@ -155,6 +155,18 @@ def test_user_errors_exit_2(files, capsys, args, needle) -> None:
     assert needle in err
 
 
+def test_model_path_positional_or_flag(files, capsys) -> None:
+    """The model may be named as gguf-dump and llama.cpp's tools take it, positionally, or with --gguf-path."""
+    flagged = in_process(capsys, "--gguf-path", str(files["good"]), "--json")
+    positional = in_process(capsys, str(files["good"]), "--json")
+    both = in_process(capsys, str(files["good"]), "--gguf-path", str(files["good"]), "--json")
+    assert flagged[0] == 0 and json.loads(flagged[1])["summary"]["n_tensors"] > 0
+    assert positional == flagged and both == flagged
+    for args, needle in (([], "no model given"), ([str(files["good"]), "--gguf-path", "other.gguf"], "two models")):
+        r = cli(*args)
+        assert r.returncode == EXIT_USER_ERROR and needle in r.stderr and "Traceback" not in r.stderr
+
+
 def test_garbage_file_and_json_placement_refusal(files, capsys) -> None:
     code, _, err = in_process(capsys, "--gguf-path", str(files["garbage"]))
     assert code == EXIT_USER_ERROR
