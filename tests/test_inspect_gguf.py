@@ -87,18 +87,18 @@ def test_text_summary_is_the_default(files, capsys) -> None:
 
 @pytest.mark.skipif(not native.available(), reason="native kernels")
 def test_summary_names_the_weight_types_without_kernels(files, tmp_path: Path, capsys) -> None:
-    """TQ2_0 has no native or CUDA kernel: the summary counts its matrices, and the native kernels refuse it."""
-    (tq2,) = write_fixture("deepseek2", "tiny", "TQ2_0", tmp_path / "tq2.gguf")
-    code, out, _ = in_process(capsys, "--gguf-path", str(tq2), "--summary", "--json")
+    """TQ1_0 has no native or CUDA kernel: the summary counts its matrices, and the native kernels refuse it."""
+    (tq1,) = write_fixture("deepseek2", "tiny", "TQ1_0", tmp_path / "tq1.gguf")
+    code, out, _ = in_process(capsys, "--gguf-path", str(tq1), "--summary", "--json")
     kernels = json.loads(out)["summary"]["kernels"]
-    mats = [t for t in gguf.GGUFReader(tq2).tensors if t.tensor_type.name == "TQ2_0" and len(t.shape) >= 2]
-    want = {"TQ2_0": {"tensors": len(mats), "bytes": sum(int(t.n_bytes) for t in mats)}}
+    mats = [t for t in gguf.GGUFReader(tq1).tensors if t.tensor_type.name == "TQ1_0" and len(t.shape) >= 2]
+    want = {"TQ1_0": {"tensors": len(mats), "bytes": sum(int(t.n_bytes) for t in mats)}}
     assert code == 0 and mats
     assert kernels["native_cpu"]["missing"] == want and kernels["cuda"]["missing"] == want
     with pytest.raises(native.NativeKernelError, match="no native kernel"):
-        native.gemm(random_blocks(35, (4, 256), np.random.default_rng(0)), 35, np.zeros((1, 256), np.float32))
-    code, out, _ = in_process(capsys, "--gguf-path", str(tq2))
-    assert f"Native CPU kernels: none for TQ2_0 ({len(mats)} tensors" in out
+        native.gemm(random_blocks(34, (4, 256), np.random.default_rng(0)), 34, np.zeros((1, 256), np.float32))
+    code, out, _ = in_process(capsys, "--gguf-path", str(tq1))
+    assert f"Native CPU kernels: none for TQ1_0 ({len(mats)} tensors" in out
     code, out, _ = in_process(capsys, "--gguf-path", str(files["good"]))
     assert "Native CPU kernels: every weight type has one." in out and "CUDA kernels: every weight type has one." in out
 

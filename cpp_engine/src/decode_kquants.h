@@ -117,6 +117,13 @@ struct Q6K {
   }
 };
 
+// Group G's 2-bit fields of the 64 bytes at qs, as Q2_K, Q3_K (low bits) and TQ2_0 lay them out: weight
+// 32G + l is bits 2(G % 4) of byte 32(G / 4) + l.
+template <int G>
+PM_INLINE __m256i crumbs(const uint8_t* qs) {
+  return _mm256_and_si256(_mm256_srli_epi16(load256(qs + 32 * (G / 4)), 2 * (G % 4)), _mm256_set1_epi8(3));
+}
+
 // Q2_K, 84 bytes: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin; q in 0..3.
 struct Q2K {
   static constexpr int kBytes = 84;
@@ -131,12 +138,31 @@ struct Q2K {
   }
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
-    const __m256i x = load256(b + 16 + 32 * (G / 4));
-    return _mm256_and_si256(_mm256_srli_epi16(x, 2 * (G % 4)), _mm256_set1_epi8(3));
+    return crumbs<G>(b + 16);
   }
   template <int G>
   static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
     return broadcast_i16<G>(h.sc);
+  }
+};
+
+// TQ2_0, 66 bytes: qs[64] (a 2-bit q per weight, laid out as Q2_K's), d; w = d * (q - 1), q in 0..2 (3 reads
+// as 2, as in ggml). Stored + 1: scale 1 throughout, and corr takes the 1 back out per 16 weights.
+struct TQ2_0 {
+  static constexpr int kBytes = 66;
+  static constexpr bool kCanonical = false;
+  static constexpr bool kSigned = false, kOffset = true, kMin = false;
+  using Head = KHead;
+  static PM_INLINE Head head(const uint8_t* b) {
+    return {fp16(b + 64), 0.0f, _mm256_set1_epi16(-1), _mm256_set1_epi16(1)};
+  }
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
+    return crumbs<G>(b);
+  }
+  template <int G>
+  static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
+    return h.sc;
   }
 };
 
@@ -162,9 +188,7 @@ struct Q3K {
   }
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
-    const __m256i x = load256(b + 32 + 32 * (G / 4));
-    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(x, 2 * (G % 4)), _mm256_set1_epi8(3));
-    return _mm256_or_si256(lo, move_bit<G, 2>(load256(b)));
+    return _mm256_or_si256(crumbs<G>(b + 32), move_bit<G, 2>(load256(b)));
   }
   template <int G>
   static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {

@@ -123,6 +123,15 @@ void q2_k(const uint8_t* b, float* y) {
   }
 }
 
+// TQ2_0: qs[64] (a 2-bit q per weight, laid out as Q2_K's), d; w = d * (q - 1).
+void tq2_0(const uint8_t* b, float* y) {
+  const float d = half(b + 64);
+  for (int v = 0; v < 256; ++v) {
+    const int half_ = v / 128, shift = (v % 128) / 32, l = v % 32;
+    y[v] = d * (((b[32 * half_ + l] >> (2 * shift)) & 3) - 1);
+  }
+}
+
 void q3_k(const uint8_t* b, float* y) {
   const float d = half(b + 108);
   const uint8_t* s = b + 96;
@@ -320,6 +329,7 @@ void dequantize_row(int ggml_type, const uint8_t* src, int n, float* dst) {
     case kNVFP4: block = nvfp4; break;
     case kQ2_K: block = q2_k; break;
     case kQ3_K: block = q3_k; break;
+    case kTQ2_0: block = tq2_0; break;
     case kQ4_K: block = q4_k; break;
     case kQ5_K: block = q5_k; break;
     case kQ6_K: block = q6_k; break;
