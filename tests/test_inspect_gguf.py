@@ -86,19 +86,28 @@ def test_text_summary_is_the_default(files, capsys) -> None:
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels")
-def test_summary_names_the_weight_types_without_kernels(files, tmp_path: Path, capsys) -> None:
-    """TQ1_0 has no native or CUDA kernel: the summary counts its matrices, and the native kernels refuse it."""
+def test_summary_names_the_weight_types_without_kernels(files, tmp_path: Path, capsys, monkeypatch) -> None:
+    """TQ1_0 has a native CPU kernel but no CUDA one: the summary counts its matrices under CUDA; under a build
+    whose CPU kernels lacked it, under the CPU too. Q1_0 has no native kernel, and the kernels refuse it."""
     (tq1,) = write_fixture("deepseek2", "tiny", "TQ1_0", tmp_path / "tq1.gguf")
-    code, out, _ = in_process(capsys, "--gguf-path", str(tq1), "--summary", "--json")
-    kernels = json.loads(out)["summary"]["kernels"]
     mats = [t for t in gguf.GGUFReader(tq1).tensors if t.tensor_type.name == "TQ1_0" and len(t.shape) >= 2]
     want = {"TQ1_0": {"tensors": len(mats), "bytes": sum(int(t.n_bytes) for t in mats)}}
-    assert code == 0 and mats
-    assert kernels["native_cpu"]["missing"] == want and kernels["cuda"]["missing"] == want
-    with pytest.raises(native.NativeKernelError, match="no native kernel"):
-        native.gemm(random_blocks(34, (4, 256), np.random.default_rng(0)), 34, np.zeros((1, 256), np.float32))
+    assert mats
+    code, out, _ = in_process(capsys, "--gguf-path", str(tq1), "--summary", "--json")
+    kernels = json.loads(out)["summary"]["kernels"]
+    assert code == 0 and kernels["native_cpu"]["missing"] == {} and kernels["cuda"]["missing"] == want
     code, out, _ = in_process(capsys, "--gguf-path", str(tq1))
-    assert f"Native CPU kernels: none for TQ1_0 ({len(mats)} tensors" in out
+    assert "Native CPU kernels: every weight type has one." in out
+    assert f"CUDA kernels: none for TQ1_0 ({len(mats)} tensors" in out
+    without = native.supported_types() - {34}
+    with monkeypatch.context() as m:   # a build whose CPU kernels lack TQ1_0
+        m.setattr(native, "supported_types", lambda: without)
+        code, out, _ = in_process(capsys, "--gguf-path", str(tq1), "--summary", "--json")
+        assert json.loads(out)["summary"]["kernels"]["native_cpu"]["missing"] == want
+        code, out, _ = in_process(capsys, "--gguf-path", str(tq1))
+        assert f"Native CPU kernels: none for TQ1_0 ({len(mats)} tensors" in out
+    with pytest.raises(native.NativeKernelError, match="no native kernel"):
+        native.gemm(random_blocks(41, (4, 128), np.random.default_rng(0)), 41, np.zeros((1, 128), np.float32))
     code, out, _ = in_process(capsys, "--gguf-path", str(files["good"]))
     assert "Native CPU kernels: every weight type has one." in out and "CUDA kernels: every weight type has one." in out
 

@@ -166,6 +166,51 @@ struct TQ2_0 {
   }
 };
 
+// TQ1_0, 54 bytes: qs[48], qh[4] (base-3 digits, five per qs byte, four per qh byte), d; w = d * (t - 1).
+// A byte holds its digits as a fixed-point fraction: digit n of byte x is (3 * (x * 3^n mod 256)) >> 8.
+// Group G < 5 is digit G of qs[0..31]; groups 5 and 6 are digits 0, 1 and 2, 3 of qs[32..47] (16
+// weights each); group 7 is digit 4 of qs[32..47], then digit n of qh[j] as weight 240 + 4n + j.
+// Digits 0..2 are the weights + 1, taken back out by corr as with TQ2_0.
+struct TQ1_0 {
+  static constexpr int kBytes = 54;
+  static constexpr bool kCanonical = false;
+  static constexpr bool kSigned = false, kOffset = true, kMin = false;
+  using Head = KHead;
+  static PM_INLINE Head head(const uint8_t* b) {
+    return {fp16(b + 52), 0.0f, _mm256_set1_epi16(-1), _mm256_set1_epi16(1)};
+  }
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
+    // The group's bytes, and per pair of bytes the power of 3 that brings each one's digit to the top.
+    __m256i x, pow;
+    if constexpr (G < 5) {
+      x = load256(b);
+      pow = _mm256_set1_epi16(kPow3[G]);
+    } else if constexpr (G < 7) {
+      x = _mm256_broadcastsi128_si256(load128(b + 32));
+      pow = _mm256_setr_m128i(_mm_set1_epi16(kPow3[2 * G - 10]), _mm_set1_epi16(kPow3[2 * G - 9]));
+    } else {
+      x = _mm256_setr_m128i(load128(b + 32), _mm_set1_epi32(static_cast<int>(load_u32(b + 48))));
+      pow = _mm256_setr_epi16(81, 81, 81, 81, 81, 81, 81, 81, 1, 1, 3, 3, 9, 9, 27, 27);
+    }
+    // x * 3^n mod 256 per byte: even bytes from the low byte of a 16-bit product, odd ones from the high.
+    const __m256i even = _mm256_and_si256(_mm256_mullo_epi16(x, pow), _mm256_set1_epi16(0x00FF));
+    const __m256i odd = _mm256_mullo_epi16(_mm256_and_si256(x, _mm256_set1_epi16(static_cast<int16_t>(0xFF00))), pow);
+    const __m256i y = _mm256_or_si256(even, odd);
+    // (3y) >> 8 = [y >= 86] + [y >= 171]: two unsigned compares as masks of -1.
+    const __m256i ge1 = _mm256_cmpeq_epi8(_mm256_max_epu8(y, _mm256_set1_epi8(86)), y);
+    const __m256i ge2 = _mm256_cmpeq_epi8(_mm256_max_epu8(y, _mm256_set1_epi8(static_cast<char>(171))), y);
+    return _mm256_abs_epi8(_mm256_add_epi8(ge1, ge2));
+  }
+  template <int G>
+  static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
+    return h.sc;
+  }
+
+ private:
+  static constexpr int16_t kPow3[5] = {1, 3, 9, 27, 81};
+};
+
 // Q3_K, 110 bytes: hmask[32], qs[64], scales[12] (16 six-bit, minus 32), d; w = d*sc*(q - 4), q in 0..7.
 struct Q3K {
   static constexpr int kBytes = 110;

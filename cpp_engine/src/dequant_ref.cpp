@@ -132,6 +132,26 @@ void tq2_0(const uint8_t* b, float* y) {
   }
 }
 
+// TQ1_0: qs[48], qh[4], d. Digit n of byte x (a base-3 fixed-point fraction) is (3 * (x * 3^n mod 256)) >> 8;
+// values 0-159 are digit v / 32 of qs[v % 32], 160-239 digit (v - 160) / 16 of qs[32 + v % 16], 240-255 digit
+// (v - 240) / 4 of qh[v % 4]; w = d * (digit - 1).
+void tq1_0(const uint8_t* b, float* y) {
+  const float d = half(b + 52);
+  const int pow3[5] = {1, 3, 9, 27, 81};
+  for (int v = 0; v < 256; ++v) {
+    int x, n;
+    if (v < 160) {
+      x = b[v % 32], n = v / 32;
+    } else if (v < 240) {
+      x = b[32 + (v - 160) % 16], n = (v - 160) / 16;
+    } else {
+      x = b[48 + (v - 240) % 4], n = (v - 240) / 4;
+    }
+    const int digit = (3 * ((x * pow3[n]) & 0xFF)) >> 8;
+    y[v] = d * (digit - 1);
+  }
+}
+
 void q3_k(const uint8_t* b, float* y) {
   const float d = half(b + 108);
   const uint8_t* s = b + 96;
@@ -329,6 +349,7 @@ void dequantize_row(int ggml_type, const uint8_t* src, int n, float* dst) {
     case kNVFP4: block = nvfp4; break;
     case kQ2_K: block = q2_k; break;
     case kQ3_K: block = q3_k; break;
+    case kTQ1_0: block = tq1_0; break;
     case kTQ2_0: block = tq2_0; break;
     case kQ4_K: block = q4_k; break;
     case kQ5_K: block = q5_k; break;

@@ -63,6 +63,7 @@ std::vector<uint8_t> random_weight(int ggml_type, int rows, int cols, std::mt199
         put_u16(b + 82, half_bits(scale(rng)));
         break;
       case kQ3_K: put_u16(b + 108, half_bits(scale(rng))); break;
+      case kTQ1_0: put_u16(b + 52, half_bits(scale(rng))); break;
       case kTQ2_0: put_u16(b + 64, half_bits(scale(rng))); break;
       case kQ6_K: put_u16(b + 208, half_bits(scale(rng))); break;
       case kMXFP4: b[0] = static_cast<uint8_t>(118 + byte(rng) % 6); break;

@@ -27,6 +27,7 @@ const TypeInfo kTypes[] = {
     {kIQ2_XS, "IQ2_XS", 256, 74, ActFormat::kQ8_K},
     {kIQ2_S, "IQ2_S", 256, 82, ActFormat::kQ8_K},
     {kIQ3_S, "IQ3_S", 256, 110, ActFormat::kQ8_K},
+    {kTQ1_0, "TQ1_0", 256, 54, ActFormat::kQ8_K},
     {kTQ2_0, "TQ2_0", 256, 66, ActFormat::kQ8_K},
     {kBF16, "BF16", 1, 2, ActFormat::kF32},
     {kMXFP4, "MXFP4", 32, 17, ActFormat::kQ8_0},

@@ -30,6 +30,7 @@ enum GgmlType : int {
   kIQ4_XS = 23,
   kIQ1_M = 29,
   kBF16 = 30,
+  kTQ1_0 = 34,
   kTQ2_0 = 35,
   kMXFP4 = 39,
   kNVFP4 = 40,
