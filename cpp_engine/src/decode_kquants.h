@@ -181,26 +181,18 @@ struct TQ1_0 {
   }
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
-    // The group's bytes, and per pair of bytes the power of 3 that brings each one's digit to the top.
-    __m256i x, pow;
     if constexpr (G < 5) {
-      x = load256(b);
-      pow = _mm256_set1_epi16(kPow3[G]);
-    } else if constexpr (G < 7) {
-      x = _mm256_broadcastsi128_si256(load128(b + 32));
-      pow = _mm256_setr_m128i(_mm_set1_epi16(kPow3[2 * G - 10]), _mm_set1_epi16(kPow3[2 * G - 9]));
-    } else {
-      x = _mm256_setr_m128i(load128(b + 32), _mm_set1_epi32(static_cast<int>(load_u32(b + 48))));
-      pow = _mm256_setr_epi16(81, 81, 81, 81, 81, 81, 81, 81, 1, 1, 3, 3, 9, 9, 27, 27);
+      return top_digit(times3<G>(load256(b)));
+    } else if constexpr (G < 7) {   // digits 2G - 10 and 2G - 9 of qs[32..47], one per 128-bit lane
+      const __m256i z = _mm256_broadcastsi128_si256(load128(b + 32));
+      return top_digit(_mm256_blend_epi32(times3<2 * G - 10>(z), times3<2 * G - 9>(z), 0xF0));
+    } else {   // digit 4 of qs[32..47]; then qh (a dword) with digit n in dword n of the high lane
+      const __m256i z = _mm256_setr_m128i(load128(b + 32), _mm_set1_epi32(static_cast<int>(load_u32(b + 48))));
+      __m256i y = _mm256_blend_epi32(times3<4>(z), z, 0x10);
+      y = _mm256_blend_epi32(y, times3<1>(z), 0x20);
+      y = _mm256_blend_epi32(y, times3<2>(z), 0x40);
+      return top_digit(_mm256_blend_epi32(y, times3<3>(z), 0x80));
     }
-    // x * 3^n mod 256 per byte: even bytes from the low byte of a 16-bit product, odd ones from the high.
-    const __m256i even = _mm256_and_si256(_mm256_mullo_epi16(x, pow), _mm256_set1_epi16(0x00FF));
-    const __m256i odd = _mm256_mullo_epi16(_mm256_and_si256(x, _mm256_set1_epi16(static_cast<int16_t>(0xFF00))), pow);
-    const __m256i y = _mm256_or_si256(even, odd);
-    // (3y) >> 8 = [y >= 86] + [y >= 171]: two unsigned compares as masks of -1.
-    const __m256i ge1 = _mm256_cmpeq_epi8(_mm256_max_epu8(y, _mm256_set1_epi8(86)), y);
-    const __m256i ge2 = _mm256_cmpeq_epi8(_mm256_max_epu8(y, _mm256_set1_epi8(static_cast<char>(171))), y);
-    return _mm256_abs_epi8(_mm256_add_epi8(ge1, ge2));
   }
   template <int G>
   static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
@@ -208,7 +200,18 @@ struct TQ1_0 {
   }
 
  private:
-  static constexpr int16_t kPow3[5] = {1, 3, 9, 27, 81};
+  // x * 3^N mod 256 per byte, as N steps of y + 2y (shared between groups once inlined).
+  template <int N>
+  static PM_INLINE __m256i times3(__m256i y) {
+    for (int n = 0; n < N; ++n) y = _mm256_add_epi8(_mm256_add_epi8(y, y), y);
+    return y;
+  }
+  // (3y) >> 8 per byte: [y >= 86] + [y >= 171], each as min(y -sat k, 1).
+  static PM_INLINE __m256i top_digit(__m256i y) {
+    const __m256i one = _mm256_set1_epi8(1);
+    return _mm256_add_epi8(_mm256_min_epu8(_mm256_subs_epu8(y, _mm256_set1_epi8(85)), one),
+                           _mm256_min_epu8(_mm256_subs_epu8(y, _mm256_set1_epi8(static_cast<char>(170))), one));
+  }
 };
 
 // Q3_K, 110 bytes: hmask[32], qs[64], scales[12] (16 six-bit, minus 32), d; w = d*sc*(q - 4), q in 0..7.
