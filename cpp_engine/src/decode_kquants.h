@@ -146,19 +146,16 @@ struct Q2K {
   }
 };
 
-// TQ2_0, 66 bytes: qs[64] (a 2-bit q per weight, laid out as Q2_K's), d; w = d * (q - 1), q in 0..2 (3 reads
-// as 2, as in ggml). Stored + 1: scale 1 throughout, and corr takes the 1 back out per 16 weights.
-struct TQ2_0 {
-  static constexpr int kBytes = 66;
+// The ternary types, w = d * (t - 1) with t in 0..2 and the fp16 d at byte D after the block's digits:
+// weights stored + 1, scale 1 throughout, and corr takes the 1 back out per 16 weights.
+template <int D>
+struct Ternary {
+  static constexpr int kBytes = D + 2;
   static constexpr bool kCanonical = false;
   static constexpr bool kSigned = false, kOffset = true, kMin = false;
   using Head = KHead;
   static PM_INLINE Head head(const uint8_t* b) {
-    return {fp16(b + 64), 0.0f, _mm256_set1_epi16(-1), _mm256_set1_epi16(1)};
-  }
-  template <int G>
-  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
-    return crumbs<G>(b);
+    return {fp16(b + D), 0.0f, _mm256_set1_epi16(-1), _mm256_set1_epi16(1)};
   }
   template <int G>
   static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
@@ -166,19 +163,19 @@ struct TQ2_0 {
   }
 };
 
-// TQ1_0, 54 bytes: qs[48], qh[4] (base-3 digits, five per qs byte, four per qh byte), d; w = d * (t - 1).
+// TQ2_0, 66 bytes: qs[64] (a 2-bit t per weight, laid out as Q2_K's), d; t = 3 reads as 2, as in ggml.
+struct TQ2_0 : Ternary<64> {
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
+    return crumbs<G>(b);
+  }
+};
+
+// TQ1_0, 54 bytes: qs[48], qh[4] (base-3 digits t, five per qs byte, four per qh byte), d.
 // A byte holds its digits as a fixed-point fraction: digit n of byte x is (3 * (x * 3^n mod 256)) >> 8.
 // Group G < 5 is digit G of qs[0..31]; groups 5 and 6 are digits 0, 1 and 2, 3 of qs[32..47] (16
 // weights each); group 7 is digit 4 of qs[32..47], then digit n of qh[j] as weight 240 + 4n + j.
-// Digits 0..2 are the weights + 1, taken back out by corr as with TQ2_0.
-struct TQ1_0 {
-  static constexpr int kBytes = 54;
-  static constexpr bool kCanonical = false;
-  static constexpr bool kSigned = false, kOffset = true, kMin = false;
-  using Head = KHead;
-  static PM_INLINE Head head(const uint8_t* b) {
-    return {fp16(b + 52), 0.0f, _mm256_set1_epi16(-1), _mm256_set1_epi16(1)};
-  }
+struct TQ1_0 : Ternary<52> {
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
     if constexpr (G < 5) {
@@ -193,10 +190,6 @@ struct TQ1_0 {
       y = _mm256_blend_epi32(y, times3<2>(z), 0x40);
       return top_digit(_mm256_blend_epi32(y, times3<3>(z), 0x80));
     }
-  }
-  template <int G>
-  static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
-    return h.sc;
   }
 
  private:
