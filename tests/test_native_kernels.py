@@ -24,11 +24,13 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailabl
 
 TYPES = {
     "Q4_K": 12, "Q6_K": 14, "Q8_0": 8, "Q5_K": 13, "Q5_0": 6, "Q4_0": 2, "Q2_K": 10, "Q3_K": 11,
-    "IQ2_XXS": 16, "IQ2_XS": 17, "IQ2_S": 22, "IQ3_XXS": 18, "IQ3_S": 21, "IQ1_S": 19, "IQ1_M": 29, "IQ4_XS": 23, "TQ1_0": 34, "TQ2_0": 35,
+    "IQ2_XXS": 16, "IQ2_XS": 17, "IQ2_S": 22, "IQ3_XXS": 18, "IQ3_S": 21, "IQ1_S": 19, "IQ1_M": 29, "IQ4_XS": 23,
+    "TQ1_0": 34, "TQ2_0": 35,
     "MXFP4": 39, "NVFP4": 40, "IQ4_NL": 20, "Q4_1": 3, "Q5_1": 7, "F16": 1, "BF16": 30, "F32": 0,
 }
 FLOAT_TYPES = {0, 1, 30}
-ACT_BLOCK = {**dict.fromkeys((2, 3, 6, 7, 8, 20, 39, 40), 32), **dict.fromkeys((10, 11, 12, 13, 14, 16, 17, 18, 19, 21, 22, 23, 29, 34, 35), 256)}
+ACT_BLOCK = {**dict.fromkeys((2, 3, 6, 7, 8, 20, 39, 40), 32),
+             **dict.fromkeys((10, 11, 12, 13, 14, 16, 17, 18, 19, 21, 22, 23, 29, 34, 35), 256)}
 TOKENS = (1, 3, 17, 64)
 
 

@@ -64,7 +64,8 @@ PROMPT_LEN, GEN = 24, 16
 SAME_MATH_TOL = 1e-4
 # Tiny model whose rows are 256 wide, so k-quants apply to every 2-D weight but attn_output / k_b / v_b.
 QT = Tiny(hidden=256, moe_ff=256, experts=4, top_k=2, ff=256, vocab=320, yarn_factor=4.0)
-K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.TQ1_0, Q.TQ2_0]
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S,
+           Q.TQ1_0, Q.TQ2_0]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -226,9 +227,10 @@ def test_all_2d_weights_quantized_closer_than_reference(tmp_path: Path, qtype: Q
     20 alone (where llama.cpp's own batched and token-by-token logits differ by 8e-3); other positions
     within 2e-6. Mean |dlogit|, native vs reference: Q4_K 1.1e-7 vs 1.4e-2, Q5_K 1.3e-7 vs 1.4e-2,
     Q6_K 6.6e-5 vs 7.8e-3, Q2_K 2.6e-3 vs 7.4e-3, IQ2_XXS 1.6e-7 vs 1.9e-2,
-    IQ2_XS 7.6e-8 vs 2.5e-2, IQ3_XXS 3.7e-8 vs 1.3e-2, IQ3_S 4.8e-8 vs 9.9e-3, IQ1_S 3.4e-8 vs 4.3e-3, TQ1_0 7.7e-8 vs 6.8e-3, TQ2_0 1.5e-7 vs 1.8e-2, Q8_0 7.4e-3
-    vs 8.7e-3; IQ2_S 2.5e-3 vs 2.5e-2: within 1e-6 up to position 17, then a flip of that kind (seeds 4 and 5 of
-    quantize_2d: within 2e-6 at every position)."""
+    IQ2_XS 7.6e-8 vs 2.5e-2, IQ3_XXS 3.7e-8 vs 1.3e-2, IQ3_S 4.8e-8 vs 9.9e-3, IQ1_S 3.4e-8 vs 4.3e-3,
+    TQ1_0 7.7e-8 vs 6.8e-3, TQ2_0 1.5e-7 vs 1.8e-2, Q8_0 7.4e-3 vs 8.7e-3; IQ2_S 2.5e-3 vs 2.5e-2: within
+    1e-6 up to position 17, then a flip of that kind (seeds 4 and 5 of quantize_2d: within 2e-6 at every
+    position)."""
     path = quantize_2d(qtype, tmp_path)
     c = compare(path, QT.vocab)
     assert c["dn"].mean().item() <= c["dr"].mean().item()

@@ -108,7 +108,8 @@ PM_INLINE void take_offset(__m256i& lo, __m256i& hi, const ActQ8_0& a, int b) {
 }
 
 // One block's scale step for eight rows x one token: the integer dots of the piece's two halves (or
-// lo_dot alone: the whole piece), the weights' scales as scales_of gives them for the piece, the token's scale and s.
+// lo_dot alone: the whole piece), the weights' scales as scales_of gives them for the piece, the token's
+// scale and s.
 template <class Dec>
 PM_INLINE __m256 scale_step(__m256 acc, __m256i lo_dot, __m256i hi_dot, __m256 lo, __m256 hi, float d, float s) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot), _mm256_mul_ps(lo, _mm256_set1_ps(d)), acc);
@@ -224,7 +225,8 @@ __attribute__((noinline)) void fused8(const uint8_t* const (&w)[8], size_t row_b
           pair[p][c] = fold_pair<Dec>(products<Dec>(q0, ac), products<Dec>(q1, ac));
         }
       });
-      if constexpr (piece == 0) sc = scales_of<Dec>(blk);   // after the first piece's loads, as the scales are used
+      // Once per block, after the first piece's weights (before them, MXFP4 and Q4_0 lost 6-8% on Zen 3).
+      if constexpr (piece == 0) sc = scales_of<Dec>(blk);
       for (int c = 0; c < C; ++c) {
         const __m256i h0 = fold_quad<Dec>(pair[0][c], pair[1][c]);
         const __m256i h1 = fold_quad<Dec>(pair[2][c], pair[3][c]);
