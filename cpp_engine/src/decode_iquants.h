@@ -92,12 +92,17 @@ struct IQ2XXS {
   }
 };
 
+// The nibbles of x's low 8 bytes in order, each byte's low nibble then its high nibble: 16 bytes.
+PM_INLINE __m128i split_nibbles(__m128i x) {
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+}
+
 // The head of IQ2_XS / IQ2_S: 8 scale bytes at s, a 4-bit scale per 16 weights (low nibble: weights 0-15 of
 // group g, high: 16-31), w = d * (2s+1)/8 * grid; weights stored + 64.
 PM_INLINE KHead iq2_nibble_head(const uint8_t* b, const uint8_t* s) {
   const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
-  const __m128i m = _mm_set1_epi8(0x0F);
-  const __m128i raw = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+  const __m128i raw = split_nibbles(x);
   const __m128i ls = _mm_add_epi8(_mm_add_epi8(raw, raw), _mm_set1_epi8(1));   // 16 scales in order
   const __m256i corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepu8_epi16(ls), 6));
   return {0.125f * fp16(b), 0.0f, corr, split_scales_i16(ls)};
@@ -177,8 +182,7 @@ struct IQ3S {
       store256(h.idx + 16 * J, _mm256_or_si256(_mm256_cvtepu8_epi16(load128(b + 2 + 16 * J)), top));
     });
     const __m128i x = _mm_cvtsi32_si128(static_cast<int>(load_u32(b + 106)));   // group g: nibble g % 2 of byte g / 2
-    const __m128i m = _mm_set1_epi8(0x0F);
-    const __m128i s = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m)));
+    const __m128i s = _mm_cvtepu8_epi16(split_nibbles(x));
     static_cast<SignHead&>(h) = with_signs(odd_scale_head<4>(fp16(b), s), load256(b + 74));
     return h;
   }
@@ -323,8 +327,7 @@ struct IQ4XS {
     // Scale j: nibble j % 2 of scales_l[j / 2] | bits 2j, 2j+1 of scales_h << 4, minus 32; the two bits
     // move to bits 14-15 of lane j by a multiply (2^(14-2j)), then down to 4-5.
     const __m128i l = _mm_cvtsi32_si128(static_cast<int>(load_u32(b + 4)));
-    const __m128i m = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(l, m), _mm_and_si128(_mm_srli_epi16(l, 4), m)));
+    const __m128i low = _mm_cvtepu8_epi16(split_nibbles(l));
     const __m128i sh = _mm_set1_epi16(static_cast<int16_t>(load_u16(b + 2)));
     const __m128i top = _mm_srli_epi16(
         _mm_mullo_epi16(sh, _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4, 1 << 2, 1)), 14);
