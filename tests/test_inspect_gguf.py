@@ -10,6 +10,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from pocketmoe import native
 from pocketmoe.cli_util import EXIT_USER_ERROR, EXIT_VALIDATION, run_cli, sizes, table
@@ -87,27 +88,35 @@ def test_text_summary_is_the_default(files, capsys) -> None:
 
 @pytest.mark.skipif(not native.available(), reason="native kernels")
 def test_summary_names_the_weight_types_without_kernels(files, tmp_path: Path, capsys, monkeypatch) -> None:
-    """TQ1_0 has a native CPU kernel but no CUDA one: the summary counts its matrices under CUDA; under a build
-    whose CPU kernels lacked it, under the CPU too. Q1_0 has no native kernel, and the kernels refuse it."""
+    """TQ1_0 has a native CPU kernel and a CUDA one; under a build whose kernels lacked it, the summary counts
+    its matrices under each backend. Q1_0 has no native kernel, and the kernels refuse it."""
+    from pocketmoe.ops.cuda import matmul
+
     (tq1,) = write_fixture("deepseek2", "tiny", "TQ1_0", tmp_path / "tq1.gguf")
     mats = [t for t in gguf.GGUFReader(tq1).tensors if t.tensor_type.name == "TQ1_0" and len(t.shape) >= 2]
     want = {"TQ1_0": {"tensors": len(mats), "bytes": sum(int(t.n_bytes) for t in mats)}}
     assert mats
     code, out, _ = in_process(capsys, "--gguf-path", str(tq1), "--summary", "--json")
     kernels = json.loads(out)["summary"]["kernels"]
-    assert code == 0 and kernels["native_cpu"]["missing"] == {} and kernels["cuda"]["missing"] == want
+    assert code == 0 and kernels["native_cpu"]["missing"] == {} and kernels["cuda"]["missing"] == {}
     code, out, _ = in_process(capsys, "--gguf-path", str(tq1))
-    assert "Native CPU kernels: every weight type has one." in out
-    assert f"CUDA kernels: none for TQ1_0 ({len(mats)} tensors" in out
+    assert "Native CPU kernels: every weight type has one." in out and "CUDA kernels: every weight type has one." in out
     without = native.supported_types() - {34}
-    with monkeypatch.context() as m:   # a build whose CPU kernels lack TQ1_0
+    with monkeypatch.context() as m:   # a build whose CPU and CUDA kernels lack TQ1_0
         m.setattr(native, "supported_types", lambda: without)
+        m.delitem(matmul.KERNELS, 34)
         code, out, _ = in_process(capsys, "--gguf-path", str(tq1), "--summary", "--json")
-        assert json.loads(out)["summary"]["kernels"]["native_cpu"]["missing"] == want
+        kernels = json.loads(out)["summary"]["kernels"]
+        assert kernels["native_cpu"]["missing"] == want and kernels["cuda"]["missing"] == want
         code, out, _ = in_process(capsys, "--gguf-path", str(tq1))
         assert f"Native CPU kernels: none for TQ1_0 ({len(mats)} tensors" in out
+        assert f"CUDA kernels: none for TQ1_0 ({len(mats)} tensors" in out
+    assert 34 in matmul.KERNELS
+    q1 = random_blocks(41, (4, 128), np.random.default_rng(0))
     with pytest.raises(native.NativeKernelError, match="no native kernel"):
-        native.gemm(random_blocks(41, (4, 128), np.random.default_rng(0)), 41, np.zeros((1, 128), np.float32))
+        native.gemm(q1, 41, np.zeros((1, 128), np.float32))
+    with pytest.raises(matmul.CudaMatmulError, match="no CUDA matmul kernel"):
+        matmul.gemv(lambda *_: pytest.fail("launched"), torch.from_numpy(q1), 41, 128, [])
     code, out, _ = in_process(capsys, "--gguf-path", str(files["good"]))
     assert "Native CPU kernels: every weight type has one." in out and "CUDA kernels: every weight type has one." in out
 

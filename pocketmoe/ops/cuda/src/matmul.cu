@@ -147,6 +147,16 @@ extern "C" __global__ void gemv_iq4_xs(const uint8_t* w, const int8_t* xq, const
   pmq::gemv_q<pmq::IQ4XS>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
+extern "C" __global__ void gemv_tq2_0(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                     float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::TQ20>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
+extern "C" __global__ void gemv_tq1_0(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
+                                     float* y, int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::TQ10>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
 extern "C" __global__ void gemv_f32(const uint8_t* w, const float* x, float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_f<pmq::F32>(w, x, y, rows, cols, n_tokens);
 }
@@ -306,6 +316,20 @@ extern "C" __global__ void moe_gemm_iq4_xs(const uint8_t* const* experts, const 
                                           const float* xd, const int16_t* xs, float* y, int rows, int cols,
                                           int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::IQ4XS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_tq2_0(const uint8_t* const* experts, const int32_t* offsets,
+                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                         int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::TQ20>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_tq1_0(const uint8_t* const* experts, const int32_t* offsets,
+                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
+                                         int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::TQ10>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_f32(const uint8_t* const* experts, const int32_t* offsets,

@@ -10,9 +10,10 @@
 //     min * s, s the activation block's fp16-rounded scaled sum (llama.cpp's Q8_1 s; matmul.cu).
 //   64-value blocks with a scale per 16 (NVFP4), read in 32-value halves h (0, 1) under Q8_0 activations:
 //     scales(b, h, d) gives the scales of the half's two 16s, quants(b, h, q) its 32 weights; w = d[k] * q.
-//   256-value super-blocks (k-quants, IQ types): head(b, d, dmin), group(b, g, q, sc, mn) for the 32 weights
-//     of group g (0..7), one scale per 16 weights (sc[0], sc[1]) and, where the type has mins (kMin), one
-//     min per 16 (mn[]); w = d * sc * q + dmin * mn (dmin holds the negated min scale, as in kfamily.h).
+//   256-value super-blocks (k-quants, IQ types, TQ2_0 / TQ1_0): head(b, d, dmin), group(b, g, q, sc, mn) for
+//     the 32 weights of group g (0..7), one scale per 16 weights (sc[0], sc[1]) and, where the type has mins
+//     (kMin), one min per 16 (mn[]); w = d * sc * q + dmin * mn (dmin holds the negated min scale, as in
+//     kfamily.h).
 //   Float rows (F32, F16, BF16): load(row, i).
 // Alignment: rows of Q4_1, Q5_1, NVFP4, Q4_K, Q5_K, Q2_K, IQ1_M, IQ4_XS and F32 start 4-byte aligned; every
 // other type but MXFP4 (any alignment) needs 2 bytes. Row starts of [rows, row_bytes] matrices keep that by

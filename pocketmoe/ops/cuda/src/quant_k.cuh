@@ -1,4 +1,5 @@
-// Decoders of the k-quant super-blocks (Q2_K..Q6_K); the interface is described in quant.cuh.
+// Decoders of the k-quant super-blocks (Q2_K..Q6_K) and of the ternary ones (TQ2_0, TQ1_0: one scale per
+// super-block, read as sc = 1 per 16); the interface is described in quant.cuh.
 #pragma once
 
 // Included by quant.cuh (after its helpers), not on its own.
@@ -121,6 +122,64 @@ struct Q6K {
     const int8_t* s = reinterpret_cast<const int8_t*>(b + 192 + 8 * half + 2 * sub);
     sc[0] = s[0];
     sc[1] = s[1];
+    mn[0] = mn[1] = 0;
+  }
+};
+
+// ---- ternary super-blocks: w = d * (t - 1), t in 0..2 ----
+
+// TQ2_0, 66 bytes: qs[64], d; t in bits 2j of qs[32h + l] for weight 128h + 32j + l (t = 3 reads as 2, as gguf
+// and llama.cpp read it).
+struct TQ20 {
+  static constexpr int kValues = 256;
+  static constexpr int kBytes = 66;
+  static constexpr bool kMin = false;
+  static __device__ __forceinline__ void head(const uint8_t* b, float& d, float& dmin) {
+    d = ld_fp16(b + 64);
+    dmin = 0.0f;
+  }
+  static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
+    unpack_group<true, 0x03030303u, 0, 0, 1>(b + 32 * (g / 4), 2 * (g % 4), nullptr, 0, q);
+    sc[0] = sc[1] = 1;
+    mn[0] = mn[1] = 0;
+  }
+};
+
+// Base-3 digit n of each byte of x, t = (uint8(x * 3^n) * 3) >> 8 (as ggml dequantizes TQ1_0), biased to t - 1 as
+// signed bytes. Even and odd bytes go through the multiplies in 16-bit lanes (255 * 81 * 3 < 2^16: no lane carries
+// into the next).
+__device__ __forceinline__ int ternary_digits(uint32_t x, int n) {
+  const uint32_t p = n == 0 ? 1u : n == 1 ? 3u : n == 2 ? 9u : n == 3 ? 27u : 81u;
+  const uint32_t even = ((x & 0x00FF00FFu) * p) & 0x00FF00FFu, odd = (((x >> 8) & 0x00FF00FFu) * p) & 0x00FF00FFu;
+  return to_signed((((even * 3) >> 8) & 0x00030003u) | ((odd * 3) & 0x03000300u), 1);
+}
+
+// TQ1_0, 54 bytes: qs[48], qh[4], d; five base-3 digits per qs byte, four per qh byte, digit n of qs[l] (l < 32)
+// is weight 32n + l, of qs[32 + l] (l < 16) weight 160 + 16n + l, of qh[j] weight 240 + 4n + j.
+struct TQ10 {
+  static constexpr int kValues = 256;
+  static constexpr int kBytes = 54;
+  static constexpr bool kMin = false;
+  static __device__ __forceinline__ void head(const uint8_t* b, float& d, float& dmin) {
+    d = ld_fp16(b + 52);
+    dmin = 0.0f;
+  }
+  // Groups 0-4: digit g of qs[0..31]; 5, 6: digits 2g - 10 and 2g - 9 of qs[32..47]; 7: digit 4 of qs[32..47],
+  // then digits 0-3 of qh.
+  static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
+    if (g < 5) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) q[k] = ternary_digits(ld_u32_a2(b + 4 * k), g);
+    } else {
+      const int n = g < 7 ? 2 * g - 10 : 4;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) q[k] = ternary_digits(ld_u32_a2(b + 32 + 4 * k), n);
+      const uint32_t qh = ld_u32_a2(b + 48);
+#pragma unroll
+      for (int k = 4; k < 8; ++k)
+        q[k] = ternary_digits(g < 7 ? ld_u32_a2(b + 32 + 4 * (k - 4)) : qh, g < 7 ? n + 1 : k - 4);
+    }
+    sc[0] = sc[1] = 1;
     mn[0] = mn[1] = 0;
   }
 };
