@@ -126,22 +126,30 @@ struct Q6K {
   }
 };
 
-// ---- ternary super-blocks: w = d * (t - 1), t in 0..2 ----
+// ---- ternary super-blocks: w = d * (t - 1), t in 0..2; d in the block's last two bytes ----
+
+template <int Bytes>
+struct Ternary {
+  static constexpr int kValues = 256;
+  static constexpr int kBytes = Bytes;
+  static constexpr bool kMin = false;
+  static __device__ __forceinline__ void head(const uint8_t* b, float& d, float& dmin) {
+    d = ld_fp16(b + Bytes - 2);
+    dmin = 0.0f;
+  }
+  // One scale per super-block: both 16s of every group at 1, no mins.
+  static __device__ __forceinline__ void unit_scales(int (&sc)[2], int (&mn)[2]) {
+    sc[0] = sc[1] = 1;
+    mn[0] = mn[1] = 0;
+  }
+};
 
 // TQ2_0, 66 bytes: qs[64], d; t in bits 2j of qs[32h + l] for weight 128h + 32j + l (t = 3 reads as 2, as gguf
 // and llama.cpp read it).
-struct TQ20 {
-  static constexpr int kValues = 256;
-  static constexpr int kBytes = 66;
-  static constexpr bool kMin = false;
-  static __device__ __forceinline__ void head(const uint8_t* b, float& d, float& dmin) {
-    d = ld_fp16(b + 64);
-    dmin = 0.0f;
-  }
+struct TQ20 : Ternary<66> {
   static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
     unpack_group<true, 0x03030303u, 0, 0, 1>(b + 32 * (g / 4), 2 * (g % 4), nullptr, 0, q);
-    sc[0] = sc[1] = 1;
-    mn[0] = mn[1] = 0;
+    unit_scales(sc, mn);
   }
 };
 
@@ -156,14 +164,7 @@ __device__ __forceinline__ int ternary_digits(uint32_t x, int n) {
 
 // TQ1_0, 54 bytes: qs[48], qh[4], d; five base-3 digits per qs byte, four per qh byte, digit n of qs[l] (l < 32)
 // is weight 32n + l, of qs[32 + l] (l < 16) weight 160 + 16n + l, of qh[j] weight 240 + 4n + j.
-struct TQ10 {
-  static constexpr int kValues = 256;
-  static constexpr int kBytes = 54;
-  static constexpr bool kMin = false;
-  static __device__ __forceinline__ void head(const uint8_t* b, float& d, float& dmin) {
-    d = ld_fp16(b + 52);
-    dmin = 0.0f;
-  }
+struct TQ10 : Ternary<54> {
   // Groups 0-4: digit g of qs[0..31]; 5, 6: digits 2g - 10 and 2g - 9 of qs[32..47]; 7: digit 4 of qs[32..47],
   // then digits 0-3 of qh.
   static __device__ __forceinline__ void group(const uint8_t* b, int g, int (&q)[8], int (&sc)[2], int (&mn)[2]) {
@@ -179,8 +180,7 @@ struct TQ10 {
       for (int k = 4; k < 8; ++k)
         q[k] = ternary_digits(g < 7 ? ld_u32_a2(b + 32 + 4 * (k - 4)) : qh, g < 7 ? n + 1 : k - 4);
     }
-    sc[0] = sc[1] = 1;
-    mn[0] = mn[1] = 0;
+    unit_scales(sc, mn);
   }
 };
 
