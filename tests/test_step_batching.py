@@ -107,11 +107,13 @@ def test_step_errors(model: Path) -> None:
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels")
-@pytest.mark.parametrize("preset,quant", [("tiny", "Q4_K_M"), ("tiny-legacy", "Q8_0"), ("tiny-qlora", "F32")])
-def test_recorded_steps_replay_bitwise(tmp_path, preset: str, quant: str) -> None:
-    """Steps whose every token wants logits run as one recorded native call after the first; the logits are
-    bitwise those of the same steps run op by op, over the mixed schedule (the decode steps are replayed)."""
-    (path,) = write_fixture("deepseek2", preset, quant, tmp_path / "m.gguf", seed=7)
+@pytest.mark.parametrize("arch,preset,quant", [("deepseek2", "tiny", "Q4_K_M"), ("deepseek2", "tiny-legacy", "Q8_0"),
+                                               ("deepseek2", "tiny-qlora", "F32"), ("minimax-m2", "tiny", "Q4_K_M")])
+def test_recorded_steps_replay_bitwise(tmp_path, arch: str, preset: str, quant: str) -> None:
+    """Steps whose every token wants logits run as one recorded native call after the first (MLA or GQA
+    attention); the logits are bitwise those of the same steps run op by op, over the mixed schedule (the decode
+    steps are replayed)."""
+    (path,) = write_fixture(arch, preset, quant, tmp_path / "m.gguf", seed=7)
     runs = {}
     for replay in (True, False):
         r = ModelRunner(open_bundle(path), RunnerConfig(n_ctx=64, backend="native", max_seqs=3))

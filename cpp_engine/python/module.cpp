@@ -574,11 +574,11 @@ py::object moe_sublayer_py(const MoESublayerHandle& h, const py::array& xn, cons
 // are what the model called through the ops when it was recorded (pocketmoe/ops/cpu.py); nothing in here
 // knows an architecture. Bitwise what the same calls made one at a time give.
 struct ProgramSublayer {
-  enum Kind { kMLA = 0, kFFN = 1, kMoE = 2 } kind;
-  py::object op;                 // the MLASublayer / FFNSublayer / MoESublayer handle
+  enum Kind { kMLA = 0, kFFN = 1, kMoE = 2, kGQA = 3 } kind;
+  py::object op;                 // the MLASublayer / FFNSublayer / MoESublayer / GQASublayer handle
   const float* norm = nullptr;   // the next sublayer's norm weight (null: the last sublayer)
   float eps = 0.0f;
-  int layer = 0;                 // MLA: the cache layer it reads and writes
+  int layer = 0;                 // MLA, GQA: the cache layer it reads and writes
 };
 
 struct StepProgramHandle {
@@ -607,11 +607,11 @@ StepProgramHandle make_step_program(const py::object& embed, const py::array& fi
     if (t.size() != 5) throw py::value_error("a sublayer is (kind, op, norm, eps, layer)");
     ProgramSublayer sub;
     const int kind = t[0].cast<int>();
-    if (kind < 0 || kind > 2) throw py::value_error("sublayer kind " + std::to_string(kind) + " is not 0, 1 or 2");
+    if (kind < 0 || kind > 3) throw py::value_error("sublayer kind " + std::to_string(kind) + " is not 0, 1, 2 or 3");
     sub.kind = static_cast<ProgramSublayer::Kind>(kind);
     sub.op = t[1].cast<py::object>();
     if ((kind == 0 && !py::isinstance<MLASublayerHandle>(sub.op)) || (kind == 1 && !py::isinstance<FFNSublayerHandle>(sub.op)) ||
-        (kind == 2 && !py::isinstance<MoESublayerHandle>(sub.op)))
+        (kind == 2 && !py::isinstance<MoESublayerHandle>(sub.op)) || (kind == 3 && !py::isinstance<GQASublayerHandle>(sub.op)))
       throw py::value_error("sublayer handle does not match its kind");
     sub.norm = kept_vector(t[2].cast<py::object>(), "norm", d, h.keep);
     sub.eps = t[3].cast<float>();
@@ -623,7 +623,8 @@ StepProgramHandle make_step_program(const py::object& embed, const py::array& fi
 
 // The program's arithmetic (no Python objects touched: it runs without the GIL).
 void run_program(const StepProgramHandle& h, const std::vector<const MLASublayerHandle*>& mla,
-                 const std::vector<const MoESublayerHandle*>& moe, const std::vector<std::array<const Weight*, 3>>& ffn,
+                 const std::vector<const GQASublayerHandle*>& gqa, const std::vector<const MoESublayerHandle*>& moe,
+                 const std::vector<std::array<const Weight*, 3>>& ffn,
                  const Weight& emb, const Weight& head, const int32_t* tp, int nt, const float* cp, const float* sp,
                  float* cache0, py::ssize_t rows, py::ssize_t w, const KVLayout& layout, float* lp) {
   const int d = emb.cols;
@@ -637,9 +638,13 @@ void run_program(const StepProgramHandle& h, const std::vector<const MLASublayer
   for (size_t i = 0; i < h.subs.size(); ++i) {
     const ProgramSublayer& sub = h.subs[i];
     const Residual res{x, sub.norm, sub.eps, next};
-    if (sub.kind == ProgramSublayer::kMLA) {
+    if (sub.kind == ProgramSublayer::kMLA || sub.kind == ProgramSublayer::kGQA) {
       float* layer_cache = cache0 + static_cast<size_t>(sub.layer) * rows * w;
-      mla_sublayer(mla[i]->shape, mla[i]->w, xn, cp, sp, layer_cache, layout, nt, res);
+      if (sub.kind == ProgramSublayer::kMLA) {
+        mla_sublayer(mla[i]->shape, mla[i]->w, xn, cp, sp, layer_cache, layout, nt, res);
+      } else {
+        gqa_sublayer(gqa[i]->shape, gqa[i]->w, xn, cp, sp, layer_cache, layout, nt, res);
+      }
     } else if (sub.kind == ProgramSublayer::kFFN) {
       ffn_sublayer(*ffn[i][0], *ffn[i][1], *ffn[i][2], xn, nt, res);
     } else {
@@ -668,6 +673,7 @@ py::array_t<float> step_program_py(const StepProgramHandle& h, const py::array& 
   const float *cp = nullptr, *sp = nullptr;
   // Every handle resolved while the GIL is held.
   std::vector<const MLASublayerHandle*> mla(h.subs.size(), nullptr);
+  std::vector<const GQASublayerHandle*> gqa(h.subs.size(), nullptr);
   std::vector<const MoESublayerHandle*> moe(h.subs.size(), nullptr);
   std::vector<std::array<const Weight*, 3>> ffn(h.subs.size(), {nullptr, nullptr, nullptr});
   for (size_t i = 0; i < h.subs.size(); ++i) {
@@ -677,12 +683,22 @@ py::array_t<float> step_program_py(const StepProgramHandle& h, const py::array& 
                 &f.down.cast<const WeightHandle&>().w};
     }
     if (h.subs[i].kind == ProgramSublayer::kMoE) moe[i] = &h.subs[i].op.cast<const MoESublayerHandle&>();
-    if (h.subs[i].kind != ProgramSublayer::kMLA) continue;
-    mla[i] = &h.subs[i].op.cast<const MLASublayerHandle&>();
-    const MLAShape& sh = mla[i]->shape;
-    if (sh.kv_lora + sh.qk_rope != w || h.subs[i].layer < 0 || h.subs[i].layer >= n_layers)
+    // An attention sublayer: its cache rows (width) and rope width, as its own call checks them.
+    int width = 0, rot = 0;
+    if (h.subs[i].kind == ProgramSublayer::kMLA) {
+      mla[i] = &h.subs[i].op.cast<const MLASublayerHandle&>();
+      const MLAShape& sh = mla[i]->shape;
+      width = sh.kv_lora + sh.qk_rope, rot = sh.qk_rope;
+    } else if (h.subs[i].kind == ProgramSublayer::kGQA) {
+      gqa[i] = &h.subs[i].op.cast<const GQASublayerHandle&>();
+      const GQAShape& sh = gqa[i]->shape;
+      width = sh.n_head_kv * (sh.head_dim + sh.v_dim), rot = sh.rot;
+    } else {
+      continue;
+    }
+    if (width != w || h.subs[i].layer < 0 || h.subs[i].layer >= n_layers)
       throw py::value_error("the cache does not match the recorded attention layers");
-    cp = rows_of(cos2, "cos2", sh.qk_rope).data(), sp = rows_of(sin2, "sin2", sh.qk_rope).data();
+    cp = rows_of(cos2, "cos2", rot).data(), sp = rows_of(sin2, "sin2", rot).data();
   }
   if (cp && (cos2.shape(0) != n || sin2.shape(0) != n)) throw py::value_error("cos2 and sin2 need one row per token");
   auto tb = checked<int32_t>(table, "page_table", 2);
@@ -696,7 +712,7 @@ py::array_t<float> step_program_py(const StepProgramHandle& h, const py::array& 
   const int nt = static_cast<int>(n);
   {
     py::gil_scoped_release release;
-    run_program(h, mla, moe, ffn, emb, head, tp, nt, cp, sp, cache0, rows, w, layout, lp);
+    run_program(h, mla, gqa, moe, ffn, emb, head, tp, nt, cp, sp, cache0, rows, w, layout, lp);
   }
   return logits;
 }

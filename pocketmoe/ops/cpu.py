@@ -259,11 +259,13 @@ class NativeOps(NativeDeepSeek4Ops):
                 None if attn.k_norm is None else attn.k_norm.numpy(), attn.eps) if all(
                 h is not False for h in ws) else False
         step = self._step_args(ctx)
-        self._record("other")  # a step program replays MLA sublayers only
         if op is False or step is None or not x.is_cpu:
+            self._record("other")
             return super().gqa_sublayer(attn, x, ctx, layer, residual)
         cos2, sin2, layers, *kv = step
-        return _tensor(op(_np(x), *self._residual(residual), cos2, sin2, layers[layer], *kv))
+        y = _tensor(op(_np(x), *self._residual(residual), cos2, sin2, layers[layer], *kv))
+        self._record("gqa", op, x, residual.x, residual.norm, residual.eps, layer, y)
+        return y
 
     def _mla_shape(self, attn: MLAttention) -> object:
         if attn.native is None:
@@ -388,7 +390,7 @@ class NativeOps(NativeDeepSeek4Ops):
 
 
 # Sublayer kinds as StepProgram numbers them.
-_SUBLAYER_KINDS = {"mla": 0, "ffn": 1, "moe": 2}
+_SUBLAYER_KINDS = {"mla": 0, "ffn": 1, "moe": 2, "gqa": 3}
 
 
 def _tensor(y: np.ndarray | None) -> torch.Tensor | None:
