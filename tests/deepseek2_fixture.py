@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from pocketmoe.specs.deepseek2 import DeepSeek2Config
@@ -118,16 +116,17 @@ def write_gguf(path: Path, cfg: DeepSeek2Config, tensors: dict[str, torch.Tensor
 def quantize_experts(model: torch.nn.Module, t: Tiny, ggml_type: int, seed: int = 0
                      ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Random valid `ggml_type` blocks for every routed expert; the HF model gets gguf.quants.dequantize
-    of exactly those blocks. Returns the blocks by GGUF name and their types."""
+    (testing.dequant: Q1_0 by its formula) of exactly those blocks. Returns the blocks by GGUF name and their
+    types."""
     from pocketmoe.quant.quantize import random_blocks
+    from pocketmoe.testing.dequant import dequantize_reference
 
     rng = np.random.default_rng(seed)
-    qtype = GGMLQuantizationType(ggml_type)
     blocks: dict[str, np.ndarray] = {}
 
     def make(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         blocks[name] = random_blocks(ggml_type, shape, rng)
-        deq = gguf.quants.dequantize(blocks[name], qtype).reshape(shape)
+        deq = dequantize_reference(blocks[name], ggml_type).reshape(shape)
         return torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
 
     with torch.no_grad():

@@ -89,7 +89,7 @@ def test_text_summary_is_the_default(files, capsys) -> None:
 @pytest.mark.skipif(not native.available(), reason="native kernels")
 def test_summary_names_the_weight_types_without_kernels(files, tmp_path: Path, capsys, monkeypatch) -> None:
     """TQ1_0 has a native CPU kernel and a CUDA one; under a build whose kernels lacked it, the summary counts
-    its matrices under each backend. Q1_0 has no native kernel, and the kernels refuse it."""
+    its matrices under each backend. A type with no kernel (Q8_K, activations only) is refused by both."""
     from pocketmoe.ops.cuda import matmul
 
     (tq1,) = write_fixture("deepseek2", "tiny", "TQ1_0", tmp_path / "tq1.gguf")
@@ -112,11 +112,11 @@ def test_summary_names_the_weight_types_without_kernels(files, tmp_path: Path, c
         assert f"Native CPU kernels: none for TQ1_0 ({len(mats)} tensors" in out
         assert f"CUDA kernels: none for TQ1_0 ({len(mats)} tensors" in out
     assert 34 in matmul.KERNELS
-    q1 = random_blocks(41, (4, 128), np.random.default_rng(0))
+    q8k = random_blocks(15, (4, 256), np.random.default_rng(0))
     with pytest.raises(native.NativeKernelError, match="no native kernel"):
-        native.gemm(q1, 41, np.zeros((1, 128), np.float32))
+        native.gemm(q8k, 15, np.zeros((1, 256), np.float32))
     with pytest.raises(matmul.CudaMatmulError, match="no CUDA matmul kernel"):
-        matmul.gemv(lambda *_: pytest.fail("launched"), torch.from_numpy(q1), 41, 128, [])
+        matmul.gemv(lambda *_: pytest.fail("launched"), torch.from_numpy(q8k), 15, 256, [])
     code, out, _ = in_process(capsys, "--gguf-path", str(files["good"]))
     assert "Native CPU kernels: every weight type has one." in out and "CUDA kernels: every weight type has one." in out
 

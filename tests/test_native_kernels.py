@@ -1,4 +1,5 @@
-"""Native CPU kernels (pocketmoe.native) against gguf.quants.dequantize + float64 numpy matmuls."""
+"""Native CPU kernels (pocketmoe.native) against gguf.quants.dequantize (Q1_0: its block formula) + float64 numpy
+matmuls."""
 
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ import time
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
 
 from pocketmoe import native
 from pocketmoe.quant.quantize import quantize, random_blocks
 from pocketmoe.testing.cuda_matmul import block_mins, quantize_model
+from pocketmoe.testing.dequant import dequantize_reference
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=native.unavailable_reason())
 
@@ -26,10 +26,10 @@ TYPES = {
     "Q4_K": 12, "Q6_K": 14, "Q8_0": 8, "Q5_K": 13, "Q5_0": 6, "Q4_0": 2, "Q2_K": 10, "Q3_K": 11,
     "IQ2_XXS": 16, "IQ2_XS": 17, "IQ2_S": 22, "IQ3_XXS": 18, "IQ3_S": 21, "IQ1_S": 19, "IQ1_M": 29, "IQ4_XS": 23,
     "TQ1_0": 34, "TQ2_0": 35,
-    "MXFP4": 39, "NVFP4": 40, "IQ4_NL": 20, "Q4_1": 3, "Q5_1": 7, "F16": 1, "BF16": 30, "F32": 0,
+    "MXFP4": 39, "NVFP4": 40, "IQ4_NL": 20, "Q4_1": 3, "Q5_1": 7, "Q1_0": 41, "F16": 1, "BF16": 30, "F32": 0,
 }
 FLOAT_TYPES = {0, 1, 30}
-ACT_BLOCK = {**dict.fromkeys((2, 3, 6, 7, 8, 20, 39, 40), 32),
+ACT_BLOCK = {**dict.fromkeys((2, 3, 6, 7, 8, 20, 39, 40, 41), 32),
              **dict.fromkeys((10, 11, 12, 13, 14, 16, 17, 18, 19, 21, 22, 23, 29, 34, 35), 256)}
 TOKENS = (1, 3, 17, 64)
 
@@ -42,7 +42,7 @@ def restore_threads():
 
 
 def dequant(raw: np.ndarray, ggml_type: int) -> np.ndarray:
-    return gguf_dequantize(raw, GGMLQuantizationType(ggml_type)).astype(np.float64)
+    return dequantize_reference(raw, ggml_type).astype(np.float64)
 
 
 def cols_for(ggml_type: int) -> int:
@@ -377,7 +377,7 @@ def test_errors_are_clear() -> None:
     w = random_blocks(12, (4, 256), rng)
     x = np.zeros((1, 256), np.float32)
     with pytest.raises(native.NativeKernelError, match="no native kernel"):
-        native.gemm(random_blocks(41, (4, 128), rng), 41, x[:, :128])   # Q1_0
+        native.gemm(random_blocks(15, (4, 256), rng), 15, x)   # Q8_K: activations only
     with pytest.raises(native.NativeKernelError, match="bytes"):
         native.gemm(w, 12, np.zeros((1, 512), np.float32))
     with pytest.raises(native.NativeKernelError, match="contiguous"):

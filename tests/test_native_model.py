@@ -14,6 +14,7 @@ differ only by float summation order. Measured on these fixtures (mean / max |dl
   TQ1_0                         4.2e-7 / 2.7e-6     1.3e-3 / 7.3e-3
   TQ2_0                         4.2e-7 / 2.7e-6     1.0e-3 / 1.2e-2
   Q8_0                          4.2e-7 / 2.9e-6     6.7e-4 / 4.4e-3
+  Q1_0 (128-value blocks)       4.2e-7 / 2.5e-6     3.4e-4 / 2.4e-3
   all 2-D weights Q4_K          1.1e-7 / 1.4e-6     1.4e-2 / 3.8e-1
   (with quantized layers chained, a value within float noise of a rounding boundary can round
   differently in either engine: all-2-D Q2_K / Q6_K show such flips, see that test's docstring)
@@ -66,6 +67,8 @@ SAME_MATH_TOL = 1e-4
 QT = Tiny(hidden=256, moe_ff=256, experts=4, top_k=2, ff=256, vocab=320, yarn_factor=4.0)
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S,
            Q.TQ1_0, Q.TQ2_0]
+# The types held to llama.cpp: the 256-value ones and two on Q8_0 activations (Q1_0: 128-value blocks).
+PARITY_TYPES = [*K_TYPES, Q.Q8_0, Q.Q1_0]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -167,7 +170,7 @@ def qexperts(tmp_path_factory) -> dict[Q, Path]:
     """Tiny HF-initialised models whose routed experts are random valid blocks of each type."""
     d = tmp_path_factory.mktemp("native_qexp")
     out = {}
-    for qtype in [*K_TYPES, Q.Q8_0]:
+    for qtype in PARITY_TYPES:
         model = hf_model(QT, seed=5)
         blocks, types = quantize_experts(model, QT, int(qtype), seed=11)
         out[qtype] = write_gguf(d / f"{qtype.name}.gguf", ds2_config(QT), gguf_state_dict(model, QT), blocks, types)
@@ -175,7 +178,7 @@ def qexperts(tmp_path_factory) -> dict[Q, Path]:
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("qtype", [*K_TYPES, Q.Q8_0], ids=[q.name for q in [*K_TYPES, Q.Q8_0]])
+@pytest.mark.parametrize("qtype", PARITY_TYPES, ids=[q.name for q in PARITY_TYPES])
 def test_quantized_experts_closer_than_reference(qexperts, qtype: Q) -> None:
     c = compare(qexperts[qtype], QT.vocab)
     assert c["dn"].mean().item() <= c["dr"].mean().item()
@@ -184,7 +187,7 @@ def test_quantized_experts_closer_than_reference(qexperts, qtype: Q) -> None:
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("qtype", [*K_TYPES, Q.Q8_0], ids=[q.name for q in [*K_TYPES, Q.Q8_0]])
+@pytest.mark.parametrize("qtype", PARITY_TYPES, ids=[q.name for q in PARITY_TYPES])
 def test_quantized_experts_same_math_as_llamacpp(qexperts, qtype: Q) -> None:
     """The kernels' math, with attention in torch between them.
 
@@ -206,7 +209,7 @@ def quantize_2d(qtype: Q, tmp: Path, seed: int = 3) -> Path:
     blocks, types = quantize_experts(model, QT, int(qtype), seed=11)
     sd = gguf_state_dict(model, QT)
     rng = np.random.default_rng(seed)
-    block = 32 if qtype == Q.Q8_0 else 256
+    block = {Q.Q8_0: 32, Q.Q1_0: 128}.get(qtype, 256)
     for name, w in sd.items():
         if w.ndim == 2 and w.shape[-1] % block == 0 and name not in blocks and "gate_inp" not in name:
             blocks[name] = random_blocks(int(qtype), tuple(w.shape), rng)
@@ -215,7 +218,7 @@ def quantize_2d(qtype: Q, tmp: Path, seed: int = 3) -> Path:
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("qtype", [*K_TYPES, Q.Q8_0], ids=[q.name for q in [*K_TYPES, Q.Q8_0]])
+@pytest.mark.parametrize("qtype", PARITY_TYPES, ids=[q.name for q in PARITY_TYPES])
 def test_all_2d_weights_quantized_closer_than_reference(tmp_path: Path, qtype: Q) -> None:
     """Attention projections, dense FFN, shared and routed experts, embedding and head quantized.
 
@@ -228,7 +231,7 @@ def test_all_2d_weights_quantized_closer_than_reference(tmp_path: Path, qtype: Q
     within 2e-6. Mean |dlogit|, native vs reference: Q4_K 1.1e-7 vs 1.4e-2, Q5_K 1.3e-7 vs 1.4e-2,
     Q6_K 6.6e-5 vs 7.8e-3, Q2_K 2.6e-3 vs 7.4e-3, IQ2_XXS 1.6e-7 vs 1.9e-2,
     IQ2_XS 7.6e-8 vs 2.5e-2, IQ3_XXS 3.7e-8 vs 1.3e-2, IQ3_S 4.8e-8 vs 9.9e-3, IQ1_S 3.4e-8 vs 4.3e-3,
-    TQ1_0 7.7e-8 vs 6.8e-3, TQ2_0 1.5e-7 vs 1.8e-2, Q8_0 7.4e-3 vs 8.7e-3; IQ2_S 2.5e-3 vs 2.5e-2: within
+    TQ1_0 7.7e-8 vs 6.8e-3, TQ2_0 1.5e-7 vs 1.8e-2, Q8_0 7.4e-3 vs 8.7e-3, Q1_0 1.3e-4 vs 2.9e-3; IQ2_S 2.5e-3 vs 2.5e-2: within
     1e-6 up to position 17, then a flip of that kind (seeds 4 and 5 of quantize_2d: within 2e-6 at every
     position)."""
     path = quantize_2d(qtype, tmp_path)

@@ -180,6 +180,21 @@ struct NVFP4 {
   }
 };
 
+// Q1_0, 18 bytes per 128 values: d, qs[16] (bit v % 8 of byte v / 8 set: w = d, else -d). Four 32-value
+// pieces per block under the one scale, a float step per piece (per Q8_0 activation block), as llama.cpp's
+// Q1_0 x Q8_0 dot takes them. Weights are 0 or 2 with offset 1.
+struct Q1_0 {
+  static constexpr int kBytes = 18;
+  static constexpr int kPieces = 4;
+  static constexpr bool kHalfScales = false;
+  static constexpr int kOffset = 1;
+  static constexpr bool kMin = false;
+  static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
+  static PM_INLINE __m256i quants(const uint8_t* b, int p) {
+    return _mm256_and_si256(expand_bits(b + 2 + 4 * p), _mm256_set1_epi8(2));
+  }
+};
+
 struct F32 {
   static PM_INLINE __m256 load8(const uint8_t* row, int i) {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);

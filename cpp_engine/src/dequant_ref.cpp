@@ -113,6 +113,12 @@ void nvfp4(const uint8_t* b, float* y) {
   }
 }
 
+// Q1_0: d, qs[16]; bit v % 8 of qs[v / 8] set: w = d, else -d.
+void q1_0(const uint8_t* b, float* y) {
+  const float d = half(b);
+  for (int v = 0; v < 128; ++v) y[v] = (b[2 + v / 8] >> (v % 8)) & 1 ? d : -d;
+}
+
 void q2_k(const uint8_t* b, float* y) {
   const float d = half(b + 80), dmin = half(b + 82);
   for (int v = 0; v < 256; ++v) {
@@ -347,6 +353,7 @@ void dequantize_row(int ggml_type, const uint8_t* src, int n, float* dst) {
     case kQ8_0: block = q8_0; break;
     case kMXFP4: block = mxfp4; break;
     case kNVFP4: block = nvfp4; break;
+    case kQ1_0: block = q1_0; break;
     case kQ2_K: block = q2_k; break;
     case kQ3_K: block = q3_k; break;
     case kTQ1_0: block = tq1_0; break;

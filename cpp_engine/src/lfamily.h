@@ -14,8 +14,8 @@
 // scale step, adds acc = fma(m, s, acc) with the activation block's s = fp16(fp32 d * sum of q), as
 // llama.cpp's Q8_1 activations have it; the CUDA kernels take the same two steps.
 //
-// A block may hold several 32-value pieces (kPieces; NVFP4: 2 per 64-value block); the decoder then
-// takes the piece index. With kHalfScales a piece has a scale per 16 values, and each half gets its
+// A block may hold several 32-value pieces (kPieces; NVFP4: 2 per 64-value block, Q1_0: 4 per 128); the
+// decoder then takes the piece index. With kHalfScales a piece has a scale per 16 values, and each half gets its
 // own float step (first half, then second), from the same integer dots split by 128-bit lane.
 #pragma once
 
@@ -84,13 +84,13 @@ PM_INLINE BlockScales<Dec> scales_of(const uint8_t* const* blk) {
   if constexpr (Dec::kHalfScales) {
     Dec::scales8(blk, s.lo, s.hi);
   } else {
-    static_assert(Dec::kPieces == 1);
     s.lo[0] = Dec::scales8(blk);
     if constexpr (Dec::kMin) {
       s.hi[0] = Dec::mins8(blk);
     } else {
       s.hi[0] = _mm256_setzero_ps();
     }
+    for (int p = 1; p < Dec::kPieces; ++p) s.lo[p] = s.lo[0], s.hi[p] = s.hi[0];   // one scale per block (Q1_0)
   }
   return s;
 }

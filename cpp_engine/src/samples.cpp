@@ -47,7 +47,7 @@ std::vector<uint8_t> random_weight(int ggml_type, int rows, int cols, std::mt199
   for (size_t i = 0; i < n_blocks; ++i) {
     uint8_t* b = &w[i * t.block_bytes];
     switch (ggml_type) {
-      case kQ4_0: case kQ5_0: case kQ8_0: case kIQ2_XXS: case kIQ2_XS: case kIQ2_S: case kIQ3_XXS: case kIQ3_S: case kIQ1_S: case kIQ4_XS: case kIQ4_NL:
+      case kQ4_0: case kQ5_0: case kQ8_0: case kQ1_0: case kIQ2_XXS: case kIQ2_XS: case kIQ2_S: case kIQ3_XXS: case kIQ3_S: case kIQ1_S: case kIQ4_XS: case kIQ4_NL:
         put_u16(b, half_bits(scale(rng)));
         break;
       case kQ4_1: case kQ5_1:

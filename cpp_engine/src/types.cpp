@@ -32,6 +32,7 @@ const TypeInfo kTypes[] = {
     {kBF16, "BF16", 1, 2, ActFormat::kF32},
     {kMXFP4, "MXFP4", 32, 17, ActFormat::kQ8_0},
     {kNVFP4, "NVFP4", 64, 36, ActFormat::kQ8_0},
+    {kQ1_0, "Q1_0", 128, 18, ActFormat::kQ8_0},
     {kIQ4_NL, "IQ4_NL", 32, 18, ActFormat::kQ8_0},
 };
 

@@ -10,15 +10,15 @@ import math
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, quants
 
 from pocketmoe.quant.formats import format_of
+from pocketmoe.testing.dequant import dequantize_reference
 
 # kernel suffix -> (ggml type, values per activation block); 32: Q8_0 activations, 256: Q8_K, 1: float
 # activations.
 TYPES = {
     "q4_0": (2, 32), "q4_1": (3, 32), "q5_0": (6, 32), "q5_1": (7, 32), "q8_0": (8, 32), "iq4_nl": (20, 32),
-    "mxfp4": (39, 32), "nvfp4": (40, 32),
+    "mxfp4": (39, 32), "nvfp4": (40, 32), "q1_0": (41, 32),
     "q2_k": (10, 256), "q3_k": (11, 256), "q4_k": (12, 256), "q5_k": (13, 256), "q6_k": (14, 256),
     "iq2_xxs": (16, 256), "iq2_xs": (17, 256), "iq2_s": (22, 256), "iq3_xxs": (18, 256), "iq3_s": (21, 256),
     "iq1_s": (19, 256), "iq1_m": (29, 256), "iq4_xs": (23, 256), "tq2_0": (35, 256), "tq1_0": (34, 256),
@@ -66,7 +66,7 @@ def act_inputs(x: np.ndarray, bv: int) -> tuple[list, np.ndarray]:
 
 
 def reference_weight(raw: np.ndarray, name: str) -> np.ndarray:
-    return quants.dequantize(raw, GGMLQuantizationType(TYPES[name][0])).astype(np.float64)
+    return dequantize_reference(raw, TYPES[name][0]).astype(np.float64)
 
 
 def block_mins(raw: np.ndarray, name: str) -> np.ndarray:

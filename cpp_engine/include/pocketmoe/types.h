@@ -34,6 +34,7 @@ enum GgmlType : int {
   kTQ2_0 = 35,
   kMXFP4 = 39,
   kNVFP4 = 40,
+  kQ1_0 = 41,
 };
 
 // How a weight type wants its activations: float rows, or int8 rows with one float scale per

@@ -31,7 +31,7 @@ import torch
 
 from pocketmoe.ops.cuda import matmul
 
-DEFAULT_TYPES = "q4_k,q5_k,q6_k,q8_0,q4_0,q5_0,q2_k,q3_k,iq2_xxs,iq1_m,iq4_xs,mxfp4,nvfp4,f16,bf16,f32,q4_1,q5_1,iq4_nl,iq3_xxs,iq1_s,iq2_xs,iq2_s,iq3_s,tq2_0,tq1_0"
+DEFAULT_TYPES = "q4_k,q5_k,q6_k,q8_0,q4_0,q5_0,q2_k,q3_k,iq2_xxs,iq1_m,iq4_xs,mxfp4,nvfp4,f16,bf16,f32,q4_1,q5_1,iq4_nl,iq3_xxs,iq1_s,iq2_xs,iq2_s,iq3_s,tq2_0,tq1_0,q1_0"
 ROTATE_BYTES = 256 << 20  # weights rotated over copies this large in all: past any GPU's L2
 CHECK_ROWS = 64           # output rows checked against the float64 reference
 TARGET_S = 0.05           # timed launches per figure: about this long

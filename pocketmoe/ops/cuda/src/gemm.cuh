@@ -27,19 +27,24 @@ struct ActRows {
 
 // One warp step of a 32-value type: lane l takes block b0 + l (index ab0 + l in a). A type with a min adds
 // m * s, s the activation block's fp16-rounded d32 * (sum of its quants), as llama.cpp's Q8_1 dot does.
-// A 64-value type (a scale per 16) is taken in 32-value halves, half b0 + l, a float step per 16.
+// Larger blocks are taken in 32-value pieces, piece b0 + l: a 64-value type (NVFP4, a scale per 16) with a
+// float step per 16, a 128-value one (Q1_0, one scale) with a float step per piece.
 template <class D, int NT>
 __device__ __forceinline__ void step_l(const uint8_t* wrow, int nb, int b0, const ActRows& a, int ab0, int nt,
                                        float (&acc)[NT]) {
-  constexpr bool kHalves = D::kValues == 64;
+  constexpr int kPieces = D::kValues / 32;
+  constexpr bool kHalves = kPieces == 2;
   const int lane = threadIdx.x % WARP, b = b0 + lane;
   if (b >= nb) return;
-  const uint8_t* blk = wrow + static_cast<long long>(kHalves ? b / 2 : b) * D::kBytes;
+  const uint8_t* blk = wrow + static_cast<long long>(b / kPieces) * D::kBytes;
   int q[8];
   float dw[2] = {0.0f, 0.0f}, mw = 0.0f;
   if constexpr (kHalves) {
     D::quants(blk, b % 2, q);
     D::scales(blk, b % 2, dw);
+  } else if constexpr (kPieces > 1) {
+    D::quants(blk, b % kPieces, q);
+    dw[0] = D::scale(blk);
   } else {
     D::quants(blk, q);
     dw[0] = D::scale(blk);

@@ -82,6 +82,11 @@ extern "C" __global__ void gemv_nvfp4(const uint8_t* w, const int8_t* xq, const 
   pmq::gemv_q<pmq::NVFP4>(w, xq, xd, xs, y, rows, cols, n_tokens);
 }
 
+extern "C" __global__ void gemv_q1_0(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs, float* y,
+                                    int rows, int cols, int n_tokens) {
+  pmq::gemv_q<pmq::Q1_0>(w, xq, xd, xs, y, rows, cols, n_tokens);
+}
+
 extern "C" __global__ void gemv_q2_k(const uint8_t* w, const int8_t* xq, const float* xd, const int16_t* xs,
                                     float* y, int rows, int cols, int n_tokens) {
   pmq::gemv_q<pmq::Q2K>(w, xq, xd, xs, y, rows, cols, n_tokens);
@@ -225,6 +230,13 @@ extern "C" __global__ void moe_gemm_nvfp4(const uint8_t* const* experts, const i
                                          const float* xd, const float* xs, float* y, int rows, int cols,
                                          int top_k, int act_by_pair) {
   pmq::moe_gemm_q<pmq::NVFP4>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+}
+
+extern "C" __global__ void moe_gemm_q1_0(const uint8_t* const* experts, const int32_t* offsets,
+                                        const int32_t* tokens, const int32_t* slots, const int8_t* xq,
+                                        const float* xd, const float* xs, float* y, int rows, int cols,
+                                        int top_k, int act_by_pair) {
+  pmq::moe_gemm_q<pmq::Q1_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
 }
 
 extern "C" __global__ void moe_gemm_q2_k(const uint8_t* const* experts, const int32_t* offsets,

@@ -10,6 +10,8 @@
 //     min * s, s the activation block's fp16-rounded scaled sum (llama.cpp's Q8_1 s; matmul.cu).
 //   64-value blocks with a scale per 16 (NVFP4), read in 32-value halves h (0, 1) under Q8_0 activations:
 //     scales(b, h, d) gives the scales of the half's two 16s, quants(b, h, q) its 32 weights; w = d[k] * q.
+//   128-value blocks with one scale (Q1_0), read in 32-value pieces p (0..3) under Q8_0 activations:
+//     scale(b), quants(b, p, q); w = scale * q.
 //   256-value super-blocks (k-quants, IQ types, TQ2_0 / TQ1_0): head(b, d, dmin), group(b, g, q, sc, mn) for
 //     the 32 weights of group g (0..7), one scale per 16 weights (sc[0], sc[1]) and, where the type has mins
 //     (kMin), one min per 16 (mn[]); w = d * sc * q + dmin * mn (dmin holds the negated min scale, as in
@@ -216,6 +218,23 @@ struct NVFP4 {
         q[4 * s + k + 2] = lookup4(kMxfp4Values, v, 4);
       }
     }
+  }
+};
+
+// ---- 128-value blocks, one scale (Q8_0 activations) ----
+
+// Q1_0, 18 bytes: d, qs[16] (bit v % 8 of byte v / 8 set: w = d, else -d), read in 32-value pieces p (0..3),
+// the float step per piece.
+struct Q1_0 {
+  static constexpr int kValues = 128;
+  static constexpr int kBytes = 18;
+  static constexpr bool kMin = false;
+  static __device__ __forceinline__ float scale(const uint8_t* b) { return ld_fp16(b); }
+  // Weights 32p..32p+31: bit i of the piece's word as byte i % 4 of word i / 4, +1 or -1.
+  static __device__ __forceinline__ void quants(const uint8_t* b, int p, int (&q)[8]) {
+    const uint32_t bits = ld_u32_a2(b + 2 + 4 * p);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) q[k] = to_signed(2 * spread4((bits >> (4 * k)) & 15), 1);
   }
 };
 
