@@ -10,6 +10,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.quant import FORMATS, GGMLType, QuantError, dequantize, format_of, type_name
 from pocketmoe.quant.quantize import random_blocks
+from pocketmoe.testing.dequant import dequantize_reference
 
 T = GGMLType
 GGUF_DEQUANT = (
@@ -105,11 +106,7 @@ def test_q8_k_and_q1_0_follow_their_block_formulas():
     np.testing.assert_array_equal(_ours(raw, T.Q8_K, (2, 512)), expected)
 
     raw = random_blocks(T.Q1_0, (3, 256), rng)
-    blocks = raw.reshape(-1, 18)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    bits = np.unpackbits(blocks[:, 2:], axis=-1, bitorder="little")
-    expected = np.where(bits == 1, d, -d).reshape(3, 256)
-    np.testing.assert_array_equal(_ours(raw, T.Q1_0, (3, 256)), expected)
+    np.testing.assert_array_equal(_ours(raw, T.Q1_0, (3, 256)), dequantize_reference(raw, T.Q1_0))
 
 
 @pytest.mark.parametrize("t", (T.I8, T.I16, T.I32, T.I64, T.F64, T.F32, T.F16, T.BF16), ids=lambda t: t.name)
