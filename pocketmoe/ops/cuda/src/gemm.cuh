@@ -25,6 +25,16 @@ struct ActRows {
   int q_stride, d_stride, s_stride;   // elements from one token's row to the next
 };
 
+// The 32 quants of piece p of a block (a 32-value block has one piece and its decoder takes no index).
+template <class D>
+__device__ __forceinline__ void quants_of(const uint8_t* blk, int p, int (&q)[8]) {
+  if constexpr (D::kValues == 32) {
+    D::quants(blk, q);
+  } else {
+    D::quants(blk, p, q);
+  }
+}
+
 // One warp step of a 32-value type: lane l takes block b0 + l (index ab0 + l in a). A type with a min adds
 // m * s, s the activation block's fp16-rounded d32 * (sum of its quants), as llama.cpp's Q8_1 dot does.
 // Larger blocks are taken in 32-value pieces, piece b0 + l: a 64-value type (NVFP4, a scale per 16) with a
@@ -39,14 +49,10 @@ __device__ __forceinline__ void step_l(const uint8_t* wrow, int nb, int b0, cons
   const uint8_t* blk = wrow + static_cast<long long>(b / kPieces) * D::kBytes;
   int q[8];
   float dw[2] = {0.0f, 0.0f}, mw = 0.0f;
+  quants_of<D>(blk, b % kPieces, q);
   if constexpr (kHalves) {
-    D::quants(blk, b % 2, q);
     D::scales(blk, b % 2, dw);
-  } else if constexpr (kPieces > 1) {
-    D::quants(blk, b % kPieces, q);
-    dw[0] = D::scale(blk);
   } else {
-    D::quants(blk, q);
     dw[0] = D::scale(blk);
   }
   if constexpr (D::kMin) mw = D::min(blk);
