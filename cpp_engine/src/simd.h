@@ -105,6 +105,7 @@ PM_INLINE __m256i move_bit(__m256i x) {
 constexpr int kPrefetchBytes = 2048;
 
 PM_INLINE void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+PM_INLINE void prefetch_l2(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
 // An empty asm the value must pass through in a vector register: a barrier to the compiler's
 // reassociation of integer sums across it (it emits no instruction). "v": any vector register,
