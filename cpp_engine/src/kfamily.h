@@ -242,9 +242,11 @@ struct Family {
           for (int off = 0; off < Dec::kBytes; off += 64) prefetch(blk[r] + kPrefetchBytes + off);
         h[r] = Dec::head(blk[r]);
       }
-      __m256i isum[R][C];
+      // Two running sums, even and odd groups (exact integers, added after the last group): half as long
+      // a chain of multiply-adds per block.
+      __m256i isum[R][C], odd[R][C];
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) isum[r][c] = _mm256_setzero_si256();
+        for (int c = 0; c < C; ++c) isum[r][c] = odd[r][c] = _mm256_setzero_si256();
 
       static_for<8>([&](auto gc) {
         constexpr int G = decltype(gc)::value;
@@ -256,17 +258,20 @@ struct Family {
             __m256i av = load256(a[c].qs + 256 * b + 32 * G);
             if constexpr (Dec::kSigned) av = _mm256_sign_epi8(av, q);
             const __m256i m = _mm256_maddubs_epi16(qu, av);
+            __m256i& sum = G % 2 ? odd[r][c] : isum[r][c];
 #if PM_VNNI
-            isum[r][c] = dpwssd(isum[r][c], m, s);
+            sum = dpwssd(sum, m, s);
 #else
-            isum[r][c] = _mm256_add_epi32(isum[r][c], _mm256_madd_epi16(m, s));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(m, s));
 #endif
             // Keep the sum a running one: left free, GCC reassociates the eight groups' integer adds of
             // a repacked tile into a tree and spills every product to the stack (GEMM 15-25% slower).
-            if constexpr (Dec::kCanonical) keep_in_register(isum[r][c]);
+            if constexpr (Dec::kCanonical) keep_in_register(sum);
           }
         }
       });
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) isum[r][c] = _mm256_add_epi32(isum[r][c], odd[r][c]);
 
       float d[R], dmin[R];
       __m256i corr[R];
