@@ -65,6 +65,20 @@ def _context(r: ModelRunner, chunks: list[SeqChunk]) -> StepContext:
     return StepContext.build(Step(chunks), r.cache, r.vocab_size)
 
 
+def _close_but_rounding_flips(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Rows within TOL, but for a few rows whose quantized output projections round one activation the other way.
+
+    The two Q8_0 projections after the attention quantize their inputs, so float noise there (the reference's
+    compressor, norms and rope sum in another order: cache rows differ by up to 1.3e-6) can move one int8 value
+    by a step: measured on this fixture, multiplying the reference's attention output by 1 + 1e-7 * noise changes
+    about one row in 31 by more than 1e-5 (5 trials: 0-1 rows), 1e-6 * noise 0-3 rows. Such a row moves by about
+    one step's worth (1e-3 here); a wrong weight, layout or formula moves every row by far more."""
+    err = (got - want).abs().amax(1)
+    off = err > TOL["atol"] + TOL["rtol"] * want.abs().amax(1)
+    assert off.sum().item() <= 3, err
+    assert err.max().item() <= 5e-3, err
+
+
 @pytest.mark.parametrize("quant", ["F32", "MXFP4_MOE"])
 def test_attention_sublayer(fixtures: dict[str, Path], quant: str) -> None:
     """A step of two sequences: one continuing past a ratio-128 block and the indexer's top-k (positions 125..134
@@ -86,7 +100,10 @@ def test_attention_sublayer(fixtures: dict[str, Path], quant: str) -> None:
         got_cache = cache.clone()
         cache.copy_(saved)
         want = ReferenceOps.dsv4_attention(ops, attn, x, both, i, m.rope)
-        torch.testing.assert_close(got, want, **TOL)
+        if quant == "F32":
+            torch.testing.assert_close(got, want, **TOL)
+        else:
+            _close_but_rounding_flips(got, want)
         torch.testing.assert_close(got_cache, cache, **TOL)
         cache.copy_(saved)
         m.rope.prepare(alone.positions)

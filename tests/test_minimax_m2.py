@@ -174,10 +174,11 @@ def test_f32_matches_hf_transformers(tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels")
-@pytest.mark.parametrize("neox,heads", [(True, (12, 2)), (False, (4, 4)), (True, (10, 2))])
-def test_native_gqa_attention_is_the_reference(neox: bool, heads: tuple[int, int]) -> None:
-    """The C++ op against the torch one over a step of two sequences (one prefilling 20 tokens after 5 cached,
-    one decoding): outputs and written cache rows, at float rounding."""
+@pytest.mark.parametrize("neox,heads,cached", [(True, (12, 2), 5), (False, (4, 4), 5), (True, (10, 2), 5),
+                                               (True, (12, 2), 130)])
+def test_native_gqa_attention_is_the_reference(neox: bool, heads: tuple[int, int], cached: int) -> None:
+    """The C++ op against the torch one over a step of two sequences (one prefilling 20 tokens after `cached`,
+    130 taking its keys past two chunks of 64; one decoding): outputs and written cache rows, at float rounding."""
     from pocketmoe.engine.kv_cache import PagedKVCache
     from pocketmoe.engine.step import StepContext
     from pocketmoe.layers.gqa import GQAConfig, GQAttention
@@ -191,12 +192,12 @@ def test_native_gqa_attention_is_the_reference(neox: bool, heads: tuple[int, int
     results = []
     for ops in (make_ops("reference", 1, None), make_ops("native", 2, None)):
         attn = GQAttention(cfg, ops, wq=None, wk=None, wv=None, wo=None)  # type: ignore[arg-type]
-        cache = PagedKVCache(1, cfg.kv_width, 8, 64)
+        cache = PagedKVCache(1, cfg.kv_width, 16, 256)
         gen.manual_seed(1)
         cache.data.normal_(generator=gen)
         outs = []
-        for step in (Step([SeqChunk("a", list(range(5)), 0, "all"), SeqChunk("b", [1], 0)]),
-                     Step([SeqChunk("a", list(range(20)), 5, "all"), SeqChunk("b", [2], 1)])):
+        for step in (Step([SeqChunk("a", list(range(cached)), 0, "all"), SeqChunk("b", [1], 0)]),
+                     Step([SeqChunk("a", list(range(20)), cached, "all"), SeqChunk("b", [2], 1)])):
             ctx = StepContext.build(step, cache, 1000)
             ctx.cos2, ctx.sin2 = rot.at(ctx.positions)
             t = ctx.n_tokens

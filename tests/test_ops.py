@@ -111,6 +111,69 @@ def test_mla_attention_over_several_sequences(ops) -> None:
     close(caches[0], caches[1], 1e-6)
 
 
+def _mla_steps(o: object, attn: MLAttention, cache: PagedKVCache, steps: list[Step], seed: int) -> list[torch.Tensor]:
+    """mla_attention on each step in turn, with seeded random q and kv rows."""
+    rotary = Rotary(RopeConfig(dim=8, base=10000.0))
+    outs = []
+    for i, step in enumerate(steps):
+        ctx = StepContext.build(step, cache, 1000)
+        ctx.cos2, ctx.sin2 = rotary.at(ctx.positions)
+        q = torch.randn(ctx.n_tokens, 5 * 24, generator=g(seed + i))
+        kv = torch.randn(ctx.n_tokens, 40, generator=g(seed + 50 + i))
+        outs.append(o.mla_attention(attn, q, kv, ctx, 0))
+    return outs
+
+
+def test_mla_attention_over_many_keys(ops) -> None:
+    """Past several chunks of 64 keys (partial softmaxes, merged per head): a 150-token and a 70-token prefill,
+    then the first sequence's next 3 tokens beside a decode and a fresh prompt; native vs reference. On the
+    native side each row is bitwise the same alone as in the batch, and a decode row is bitwise the last row of
+    a prefill of the same tokens."""
+    prefill = Step([SeqChunk("a", list(range(150)), 0), SeqChunk("b", list(range(70)), 0)])
+    step = Step([SeqChunk("a", [1, 2, 3], 150), SeqChunk("b", [4], 70), SeqChunk("c", list(range(5)), 0)])
+    results = []
+    for o in ops:
+        cache = PagedKVCache(n_layer=1, width=40, n_pages=24, max_seq_len=256, page=16)
+        results.append((_mla_steps(o, mla_layer(o), cache, [prefill, step], 30), cache))
+    (nat, nat_cache), (ref, ref_cache) = results
+    for a, b in zip(nat, ref, strict=True):
+        close(a, b)
+    close(nat_cache.data, ref_cache.data, 1e-6)
+
+    nat_ops = ops[0]
+    attn = mla_layer(nat_ops)
+    cache = PagedKVCache(n_layer=1, width=40, n_pages=24, max_seq_len=256, page=16)
+    _mla_steps(nat_ops, attn, cache, [prefill], 30)
+    rotary = Rotary(RopeConfig(dim=8, base=10000.0))
+    q = torch.randn(9, 5 * 24, generator=g(31))
+    kv = torch.randn(9, 40, generator=g(81))
+    saved = cache.data.clone()
+    both = StepContext.build(step, cache, 1000)
+    both.cos2, both.sin2 = rotary.at(both.positions)
+    batched = nat_ops.mla_attention(attn, q, kv, both, 0)
+    assert torch.equal(batched, nat[1])
+    for chunk, rows in ((step.chunks[1], slice(3, 4)), (step.chunks[0], slice(0, 3))):
+        cache.data.copy_(saved)
+        alone = StepContext.build(Step([chunk]), cache, 1000)
+        alone.cos2, alone.sin2 = rotary.at(alone.positions)
+        assert torch.equal(nat_ops.mla_attention(attn, q[rows], kv[rows], alone, 0), batched[rows])
+
+    # Row 149 of a 150-token prefill vs the same row decoded after a 149-token prefill.
+    q = torch.randn(150, 5 * 24, generator=g(40))
+    kv = torch.randn(150, 40, generator=g(41))
+    outs = []
+    for cut in (150, 149):
+        cache = PagedKVCache(n_layer=1, width=40, n_pages=24, max_seq_len=256, page=16)
+        for start, end in ((0, cut), (cut, 150)):
+            if start == end:
+                continue
+            ctx = StepContext.build(Step([SeqChunk("a", list(range(start, end)), start)]), cache, 1000)
+            ctx.cos2, ctx.sin2 = rotary.at(ctx.positions)
+            out = nat_ops.mla_attention(attn, q[start:end], kv[start:end], ctx, 0)
+        outs.append(out[-1])
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("case", ["softmax", "sigmoid-bias-groups-norm-scale"])
 def test_route(ops, case: str) -> None:
     nat, ref = ops

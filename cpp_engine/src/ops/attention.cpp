@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -20,104 +21,240 @@ using simd::hsum;
 
 // Attention of fewer multiply-adds than this runs on the caller alone (waking the pool costs more).
 constexpr size_t kInlineAttention = size_t{1} << 16;
-constexpr int kGroup = 4;  // heads per work item
+constexpr int kGroup = 4;       // heads per register tile
+constexpr int kKeyChunk = 64;   // keys per partial softmax: a chunk of 576-value rows (147 KiB) stays in L2
+// Floats of chunk partials one dispatch holds at most (prefill runs its queries in batches under it).
+constexpr size_t kPartialFloats = size_t{4} << 20;
 
 float* grow(std::vector<float>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
 }
 
-// One score buffer of kGroup x max_keys floats per pool thread, kept by the calling thread (the workers'
-// thread_local ones stay empty).
-std::vector<std::vector<float>>& score_buffers(ThreadPool& pool, int max_keys) {
-  static thread_local std::vector<std::vector<float>> scores;
-  if (scores.size() < static_cast<size_t>(pool.size())) scores.resize(pool.size());
-  for (auto& s : scores) grow(s, static_cast<size_t>(kGroup) * max_keys);
-  return scores;
-}
+// The heads of one query that read the same key rows (all of an MLA or DeepSeek-V4 query's heads; the
+// query heads of one GQA KV head). A key is the w values at k_off of its row, its value the c values at v_off.
+struct AttnUnit {
+  const float* const* rows;  // rows[s]: key s's cache row, s < keys
+  int keys;
+  int k_off, v_off;
+  const float* q;            // head j's query: q + j * q_stride (w values)
+  size_t q_stride;
+  float* o;                  // head j's output: o + j * o_stride (c values)
+  size_t o_stride;
+  const float* sinks;        // DeepSeek-V4: head j's sink logit sinks[j] (its probability mass is dropped), or null
+};
 
-// one(item, thread) for every item: on the caller alone when the work is small (waking the pool costs more).
-template <class F>
-void run_items(ThreadPool& pool, int items, size_t work, const F& one) {
-  if (work < kInlineAttention) {
-    for (int item = 0; item < items; ++item) one(item, 0);
-  } else {
-    pool.parallel_for(items, [&](int item, int thread) { one(item, thread); });
+// K keys [s, s + K) against G heads: sc[j][s + k - k0] = dot(q[j], key s + k) * scale. pre[k]: a row to
+// prefetch, a cache line per 16 values.
+template <int G, int K>
+PM_INLINE void score_keys(const float* const* rows, int s, int k0, int w, int k_off, float scale,
+                          const float* const* q, const float* const* pre, float (*sc)[kKeyChunk]) {
+  const float* r[K];
+  for (int k = 0; k < K; ++k) r[k] = rows[s + k] + k_off;
+  __m256 a[G][K];
+  for (int j = 0; j < G; ++j)
+    for (int k = 0; k < K; ++k) a[j][k] = _mm256_setzero_ps();
+  for (int i = 0; i < w; i += 8) {
+    if (i % 16 == 0)
+      for (int k = 0; k < K; ++k) _mm_prefetch(reinterpret_cast<const char*>(pre[k] + i), _MM_HINT_T0);
+    __m256 x[K];
+    for (int k = 0; k < K; ++k) x[k] = _mm256_loadu_ps(r[k] + i);
+    for (int j = 0; j < G; ++j) {
+      const __m256 qv = _mm256_loadu_ps(q[j] + i);
+      for (int k = 0; k < K; ++k) a[j][k] = _mm256_fmadd_ps(qv, x[k], a[j][k]);
+    }
   }
+  for (int j = 0; j < G; ++j)
+    for (int k = 0; k < K; ++k) sc[j][s + k - k0] = hsum(a[j][k]) * scale;
 }
 
-// Attention of one query for G heads (G <= 4) over `keys` cache rows: the key is the w values at
-// k_off of a row, the value the c values at v_off (MLA: both 0, c_kv being the key's first c values):
-// scores, softmax, and the probability-weighted sum of the values. Each head's arithmetic is the same
-// for any G, any batch and any chunk the query came in, so it never depends on how the work was grouped.
-// rows[s]: key s's cache row; q[j]: w values; sc[j]: room for `keys` scores; o[j]: c outputs.
-// sinks (DeepSeek-V4): per head an extra logit in the softmax whose probability mass is dropped.
+// sc[j][s - k0] = dot(q[j], key s) * scale for keys [k0, k1) and G <= 4 heads. Each dot is one 8-lane FMA chain
+// over the w values and one horizontal sum, whichever keys it is computed beside. Three keys at a time: twelve
+// chains keep both FMA pipes busy through a load's latency (eight did not).
 template <int G>
-void attend(const float* const* rows, int keys, int w, int c, float scale, const float* const* q, float* const* sc,
-            float* const* o, int k_off = 0, int v_off = 0, const float* sinks = nullptr) {
-  // Two accumulators per head (even / odd groups of 8): the FMA chains are half as long.
-  for (int s = 0; s < keys; ++s) {
-    const float* row = rows[s] + k_off;
-    __m256 a[G][2];
-    for (int j = 0; j < G; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= w; i += 16) {
-      const __m256 r0 = _mm256_loadu_ps(row + i), r1 = _mm256_loadu_ps(row + i + 8);
-      for (int j = 0; j < G; ++j) {
-        a[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + i), r0, a[j][0]);
-        a[j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + i + 8), r1, a[j][1]);
-      }
-    }
-    if (i < w) {
-      const __m256 r0 = _mm256_loadu_ps(row + i);
-      for (int j = 0; j < G; ++j) a[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + i), r0, a[j][0]);
-    }
-    for (int j = 0; j < G; ++j) sc[j][s] = hsum(_mm256_add_ps(a[j][0], a[j][1])) * scale;
+void chunk_scores(const float* const* rows, int k0, int k1, int w, int k_off, float scale, const float* const* q,
+                  float (*sc)[kKeyChunk]) {
+  constexpr int K = 3;
+  int s = k0;
+  for (; s + K <= k1; s += K) {
+    // The keys two steps ahead (their first touch of DRAM or L3 stalled the loop).
+    const float* pre[K];
+    for (int k = 0; k < K; ++k) pre[k] = s + 2 * K + k < k1 ? rows[s + 2 * K + k] + k_off : rows[s + k] + k_off;
+    score_keys<G, K>(rows, s, k0, w, k_off, scale, q, pre, sc);
   }
-  float inv[G];
+  for (; s < k1; ++s) {
+    const float* pre[1] = {rows[s] + k_off};
+    score_keys<G, 1>(rows, s, k0, w, k_off, scale, q, pre, sc);
+  }
+}
+
+// o[j][i0 .. i0 + 8V) = sum over keys s in [k0, k1), in order, of p[j][s - k0] * value s.
+template <int G, int V>
+PM_INLINE void value_strip(const float* const* rows, int k0, int k1, int v_off, int i0, const float (*p)[kKeyChunk],
+                           float* const* o) {
+  __m256 acc[G][V];
+  for (int j = 0; j < G; ++j)
+    for (int v = 0; v < V; ++v) acc[j][v] = _mm256_setzero_ps();
+  for (int s = k0; s < k1; ++s) {
+    const float* row = rows[s] + v_off + i0;
+    __m256 x[V];
+    for (int v = 0; v < V; ++v) x[v] = _mm256_loadu_ps(row + 8 * v);
+    for (int j = 0; j < G; ++j) {
+      const __m256 pj = _mm256_broadcast_ss(p[j] + (s - k0));
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm256_fmadd_ps(pj, x[v], acc[j][v]);
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(o[j] + i0 + 8 * v, acc[j][v]);
+}
+
+// One key chunk [k0, k1) for G heads: m[j] the largest score, l[j] the sum of exp(score - m[j]) and o[j] the
+// values weighted by those exps (c values, 16 at a time over the chunk's keys, which stay in L2).
+template <int G>
+void attend_chunk(const AttnUnit& u, int h0, int k0, int k1, int w, int c, float scale, float* m, float* l,
+                  float* const* o) {
+  const float* q[G];
+  for (int j = 0; j < G; ++j) q[j] = u.q + (h0 + j) * u.q_stride;
+  alignas(32) float sc[G][kKeyChunk];
+  chunk_scores<G>(u.rows, k0, k1, w, u.k_off, scale, q, sc);
   for (int j = 0; j < G; ++j) {
     float mx = -std::numeric_limits<float>::infinity();
-    for (int s = 0; s < keys; ++s) mx = std::max(mx, sc[j][s]);
-    if (sinks == nullptr) {
-      inv[j] = 1.0f / exp_shifted(sc[j], keys, mx);
-    } else {
-      mx = std::max(mx, sinks[j]);
-      float sink = sinks[j];
-      const float z = exp_shifted(sc[j], keys, mx);
-      inv[j] = 1.0f / (z + exp_shifted(&sink, 1, mx));
-    }
+    for (int s = 0; s < k1 - k0; ++s) mx = std::max(mx, sc[j][s]);
+    m[j] = mx;
+    l[j] = exp_shifted(sc[j], k1 - k0, mx);
   }
-  // o[j] = sum_s p[j][s] * c_kv[s] / sum_j, 16 outputs of every head at a time (kept in registers).
-  for (int i0 = 0; i0 < c; i0 += 16) {
-    const int nv = c - i0 >= 16 ? 2 : 1;
-    __m256 acc[G][2];
-    for (int j = 0; j < G; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    for (int s = 0; s < keys; ++s) {
-      const float* row = rows[s] + v_off + i0;
-      const __m256 r0 = _mm256_loadu_ps(row);
-      const __m256 r1 = nv == 2 ? _mm256_loadu_ps(row + 8) : _mm256_setzero_ps();
-      for (int j = 0; j < G; ++j) {
-        const __m256 p = _mm256_broadcast_ss(sc[j] + s);
-        acc[j][0] = _mm256_fmadd_ps(p, r0, acc[j][0]);
-        acc[j][1] = _mm256_fmadd_ps(p, r1, acc[j][1]);
-      }
-    }
-    for (int j = 0; j < G; ++j) {
-      const __m256 iv = _mm256_set1_ps(inv[j]);
-      _mm256_storeu_ps(o[j] + i0, _mm256_mul_ps(acc[j][0], iv));
-      if (nv == 2) _mm256_storeu_ps(o[j] + i0 + 8, _mm256_mul_ps(acc[j][1], iv));
-    }
+  int i0 = 0;
+  for (; i0 + 24 <= c; i0 += 24) value_strip<G, 3>(u.rows, k0, k1, u.v_off, i0, sc, o);
+  if (c - i0 == 16) value_strip<G, 2>(u.rows, k0, k1, u.v_off, i0, sc, o);
+  if (c - i0 == 8) value_strip<G, 1>(u.rows, k0, k1, u.v_off, i0, sc, o);
+}
+
+// Head h0 .. h0+g-1 (g <= 4) of a unit over one key chunk; m, l: g slots `step` apart; o[j]: head j's c values.
+void attend_chunk_heads(int g, const AttnUnit& u, int h0, int k0, int k1, int w, int c, float scale, float* m,
+                        float* l, float* const* o) {
+  switch (g) {
+    case 4: attend_chunk<4>(u, h0, k0, k1, w, c, scale, m, l, o); break;
+    case 3: attend_chunk<3>(u, h0, k0, k1, w, c, scale, m, l, o); break;
+    case 2: attend_chunk<2>(u, h0, k0, k1, w, c, scale, m, l, o); break;
+    default: attend_chunk<1>(u, h0, k0, k1, w, c, scale, m, l, o); break;
   }
 }
 
-// attend<G> for g (1..4) heads.
-void attend_heads(int g, const float* const* rows, int keys, int w, int c, float scale, const float* const* q,
-                  float* const* sc, float* const* o, int k_off = 0, int v_off = 0, const float* sinks = nullptr) {
-  switch (g) {
-    case 4: attend<4>(rows, keys, w, c, scale, q, sc, o, k_off, v_off, sinks); break;
-    case 3: attend<3>(rows, keys, w, c, scale, q, sc, o, k_off, v_off, sinks); break;
-    case 2: attend<2>(rows, keys, w, c, scale, q, sc, o, k_off, v_off, sinks); break;
-    default: attend<1>(rows, keys, w, c, scale, q, sc, o, k_off, v_off, sinks); break;
+// One head's output from its chunks' partials, in chunk order: with M the largest m[k] (and the sink),
+// f[k] = exp(m[k] - M), out = sum_k f[k] o[k] / (sum_k f[k] l[k] [+ exp(sink - M)]). o[k] is at o + k * o_stride;
+// out may be o when there is one chunk (each 8 outputs are read before they are written).
+void merge_chunks(int chunks, const float* m, const float* l, const float* o, size_t o_stride, int c,
+                  const float* sink, float* out) {
+  static thread_local std::vector<float> f_;
+  float* f = grow(f_, chunks);
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int k = 0; k < chunks; ++k) mx = std::max(mx, m[k]);
+  if (sink != nullptr) mx = std::max(mx, *sink);
+  std::copy(m, m + chunks, f);
+  exp_shifted(f, chunks, mx);
+  float total = 0.0f;
+  for (int k = 0; k < chunks; ++k) total = std::fma(l[k], f[k], total);
+  if (sink != nullptr) {
+    float s = *sink;
+    total += exp_shifted(&s, 1, mx);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / total);
+  for (int i = 0; i < c; i += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int k = 0; k < chunks; ++k)
+      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(f + k), _mm256_loadu_ps(o + k * o_stride + i), acc);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(acc, inv));
+  }
+}
+
+// Attention for every unit, `heads` heads each: per (unit, key chunk, block of heads) a partial softmax, then
+// per (unit, head) the merge of its chunks in order. A head's arithmetic depends only on its query and keys:
+// never on the units beside it, the head blocks, the batches or the threads.
+void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int heads, int w, int c, float scale) {
+  if (n_units <= 0 || heads <= 0) return;
+  static thread_local std::vector<float> ml_, part_;
+  static thread_local std::vector<int> first_;
+  std::vector<int>& first = first_;
+  size_t work = 0;
+  int total_chunks = 0;
+  for (int u = 0; u < n_units; ++u) {
+    work += static_cast<size_t>(heads) * units[u].keys * (w + c);
+    total_chunks += (units[u].keys + kKeyChunk - 1) / kKeyChunk;
+  }
+  // Whole units per item while there are enough chunks to keep every thread busy (each chunk read once into
+  // L2 for all heads); else blocks of kGroup heads.
+  const int per_item = total_chunks >= 4 * pool.size() ? heads : std::min(heads, kGroup);
+  const int blocks = (heads + per_item - 1) / per_item;
+
+  for (int u0 = 0; u0 < n_units;) {
+    // A batch of units whose partials fit kPartialFloats (at least one unit); a one-chunk unit has none.
+    size_t slots = 0;
+    int u1 = u0;
+    first.assign(1, 0);
+    std::vector<size_t> slot0;
+    for (; u1 < n_units; ++u1) {
+      const int chunks = (units[u1].keys + kKeyChunk - 1) / kKeyChunk;
+      const size_t need = chunks > 1 ? static_cast<size_t>(heads) * chunks : 0;
+      if (u1 > u0 && (slots + need) * (c + 2) > kPartialFloats) break;
+      slot0.push_back(slots);
+      slots += need;
+      first.push_back(first.back() + chunks * blocks);
+    }
+    float* m = grow(ml_, 2 * slots);
+    float* l = m + slots;
+    float* part = grow(part_, slots * c);
+
+    const auto chunk_item = [&](int item, int) {
+      const int b = static_cast<int>(std::upper_bound(first.begin(), first.end(), item) - first.begin()) - 1;
+      const AttnUnit& u = units[u0 + b];
+      const int chunks = (u.keys + kKeyChunk - 1) / kKeyChunk;
+      const int chunk = (item - first[b]) / blocks, hb = (item - first[b]) % blocks;
+      const int k0 = chunk * kKeyChunk, k1 = std::min(u.keys, k0 + kKeyChunk);
+      for (int h0 = hb * per_item; h0 < std::min(heads, (hb + 1) * per_item); h0 += kGroup) {
+        const int g = std::min(kGroup, heads - h0);
+        float* o[kGroup];
+        if (chunks == 1) {
+          // The only chunk: its partial goes straight to the output and merges in place.
+          float mj[kGroup], lj[kGroup];
+          for (int j = 0; j < g; ++j) o[j] = u.o + (h0 + j) * u.o_stride;
+          attend_chunk_heads(g, u, h0, k0, k1, w, c, scale, mj, lj, o);
+          for (int j = 0; j < g; ++j)
+            merge_chunks(1, mj + j, lj + j, o[j], 0, c, u.sinks ? u.sinks + h0 + j : nullptr, o[j]);
+        } else {
+          float mj[kGroup], lj[kGroup];
+          const size_t base = slot0[b] + static_cast<size_t>(h0) * chunks + chunk;
+          for (int j = 0; j < g; ++j) o[j] = part + (base + static_cast<size_t>(j) * chunks) * c;
+          attend_chunk_heads(g, u, h0, k0, k1, w, c, scale, mj, lj, o);
+          for (int j = 0; j < g; ++j) m[base + j * chunks] = mj[j], l[base + j * chunks] = lj[j];
+        }
+      }
+    };
+    const int items = first.back();
+    if (work < kInlineAttention) {
+      for (int item = 0; item < items; ++item) chunk_item(item, 0);
+    } else {
+      pool.parallel_for(items, [&](int item, int thread) { chunk_item(item, thread); });
+    }
+
+    // Merge every (unit, head) of more than one chunk.
+    std::vector<int> multi;
+    for (int u = u0; u < u1; ++u)
+      if (units[u].keys > kKeyChunk) multi.push_back(u);
+    const auto merge_item = [&](int item, int) {
+      const int b = multi[item / heads] - u0, j = item % heads;
+      const AttnUnit& u = units[u0 + b];
+      const int chunks = (u.keys + kKeyChunk - 1) / kKeyChunk;
+      const size_t base = slot0[b] + static_cast<size_t>(j) * chunks;
+      merge_chunks(chunks, m + base, l + base, part + base * c, c, c, u.sinks ? u.sinks + j : nullptr,
+                   u.o + j * u.o_stride);
+    };
+    const int merges = static_cast<int>(multi.size()) * heads;
+    if (work < kInlineAttention || merges == 1) {
+      for (int item = 0; item < merges; ++item) merge_item(item, 0);
+    } else if (merges > 0) {
+      pool.parallel_for(merges, [&](int item, int thread) { merge_item(item, thread); });
+    }
+    u0 = u1;
   }
 }
 
@@ -200,35 +337,13 @@ void mla_attention(const MLAShape& sh, const float* q, const float* kv, const fl
   gemm_batched(rt, k_b.data, h, c, k_b.row_bytes, k_b.ggml_type, qn, n, nope, qlat);
   for (size_t ht = 0; ht < static_cast<size_t>(h) * n; ++ht) std::copy(qlat + ht * c, qlat + (ht + 1) * c, qc + ht * w);
 
-  // Every (query, group of up to 4 heads) is one work item.
-  const int groups = (h + kGroup - 1) / kGroup;
+  // Attention in latent space: per query, its heads over its sequence's rows.
   float* olat = grow(olat_, static_cast<size_t>(h) * n * c);
-  ThreadPool& pool = *rt.pool;
-  int max_keys = 0;
-  size_t work = 0;
-  for (int t = 0; t < n; ++t) {
-    max_keys = std::max(max_keys, layout.keys[t]);
-    work += static_cast<size_t>(h) * layout.keys[t] * w;
-  }
-  std::vector<std::vector<float>>& scores = score_buffers(pool, max_keys);
-  const float scale = sh.scale;
-  const auto one = [&](int item, int thread) {
-    const int t = item / groups, h0 = (item % groups) * kGroup, g = std::min(kGroup, h - h0);
-    const int keys = layout.keys[t];
-    const float* const* key_rows = rows[layout.seq[t]].data();
-    const float* qp[kGroup];
-    float* sc[kGroup];
-    float* o[kGroup];
-    for (int j = 0; j < g; ++j) {
-      const size_t ht = static_cast<size_t>(h0 + j) * n + t;
-      qp[j] = qc + ht * w;
-      sc[j] = scores[thread].data() + static_cast<size_t>(j) * keys;
-      o[j] = olat + ht * c;
-    }
-    attend_heads(g, key_rows, keys, w, c, scale, qp, sc, o);
-  };
-  const int items = n * groups;
-  run_items(pool, items, work, one);
+  std::vector<AttnUnit> units(n);
+  for (int t = 0; t < n; ++t)
+    units[t] = {rows[layout.seq[t]].data(), layout.keys[t], 0, 0, qc + static_cast<size_t>(t) * w,
+                static_cast<size_t>(n) * w, olat + static_cast<size_t>(t) * c, static_cast<size_t>(n) * c, nullptr};
+  attend_units(*rt.pool, units.data(), n, h, w, c, sh.scale);
 
   // o_lat [H, n, C] -> per head v [H, n, V] -> out [n, H*V].
   float* ov = grow(ov_, static_cast<size_t>(h) * n * v);
@@ -264,35 +379,17 @@ void gqa_attention(const GQAShape& sh, const float* q, const float* k, const flo
   std::copy(q, q + static_cast<size_t>(n) * h * dh, q_work);
   rope(q_work, n, static_cast<size_t>(h) * dh, h, dh, r, sh.neox, cos2, sin2);
 
-  // Work items: (query, KV head, up to 4 of its query heads); query head j uses KV head j / (h / g).
-  const int per = h / g, chunks = (per + kGroup - 1) / kGroup;
-  ThreadPool& pool = *rt.pool;
-  int max_keys = 0;
-  size_t work = 0;
-  for (int t = 0; t < n; ++t) {
-    max_keys = std::max(max_keys, layout.keys[t]);
-    work += static_cast<size_t>(h) * layout.keys[t] * (dh + dv);
-  }
-  std::vector<std::vector<float>>& scores = score_buffers(pool, max_keys);
-  const auto one = [&](int item, int thread) {
-    const int t = item / (g * chunks), rem = item % (g * chunks), kv = rem / chunks;
-    const int h0 = kv * per + (rem % chunks) * kGroup, cnt = std::min(kGroup, (kv + 1) * per - h0);
-    const int keys = layout.keys[t];
-    const float* const* key_rows = rows[layout.seq[t]].data();
-    const float* qp[kGroup];
-    float* sc[kGroup];
-    float* o[kGroup];
-    for (int j = 0; j < cnt; ++j) {
-      const size_t th = static_cast<size_t>(t) * h + h0 + j;
-      qp[j] = q_work + th * dh;
-      sc[j] = scores[thread].data() + static_cast<size_t>(j) * keys;
-      o[j] = out + th * dv;
+  // Per (query, KV head): its query heads over the sequence's rows; query head j uses KV head j / (h / g).
+  const int per = h / g;
+  std::vector<AttnUnit> units(static_cast<size_t>(n) * g);
+  for (int t = 0; t < n; ++t)
+    for (int kv = 0; kv < g; ++kv) {
+      const size_t h0 = static_cast<size_t>(t) * h + static_cast<size_t>(kv) * per;
+      units[static_cast<size_t>(t) * g + kv] = {rows[layout.seq[t]].data(), layout.keys[t], kv * dh, g * dh + kv * dv,
+                                                q_work + h0 * dh, static_cast<size_t>(dh), out + h0 * dv,
+                                                static_cast<size_t>(dv), nullptr};
     }
-    const int k_off = kv * dh, v_off = g * dh + kv * dv;
-    attend_heads(cnt, key_rows, keys, dh, dv, sh.scale, qp, sc, o, k_off, v_off);
-  };
-  const int items = n * g * chunks;
-  run_items(pool, items, work, one);
+  attend_units(*rt.pool, units.data(), n * g, per, dh, dv, sh.scale);
 }
 
 void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const float* sinks, const float* cache,
@@ -302,15 +399,11 @@ void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const
                                 " dims (heads positive, dims a positive multiple of 8)");
   if (n <= 0) return;
   if (starts[0] != 0) throw std::invalid_argument("dsv4 attention: the first query's keys must start at 0");
-  int max_keys = 0;
-  size_t work = 0;
   for (int t = 0; t < n; ++t) {
     const int keys = starts[t + 1] - starts[t];
     if (keys <= 0)
       throw std::invalid_argument("dsv4 attention: query " + std::to_string(t) + " has " + std::to_string(keys) +
                                   " keys; every query sees at least its own row");
-    max_keys = std::max(max_keys, keys);
-    work += static_cast<size_t>(n_head) * keys * 2 * d;
   }
   std::vector<const float*> ptrs(starts[n]);
   for (int i = 0; i < starts[n]; ++i) {
@@ -322,26 +415,14 @@ void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const
   }
   std::unique_lock<std::mutex> lock;
   Runtime& rt = acquire_runtime(lock);
-  ThreadPool& pool = *rt.pool;
-  std::vector<std::vector<float>>& scores = score_buffers(pool, max_keys);
-  // Work items: (query, up to 4 heads); K = V, the d values at each key's offset.
-  const int chunks = (n_head + kGroup - 1) / kGroup;
-  const auto one = [&](int item, int thread) {
-    const int t = item / chunks, h0 = (item % chunks) * kGroup, cnt = std::min(kGroup, n_head - h0);
-    const int keys = starts[t + 1] - starts[t];
-    const float* qp[kGroup];
-    float* sc[kGroup];
-    float* o[kGroup];
-    for (int j = 0; j < cnt; ++j) {
-      const size_t th = static_cast<size_t>(t) * n_head + h0 + j;
-      qp[j] = q + th * d;
-      sc[j] = scores[thread].data() + static_cast<size_t>(j) * keys;
-      o[j] = out + th * d;
-    }
-    attend_heads(cnt, ptrs.data() + starts[t], keys, d, d, scale, qp, sc, o, 0, 0, sinks + h0);
-  };
-  const int items = n * chunks;
-  run_items(pool, items, work, one);
+  // Per query, its heads; K = V, the d values at each key's offset.
+  std::vector<AttnUnit> units(n);
+  for (int t = 0; t < n; ++t) {
+    const size_t h0 = static_cast<size_t>(t) * n_head;
+    units[t] = {ptrs.data() + starts[t], starts[t + 1] - starts[t], 0, 0, q + h0 * d, static_cast<size_t>(d),
+                out + h0 * d, static_cast<size_t>(d), sinks};
+  }
+  attend_units(*rt.pool, units.data(), n, n_head, d, d, scale);
 }
 
 }  // namespace pocketmoe
