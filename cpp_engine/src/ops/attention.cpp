@@ -45,8 +45,8 @@ struct AttnUnit {
 };
 
 // K keys [s, s + K) against G heads: sc[j][s + k - k0] = dot(q[j], key s + k) * scale. pre[k]: a row to
-// prefetch, a cache line per 16 values.
-template <int G, int K>
+// prefetch (to L2 if ToL2, else L1), a cache line per 16 values.
+template <int G, int K, bool ToL2>
 PM_INLINE void score_keys(const float* const* rows, int s, int k0, int w, int k_off, float scale,
                           const float* const* q, const float* const* pre, float (*sc)[kKeyChunk]) {
   const float* r[K];
@@ -56,7 +56,14 @@ PM_INLINE void score_keys(const float* const* rows, int s, int k0, int w, int k_
     for (int k = 0; k < K; ++k) a[j][k] = _mm256_setzero_ps();
   for (int i = 0; i < w; i += 8) {
     if (i % 16 == 0)
-      for (int k = 0; k < K; ++k) _mm_prefetch(reinterpret_cast<const char*>(pre[k] + i), _MM_HINT_T0);
+      for (int k = 0; k < K; ++k) {
+        const char* line = reinterpret_cast<const char*>(pre[k] + i);
+        if constexpr (ToL2) {
+          _mm_prefetch(line, _MM_HINT_T1);
+        } else {
+          _mm_prefetch(line, _MM_HINT_T0);
+        }
+      }
     __m256 x[K];
     for (int k = 0; k < K; ++k) x[k] = _mm256_loadu_ps(r[k] + i);
     for (int j = 0; j < G; ++j) {
@@ -70,21 +77,27 @@ PM_INLINE void score_keys(const float* const* rows, int s, int k0, int w, int k_
 
 // sc[j][s - k0] = dot(q[j], key s) * scale for keys [k0, k1) and G <= 4 heads. Each dot is one 8-lane FMA chain
 // over the w values and one horizontal sum, whichever keys it is computed beside. Three keys at a time: twelve
-// chains keep both FMA pipes busy through a load's latency (eight did not).
+// chains keep both FMA pipes busy through a load's latency (eight did not). next: n_next rows to bring to L2.
 template <int G>
 void chunk_scores(const float* const* rows, int k0, int k1, int w, int k_off, float scale, const float* const* q,
-                  float (*sc)[kKeyChunk]) {
+                  const float* const* next, int n_next, float (*sc)[kKeyChunk]) {
   constexpr int K = 3;
   int s = k0;
   for (; s + K <= k1; s += K) {
-    // The keys two steps ahead (their first touch of DRAM or L3 stalled the loop).
     const float* pre[K];
-    for (int k = 0; k < K; ++k) pre[k] = s + 2 * K + k < k1 ? rows[s + 2 * K + k] + k_off : rows[s + k] + k_off;
-    score_keys<G, K>(rows, s, k0, w, k_off, scale, q, pre, sc);
+    if (n_next > 0) {
+      // This chunk is in L2 already (an earlier head group read it): bring the next chunk's rows to L2 meanwhile.
+      for (int k = 0; k < K; ++k) pre[k] = next[std::min(s - k0 + k, n_next - 1)] + k_off;
+      score_keys<G, K, true>(rows, s, k0, w, k_off, scale, q, pre, sc);
+    } else {
+      // The keys two steps ahead (their first touch of DRAM or L3 stalled the loop).
+      for (int k = 0; k < K; ++k) pre[k] = s + 2 * K + k < k1 ? rows[s + 2 * K + k] + k_off : rows[s + k] + k_off;
+      score_keys<G, K, false>(rows, s, k0, w, k_off, scale, q, pre, sc);
+    }
   }
   for (; s < k1; ++s) {
     const float* pre[1] = {rows[s] + k_off};
-    score_keys<G, 1>(rows, s, k0, w, k_off, scale, q, pre, sc);
+    score_keys<G, 1, false>(rows, s, k0, w, k_off, scale, q, pre, sc);
   }
 }
 
@@ -111,12 +124,12 @@ PM_INLINE void value_strip(const float* const* rows, int k0, int k1, int v_off, 
 // One key chunk [k0, k1) for G heads: m[j] the largest score, l[j] the sum of exp(score - m[j]) and o[j] the
 // values weighted by those exps (c values, 16 at a time over the chunk's keys, which stay in L2).
 template <int G>
-void attend_chunk(const AttnUnit& u, int h0, int k0, int k1, int w, int c, float scale, float* m, float* l,
-                  float* const* o) {
+void attend_chunk(const AttnUnit& u, int h0, int k0, int k1, int w, int c, float scale, int n_next, float* m,
+                  float* l, float* const* o) {
   const float* q[G];
   for (int j = 0; j < G; ++j) q[j] = u.q + (h0 + j) * u.q_stride;
   alignas(32) float sc[G][kKeyChunk];
-  chunk_scores<G>(u.rows, k0, k1, w, u.k_off, scale, q, sc);
+  chunk_scores<G>(u.rows, k0, k1, w, u.k_off, scale, q, u.rows + k1, n_next, sc);
   for (int j = 0; j < G; ++j) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int s = 0; s < k1 - k0; ++s) mx = std::max(mx, sc[j][s]);
@@ -129,14 +142,15 @@ void attend_chunk(const AttnUnit& u, int h0, int k0, int k1, int w, int c, float
   if (c - i0 == 8) value_strip<G, 1>(u.rows, k0, k1, u.v_off, i0, sc, o);
 }
 
-// Head h0 .. h0+g-1 (g <= 4) of a unit over one key chunk; m, l: g slots `step` apart; o[j]: head j's c values.
-void attend_chunk_heads(int g, const AttnUnit& u, int h0, int k0, int k1, int w, int c, float scale, float* m,
-                        float* l, float* const* o) {
+// Heads h0 .. h0+g-1 (g <= 4) of a unit over one key chunk, bringing the n_next rows after it to L2 meanwhile;
+// m[j], l[j] and o[j] (c values) per head.
+void attend_chunk_heads(int g, const AttnUnit& u, int h0, int k0, int k1, int w, int c, float scale, int n_next,
+                        float* m, float* l, float* const* o) {
   switch (g) {
-    case 4: attend_chunk<4>(u, h0, k0, k1, w, c, scale, m, l, o); break;
-    case 3: attend_chunk<3>(u, h0, k0, k1, w, c, scale, m, l, o); break;
-    case 2: attend_chunk<2>(u, h0, k0, k1, w, c, scale, m, l, o); break;
-    default: attend_chunk<1>(u, h0, k0, k1, w, c, scale, m, l, o); break;
+    case 4: attend_chunk<4>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
+    case 3: attend_chunk<3>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
+    case 2: attend_chunk<2>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
+    default: attend_chunk<1>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
   }
 }
 
@@ -185,6 +199,9 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
   // L2 for all heads); else blocks of kGroup heads.
   const int per_item = total_chunks >= 4 * pool.size() ? heads : std::min(heads, kGroup);
   const int blocks = (heads + per_item - 1) / per_item;
+  // Two chunks per item while there are plenty: the second comes to L2 while later head groups work on the first.
+  const int span = per_item == heads && heads > kGroup && total_chunks >= 8 * pool.size() ? 2 : 1;
+  const auto spans_of = [&](int chunks) { return (chunks + span - 1) / span; };
 
   for (int u0 = 0; u0 < n_units;) {
     // A batch of units whose partials fit kPartialFloats (at least one unit); a one-chunk unit has none.
@@ -198,7 +215,7 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
       if (u1 > u0 && (slots + need) * (c + 2) > kPartialFloats) break;
       slot0.push_back(slots);
       slots += need;
-      first.push_back(first.back() + chunks * blocks);
+      first.push_back(first.back() + spans_of(chunks) * blocks);
     }
     float* m = grow(ml_, 2 * slots);
     float* l = m + slots;
@@ -208,24 +225,27 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
       const int b = static_cast<int>(std::upper_bound(first.begin(), first.end(), item) - first.begin()) - 1;
       const AttnUnit& u = units[u0 + b];
       const int chunks = (u.keys + kKeyChunk - 1) / kKeyChunk;
-      const int chunk = (item - first[b]) / blocks, hb = (item - first[b]) % blocks;
-      const int k0 = chunk * kKeyChunk, k1 = std::min(u.keys, k0 + kKeyChunk);
-      for (int h0 = hb * per_item; h0 < std::min(heads, (hb + 1) * per_item); h0 += kGroup) {
-        const int g = std::min(kGroup, heads - h0);
-        float* o[kGroup];
-        if (chunks == 1) {
-          // The only chunk: its partial goes straight to the output and merges in place.
+      const int hb = (item - first[b]) % blocks, c0 = (item - first[b]) / blocks * span;
+      for (int chunk = c0; chunk < std::min(chunks, c0 + span); ++chunk) {
+        const int k0 = chunk * kKeyChunk, k1 = std::min(u.keys, k0 + kKeyChunk);
+        const int n_next = chunk + 1 < std::min(chunks, c0 + span) ? std::min(kKeyChunk, u.keys - k1) : 0;
+        for (int h0 = hb * per_item; h0 < std::min(heads, (hb + 1) * per_item); h0 += kGroup) {
+          const int g = std::min(kGroup, heads - h0);
+          const int pre = h0 > hb * per_item ? n_next : 0;  // the first head group reads this chunk in
+          float* o[kGroup];
           float mj[kGroup], lj[kGroup];
-          for (int j = 0; j < g; ++j) o[j] = u.o + (h0 + j) * u.o_stride;
-          attend_chunk_heads(g, u, h0, k0, k1, w, c, scale, mj, lj, o);
-          for (int j = 0; j < g; ++j)
-            merge_chunks(1, mj + j, lj + j, o[j], 0, c, u.sinks ? u.sinks + h0 + j : nullptr, o[j]);
-        } else {
-          float mj[kGroup], lj[kGroup];
-          const size_t base = slot0[b] + static_cast<size_t>(h0) * chunks + chunk;
-          for (int j = 0; j < g; ++j) o[j] = part + (base + static_cast<size_t>(j) * chunks) * c;
-          attend_chunk_heads(g, u, h0, k0, k1, w, c, scale, mj, lj, o);
-          for (int j = 0; j < g; ++j) m[base + j * chunks] = mj[j], l[base + j * chunks] = lj[j];
+          if (chunks == 1) {
+            // The only chunk: its partial goes straight to the output and merges in place.
+            for (int j = 0; j < g; ++j) o[j] = u.o + (h0 + j) * u.o_stride;
+            attend_chunk_heads(g, u, h0, k0, k1, w, c, scale, pre, mj, lj, o);
+            for (int j = 0; j < g; ++j)
+              merge_chunks(1, mj + j, lj + j, o[j], 0, c, u.sinks ? u.sinks + h0 + j : nullptr, o[j]);
+          } else {
+            const size_t base = slot0[b] + static_cast<size_t>(h0) * chunks + chunk;
+            for (int j = 0; j < g; ++j) o[j] = part + (base + static_cast<size_t>(j) * chunks) * c;
+            attend_chunk_heads(g, u, h0, k0, k1, w, c, scale, pre, mj, lj, o);
+            for (int j = 0; j < g; ++j) m[base + j * chunks] = mj[j], l[base + j * chunks] = lj[j];
+          }
         }
       }
     };
