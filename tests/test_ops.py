@@ -174,6 +174,27 @@ def test_mla_attention_over_many_keys(ops) -> None:
     assert torch.equal(outs[0], outs[1])
 
 
+def test_attention_over_tens_of_thousands_of_keys() -> None:
+    """One query of 16 heads over 33,000 keys (516 chunks of 64): the heads' partials (16 x 516 x 514 floats) pass the
+    cap a call holds, so the heads go in blocks; against float64 softmax attention with each head's sink, and the
+    second query of the call the first one's keys in reverse. The keys repeat 97 cache rows (K = V, 512 values)."""
+    rng = np.random.default_rng(0)
+    h, d, n_keys, scale = 16, 512, 33_000, 0.05
+    cache = rng.standard_normal((97, d)).astype(np.float32)
+    rows = rng.integers(0, 97, n_keys)
+    offsets = np.concatenate([rows, rows[::-1]]).astype(np.int64) * d
+    starts = np.array([0, n_keys, 2 * n_keys], dtype=np.int32)
+    q = rng.standard_normal((2, h, d)).astype(np.float32)
+    sinks = rng.standard_normal(h).astype(np.float32)
+    got = native._lib().dsv4_attend(q, cache, offsets, starts, sinks, scale)
+    for t, keys in enumerate((rows, rows[::-1])):
+        kv = cache[keys].astype(np.float64)                              # [S, d]
+        logits = np.concatenate([q[t].astype(np.float64) @ kv.T * scale, sinks[:, None]], axis=1)
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        want = (p[:, :-1] / p.sum(1, keepdims=True)) @ kv                # [h, d], the sink's mass dropped
+        np.testing.assert_allclose(got[t], want, rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("case", ["softmax", "sigmoid-bias-groups-norm-scale"])
 def test_route(ops, case: str) -> None:
     nat, ref = ops

@@ -23,7 +23,8 @@ using simd::hsum;
 constexpr size_t kInlineAttention = size_t{1} << 16;
 constexpr int kGroup = 4;       // heads per register tile
 constexpr int kKeyChunk = 64;   // keys per partial softmax: a chunk of 576-value rows (147 KiB) stays in L2
-// Floats of chunk partials one dispatch holds at most (prefill runs its queries in batches under it).
+// Floats of chunk partials one dispatch holds at most (prefill runs its queries in batches under it, and a
+// query of many heads over many keys its heads in blocks), unless one head's partials alone are more.
 constexpr size_t kPartialFloats = size_t{4} << 20;
 
 float* grow(std::vector<float>& v, size_t n) {
@@ -186,6 +187,24 @@ void merge_chunks(int chunks, const float* m, const float* l, const float* o, si
 // never on the units beside it, the head blocks, the batches or the threads.
 void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int heads, int w, int c, float scale) {
   if (n_units <= 0 || heads <= 0) return;
+  int max_chunks = 0;
+  for (int u = 0; u < n_units; ++u) max_chunks = std::max(max_chunks, (units[u].keys + kKeyChunk - 1) / kKeyChunk);
+  const size_t per_head = max_chunks > 1 ? static_cast<size_t>(max_chunks) * (c + 2) : 0;
+  if (per_head * heads > kPartialFloats && heads > kGroup) {
+    // Long keys and many heads (DeepSeek-V2's 128 at 32k keys: 135 MB of partials for one query): the heads
+    // in blocks whose partials fit, each a call of its own over the same units.
+    const int block = std::max(kGroup, static_cast<int>(kPartialFloats / per_head) / kGroup * kGroup);
+    std::vector<AttnUnit> sub(units, units + n_units);
+    for (int h0 = 0; h0 < heads; h0 += block) {
+      for (int u = 0; u < n_units; ++u) {
+        sub[u].q = units[u].q + h0 * units[u].q_stride;
+        sub[u].o = units[u].o + h0 * units[u].o_stride;
+        sub[u].sinks = units[u].sinks ? units[u].sinks + h0 : nullptr;
+      }
+      attend_units(pool, sub.data(), n_units, std::min(block, heads - h0), w, c, scale);
+    }
+    return;
+  }
   static thread_local std::vector<float> ml_, part_;
   static thread_local std::vector<int> first_;
   std::vector<int>& first = first_;
