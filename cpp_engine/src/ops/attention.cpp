@@ -32,6 +32,19 @@ float* grow(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
+int chunks_of(int keys) { return (keys + kKeyChunk - 1) / kKeyChunk; }
+
+// one(item, thread) for every item: on the caller alone when the work is small or there is one item (waking
+// the pool costs more).
+template <class F>
+void run_items(ThreadPool& pool, int items, size_t work, const F& one) {
+  if (work < kInlineAttention || items <= 1) {
+    for (int item = 0; item < items; ++item) one(item, 0);
+  } else {
+    pool.parallel_for(items, [&](int item, int thread) { one(item, thread); });
+  }
+}
+
 // The heads of one query that read the same key rows (all of an MLA or DeepSeek-V4 query's heads; the
 // query heads of one GQA KV head). A key is the w values at k_off of its row, its value the c values at v_off.
 struct AttnUnit {
@@ -187,8 +200,13 @@ void merge_chunks(int chunks, const float* m, const float* l, const float* o, si
 // never on the units beside it, the head blocks, the batches or the threads.
 void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int heads, int w, int c, float scale) {
   if (n_units <= 0 || heads <= 0) return;
-  int max_chunks = 0;
-  for (int u = 0; u < n_units; ++u) max_chunks = std::max(max_chunks, (units[u].keys + kKeyChunk - 1) / kKeyChunk);
+  size_t work = 0;
+  int total_chunks = 0, max_chunks = 0;
+  for (int u = 0; u < n_units; ++u) {
+    work += static_cast<size_t>(heads) * units[u].keys * (w + c);
+    total_chunks += chunks_of(units[u].keys);
+    max_chunks = std::max(max_chunks, chunks_of(units[u].keys));
+  }
   const size_t per_head = max_chunks > 1 ? static_cast<size_t>(max_chunks) * (c + 2) : 0;
   if (per_head * heads > kPartialFloats && heads > kGroup) {
     // Long keys and many heads (DeepSeek-V2's 128 at 32k keys: 135 MB of partials for one query): the heads
@@ -208,12 +226,6 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
   static thread_local std::vector<float> ml_, part_;
   static thread_local std::vector<int> first_;
   std::vector<int>& first = first_;
-  size_t work = 0;
-  int total_chunks = 0;
-  for (int u = 0; u < n_units; ++u) {
-    work += static_cast<size_t>(heads) * units[u].keys * (w + c);
-    total_chunks += (units[u].keys + kKeyChunk - 1) / kKeyChunk;
-  }
   // Whole units per item while there are enough chunks to keep every thread busy (each chunk read once into
   // L2 for all heads); else blocks of kGroup heads.
   const int per_item = total_chunks >= 4 * pool.size() ? heads : std::min(heads, kGroup);
@@ -229,7 +241,7 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
     first.assign(1, 0);
     std::vector<size_t> slot0;
     for (; u1 < n_units; ++u1) {
-      const int chunks = (units[u1].keys + kKeyChunk - 1) / kKeyChunk;
+      const int chunks = chunks_of(units[u1].keys);
       const size_t need = chunks > 1 ? static_cast<size_t>(heads) * chunks : 0;
       if (u1 > u0 && (slots + need) * (c + 2) > kPartialFloats) break;
       slot0.push_back(slots);
@@ -243,7 +255,7 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
     const auto chunk_item = [&](int item, int) {
       const int b = static_cast<int>(std::upper_bound(first.begin(), first.end(), item) - first.begin()) - 1;
       const AttnUnit& u = units[u0 + b];
-      const int chunks = (u.keys + kKeyChunk - 1) / kKeyChunk;
+      const int chunks = chunks_of(u.keys);
       const int hb = (item - first[b]) % blocks, c0 = (item - first[b]) / blocks * span;
       for (int chunk = c0; chunk < std::min(chunks, c0 + span); ++chunk) {
         const int k0 = chunk * kKeyChunk, k1 = std::min(u.keys, k0 + kKeyChunk);
@@ -268,12 +280,7 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
         }
       }
     };
-    const int items = first.back();
-    if (work < kInlineAttention) {
-      for (int item = 0; item < items; ++item) chunk_item(item, 0);
-    } else {
-      pool.parallel_for(items, [&](int item, int thread) { chunk_item(item, thread); });
-    }
+    run_items(pool, first.back(), work, chunk_item);
 
     // Merge every (unit, head) of more than one chunk.
     std::vector<int> multi;
@@ -282,17 +289,12 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
     const auto merge_item = [&](int item, int) {
       const int b = multi[item / heads] - u0, j = item % heads;
       const AttnUnit& u = units[u0 + b];
-      const int chunks = (u.keys + kKeyChunk - 1) / kKeyChunk;
+      const int chunks = chunks_of(u.keys);
       const size_t base = slot0[b] + static_cast<size_t>(j) * chunks;
       merge_chunks(chunks, m + base, l + base, part + base * c, c, c, u.sinks ? u.sinks + j : nullptr,
                    u.o + j * u.o_stride);
     };
-    const int merges = static_cast<int>(multi.size()) * heads;
-    if (work < kInlineAttention || merges == 1) {
-      for (int item = 0; item < merges; ++item) merge_item(item, 0);
-    } else if (merges > 0) {
-      pool.parallel_for(merges, [&](int item, int thread) { merge_item(item, thread); });
-    }
+    run_items(pool, static_cast<int>(multi.size()) * heads, work, merge_item);
     u0 = u1;
   }
 }
