@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from batch_check import assert_batched_step_is_solo
+from kv_check import KV_DTYPES, close_caches
 
 from pocketmoe import native
 from pocketmoe.engine import ModelRunner, RunnerConfig, SeqChunk, Step
@@ -174,11 +175,13 @@ def test_f32_matches_hf_transformers(tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels")
-@pytest.mark.parametrize("neox,heads,cached", [(True, (12, 2), 5), (False, (4, 4), 5), (True, (10, 2), 5),
-                                               (True, (12, 2), 130)])
-def test_native_gqa_attention_is_the_reference(neox: bool, heads: tuple[int, int], cached: int) -> None:
+@pytest.mark.parametrize("neox,heads,cached,kv", [(True, (12, 2), 5, "f32"), (False, (4, 4), 5, "f32"),
+                                                  (True, (10, 2), 5, "f32"), (True, (12, 2), 130, "f32"),
+                                                  (True, (12, 2), 130, "f16"), (False, (4, 4), 5, "bf16")])
+def test_native_gqa_attention_is_the_reference(neox: bool, heads: tuple[int, int], cached: int, kv: str) -> None:
     """The C++ op against the torch one over a step of two sequences (one prefilling 20 tokens after `cached`,
-    130 taking its keys past two chunks of 64; one decoding): outputs and written cache rows, at float rounding."""
+    130 taking its keys past two chunks of 64; one decoding): outputs and written cache rows, at float rounding
+    (rows of a half-type cache at most one rounding step apart)."""
     from pocketmoe.engine.kv_cache import PagedKVCache
     from pocketmoe.engine.step import StepContext
     from pocketmoe.layers.gqa import GQAConfig, GQAttention
@@ -192,7 +195,7 @@ def test_native_gqa_attention_is_the_reference(neox: bool, heads: tuple[int, int
     results = []
     for ops in (make_ops("reference", 1, None), make_ops("native", 2, None)):
         attn = GQAttention(cfg, ops, wq=None, wk=None, wv=None, wo=None)  # type: ignore[arg-type]
-        cache = PagedKVCache(1, cfg.kv_width, 16, 256)
+        cache = PagedKVCache(1, cfg.kv_width, 16, 256, dtype=KV_DTYPES[kv][0])
         gen.manual_seed(1)
         cache.data.normal_(generator=gen)
         outs = []
@@ -207,7 +210,7 @@ def test_native_gqa_attention_is_the_reference(neox: bool, heads: tuple[int, int
     (ref, ref_cache), (nat, nat_cache) = results
     for a, b in zip(ref, nat, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(nat_cache, ref_cache, rtol=1e-6, atol=1e-6)
+    close_caches(nat_cache, ref_cache)
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from kv_check import KV_DTYPES, close_caches
 
 from pocketmoe import native
 from pocketmoe.engine import PagedKVCache, SeqChunk, Step, StepContext
@@ -124,25 +125,27 @@ def _mla_steps(o: object, attn: MLAttention, cache: PagedKVCache, steps: list[St
     return outs
 
 
-def test_mla_attention_over_many_keys(ops) -> None:
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
+def test_mla_attention_over_many_keys(ops, kv: str) -> None:
     """Past several chunks of 64 keys (partial softmaxes, merged per head): a 150-token and a 70-token prefill,
-    then the first sequence's next 3 tokens beside a decode and a fresh prompt; native vs reference. On the
-    native side each row is bitwise the same alone as in the batch, and a decode row is bitwise the last row of
-    a prefill of the same tokens."""
+    then the first sequence's next 3 tokens beside a decode and a fresh prompt; native vs reference, over a
+    cache of each dtype. On the native side each row is bitwise the same alone as in the batch, and a decode row
+    is bitwise the last row of a prefill of the same tokens."""
+    dtype = KV_DTYPES[kv][0]
     prefill = Step([SeqChunk("a", list(range(150)), 0), SeqChunk("b", list(range(70)), 0)])
     step = Step([SeqChunk("a", [1, 2, 3], 150), SeqChunk("b", [4], 70), SeqChunk("c", list(range(5)), 0)])
     results = []
     for o in ops:
-        cache = PagedKVCache(n_layer=1, width=40, n_pages=24, max_seq_len=256, page=16)
+        cache = PagedKVCache(n_layer=1, width=40, n_pages=24, max_seq_len=256, page=16, dtype=dtype)
         results.append((_mla_steps(o, mla_layer(o), cache, [prefill, step], 30), cache))
     (nat, nat_cache), (ref, ref_cache) = results
     for a, b in zip(nat, ref, strict=True):
         close(a, b)
-    close(nat_cache.data, ref_cache.data, 1e-6)
+    close_caches(nat_cache.data, ref_cache.data)
 
     nat_ops = ops[0]
     attn = mla_layer(nat_ops)
-    cache = PagedKVCache(n_layer=1, width=40, n_pages=24, max_seq_len=256, page=16)
+    cache = PagedKVCache(n_layer=1, width=40, n_pages=24, max_seq_len=256, page=16, dtype=dtype)
     _mla_steps(nat_ops, attn, cache, [prefill], 30)
     rotary = Rotary(RopeConfig(dim=8, base=10000.0))
     q = torch.randn(9, 5 * 24, generator=g(31))
@@ -163,7 +166,7 @@ def test_mla_attention_over_many_keys(ops) -> None:
     kv = torch.randn(150, 40, generator=g(41))
     outs = []
     for cut in (150, 149):
-        cache = PagedKVCache(n_layer=1, width=40, n_pages=24, max_seq_len=256, page=16)
+        cache = PagedKVCache(n_layer=1, width=40, n_pages=24, max_seq_len=256, page=16, dtype=dtype)
         for start, end in ((0, cut), (cut, 150)):
             if start == end:
                 continue
@@ -172,6 +175,34 @@ def test_mla_attention_over_many_keys(ops) -> None:
             out = nat_ops.mla_attention(attn, q[start:end], kv[start:end], ctx, 0)
         outs.append(out[-1])
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("kv", ["f16", "bf16"])
+def test_kv_cache_rounds_as_torch(ops, kv: str) -> None:
+    """The native attention stores a cache entry rounded to nearest even as torch's .to(dtype) rounds it: the V
+    values of a GQA cache row are the op's v input as given, here with ties at both types' rounding points,
+    their neighbours, subnormals, values past float16's range, infinities and random values."""
+    from pocketmoe.layers.gqa import GQAConfig, GQAttention
+
+    dtype = KV_DTYPES[kv][0]
+    cfg = GQAConfig(n_head=2, n_head_kv=1, head_dim=8, v_dim=64, n_rot=8, neox=False, scale=0.3)
+    attn = GQAttention(cfg, ops[0], wq=None, wk=None, wv=None, wo=None)  # type: ignore[arg-type]
+    one = 0x3F800000  # 1.0: float16 keeps 10 mantissa bits of its 23, bfloat16 7
+    bits = [one + (1 << 12), one + (3 << 12), one + (1 << 15), one + (3 << 15), one + (1 << 12) + 1,
+            one + (1 << 15) - 1, 0x33000000, 0x33800001, 0x38800000, 0x387FC000, 0x00000001, 0x80000001,
+            0x477FF000, 0x477FEFFF, 0x47800000, 0x7F7FFFFF, 0x7F800000, 0xFF800000]
+    special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    v = torch.randn(3, 64, generator=g(60)) * 100
+    v.view(-1)[:len(special) * 2] = torch.cat([special, -special])
+    rotary = Rotary(RopeConfig(dim=8, base=10000.0))
+    cache = PagedKVCache(n_layer=1, width=72, n_pages=2, max_seq_len=32, page=16, dtype=dtype)
+    ctx = StepContext.build(Step([SeqChunk("a", [1, 2, 3], 0)]), cache, 100)
+    ctx.cos2, ctx.sin2 = rotary.at(ctx.positions)
+    assert ops[0]._step_args(ctx) is not None, "the cache did not go to the native op"
+    ops[0].gqa_attention(attn, torch.randn(3, 16, generator=g(61)), torch.randn(3, 8, generator=g(62)), v, ctx, 0)
+    rows = torch.from_numpy(ctx.write_rows).long()
+    got, want = cache.data[0, rows, 8:], v.to(dtype)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_attention_over_tens_of_thousands_of_keys() -> None:

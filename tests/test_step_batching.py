@@ -107,16 +107,18 @@ def test_step_errors(model: Path) -> None:
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels")
-@pytest.mark.parametrize("arch,preset,quant", [("deepseek2", "tiny", "Q4_K_M"), ("deepseek2", "tiny-legacy", "Q8_0"),
-                                               ("deepseek2", "tiny-qlora", "F32"), ("minimax-m2", "tiny", "Q4_K_M")])
-def test_recorded_steps_replay_bitwise(tmp_path, arch: str, preset: str, quant: str) -> None:
+@pytest.mark.parametrize("arch,preset,quant,kv", [
+    ("deepseek2", "tiny", "Q4_K_M", "f32"), ("deepseek2", "tiny-legacy", "Q8_0", "f32"),
+    ("deepseek2", "tiny-qlora", "F32", "f32"), ("minimax-m2", "tiny", "Q4_K_M", "f32"),
+    ("deepseek2", "tiny", "Q4_K_M", "f16"), ("minimax-m2", "tiny", "Q4_K_M", "bf16")])
+def test_recorded_steps_replay_bitwise(tmp_path, arch: str, preset: str, quant: str, kv: str) -> None:
     """Steps whose every token wants logits run as one recorded native call after the first (MLA or GQA
-    attention); the logits are bitwise those of the same steps run op by op, over the mixed schedule (the decode
-    steps are replayed)."""
+    attention, over a cache of each dtype); the logits and the cache are bitwise those of the same steps run op
+    by op, over the mixed schedule (the decode steps are replayed)."""
     (path,) = write_fixture(arch, preset, quant, tmp_path / "m.gguf", seed=7)
     runs = {}
     for replay in (True, False):
-        r = ModelRunner(open_bundle(path), RunnerConfig(n_ctx=64, backend="native", max_seqs=3))
+        r = ModelRunner(open_bundle(path), RunnerConfig(n_ctx=64, backend="native", max_seqs=3, kv_dtype=kv))
         r.ops.replay = replay
         feed = {s: [int(t) % r.vocab_size for t in range(40, 50)] for s in PROMPTS}
         runs[replay] = (run(r, SCHEDULE, feed), r)

@@ -266,15 +266,37 @@ void rope_py(const py::array& x, int heads, int head_dim, int rot, bool neox, co
        s.data());
 }
 
+// A KV cache array: float32, float16, or uint16 holding bfloat16 bits (numpy has no bfloat16), C-contiguous
+// and writeable with `ndim` dimensions, the last of w values (any with w < 0).
+KVType kv_type_of(const py::array& cache, int ndim, int w) {
+  KVType type;
+  if (cache.dtype().is(py::dtype::of<float>())) {
+    type = KVType::kF32;
+  } else if (cache.dtype().is(py::dtype("float16"))) {
+    type = KVType::kF16;
+  } else if (cache.dtype().is(py::dtype::of<uint16_t>())) {
+    type = KVType::kBF16;
+  } else {
+    throw py::value_error("cache must be float32, float16 or uint16 (bfloat16 bits), got " +
+                          std::string(py::str(cache.dtype())));
+  }
+  if (!(cache.flags() & py::array::c_style)) throw py::value_error("cache must be C-contiguous");
+  if (!cache.writeable()) throw py::value_error("cache must be writeable");
+  if (cache.ndim() != ndim || (w >= 0 && cache.shape(ndim - 1) != w))
+    throw py::value_error("cache must have " + std::to_string(ndim) + " dimensions, the last of " +
+                          std::to_string(w) + " values");
+  return type;
+}
+
 // The rows' cache layout (pocketmoe/ops.h KVLayout) from the step's arrays; cachep: the cache's rows [rows, w].
 KVLayout kv_layout_of(const py::array& cache, int w, const py::array& seq, const py::array& keys,
-                      const py::array& write_rows, const py::array& table, int page, py::ssize_t n, float*& cachep) {
-  auto ca = rows_of(cache, "cache", w);
-  if (!ca.writeable()) throw py::value_error("cache must be writeable");
+                      const py::array& write_rows, const py::array& table, int page, py::ssize_t n, void*& cachep) {
+  const KVType type = kv_type_of(cache, 2, w);
   auto ta = checked<int32_t>(table, "page_table", 2);
-  cachep = ca.mutable_data();
+  cachep = py::array(cache).mutable_data();
   return KVLayout{ints_of(seq, "seq", n), ints_of(keys, "keys", n), ints_of(write_rows, "write_rows", n), ta.data(),
-                  static_cast<int>(ta.shape(0)), static_cast<int>(ta.shape(1)), page, static_cast<int>(ca.shape(0))};
+                  static_cast<int>(ta.shape(0)), static_cast<int>(ta.shape(1)), page,
+                  static_cast<int>(cache.shape(0)), type};
 }
 
 py::array_t<float> mla_attention_py(const MLAShape& sh, const py::array& q, const py::array& kv,
@@ -289,7 +311,7 @@ py::array_t<float> mla_attention_py(const MLAShape& sh, const py::array& q, cons
   auto c = rows_of(cos2, "cos2", sh.qk_rope), s = rows_of(sin2, "sin2", sh.qk_rope);
   if (kva.shape(0) != n || c.shape(0) != n || s.shape(0) != n)
     throw py::value_error("q, kv, cos2 and sin2 need the same number of rows");
-  float* cachep = nullptr;
+  void* cachep = nullptr;
   const KVLayout layout = kv_layout_of(cache, w, seq, keys, write_rows, table, page, n, cachep);
   const float* norm = vector_of(kv_norm, "kv_norm", sh.kv_lora);
   py::array_t<float> out({n, static_cast<py::ssize_t>(sh.n_head) * sh.v_head});
@@ -315,7 +337,7 @@ py::array_t<float> gqa_attention_py(const GQAShape& sh, const py::array& q, cons
   auto c = rows_of(cos2, "cos2", sh.rot), s = rows_of(sin2, "sin2", sh.rot);
   if (ka.shape(0) != n || va.shape(0) != n || c.shape(0) != n || s.shape(0) != n)
     throw py::value_error("q, k, v, cos2 and sin2 need the same number of rows");
-  float* cachep = nullptr;
+  void* cachep = nullptr;
   const KVLayout layout = kv_layout_of(cache, w, seq, keys, write_rows, table, page, n, cachep);
   py::array_t<float> q_work({n, static_cast<py::ssize_t>(sh.n_head) * sh.head_dim});
   py::array_t<float> out({n, static_cast<py::ssize_t>(sh.n_head) * sh.v_dim});
@@ -451,7 +473,7 @@ py::object attention_sublayer_call(int d, int w, int rot, const py::array& xn, c
   const py::ssize_t n = xa.shape(0);
   auto c = rows_of(cos2, "cos2", rot), s = rows_of(sin2, "sin2", rot);
   if (c.shape(0) != n || s.shape(0) != n) throw py::value_error("xn, cos2 and sin2 need the same number of rows");
-  float* cachep = nullptr;
+  void* cachep = nullptr;
   const KVLayout layout = kv_layout_of(cache, w, seq, keys, write_rows, table, page, n, cachep);
   ResidualArrays res = residual_of(x, n, d, norm, eps);
   const float *xp = xa.data(), *cp = c.data(), *sp = s.data();
@@ -466,7 +488,7 @@ py::object mla_sublayer_py(const MLASublayerHandle& h, const py::array& xn, cons
   const MLAShape& sh = h.shape;
   return attention_sublayer_call(
       h.w.wkv_a->cols, sh.kv_lora + sh.qk_rope, sh.qk_rope, xn, x, norm, eps, cos2, sin2, cache, seq, keys, write_rows,
-      table, page, [&](const float* xp, const float* cp, const float* sp, float* cachep, const KVLayout& layout, int n,
+      table, page, [&](const float* xp, const float* cp, const float* sp, void* cachep, const KVLayout& layout, int n,
                        const Residual& r) { mla_sublayer(sh, h.w, xp, cp, sp, cachep, layout, n, r); });
 }
 
@@ -503,7 +525,7 @@ py::object gqa_sublayer_py(const GQASublayerHandle& h, const py::array& xn, cons
   const GQAShape& sh = h.shape;
   return attention_sublayer_call(
       h.w.wq->cols, sh.n_head_kv * (sh.head_dim + sh.v_dim), sh.rot, xn, x, norm, eps, cos2, sin2, cache, seq, keys,
-      write_rows, table, page, [&](const float* xp, const float* cp, const float* sp, float* cachep,
+      write_rows, table, page, [&](const float* xp, const float* cp, const float* sp, void* cachep,
                                    const KVLayout& layout, int n, const Residual& r) {
         gqa_sublayer(sh, h.w, xp, cp, sp, cachep, layout, n, r);
       });
@@ -626,7 +648,7 @@ void run_program(const StepProgramHandle& h, const std::vector<const MLASublayer
                  const std::vector<const GQASublayerHandle*>& gqa, const std::vector<const MoESublayerHandle*>& moe,
                  const std::vector<std::array<const Weight*, 3>>& ffn,
                  const Weight& emb, const Weight& head, const int32_t* tp, int nt, const float* cp, const float* sp,
-                 float* cache0, py::ssize_t rows, py::ssize_t w, const KVLayout& layout, float* lp) {
+                 void* cache0, size_t layer_bytes, const KVLayout& layout, float* lp) {
   const int d = emb.cols;
   const py::ssize_t n = nt;
   static thread_local std::vector<float> x_, a_, b_;
@@ -639,7 +661,7 @@ void run_program(const StepProgramHandle& h, const std::vector<const MLASublayer
     const ProgramSublayer& sub = h.subs[i];
     const Residual res{x, sub.norm, sub.eps, next};
     if (sub.kind == ProgramSublayer::kMLA || sub.kind == ProgramSublayer::kGQA) {
-      float* layer_cache = cache0 + static_cast<size_t>(sub.layer) * rows * w;
+      void* layer_cache = static_cast<char*>(cache0) + sub.layer * layer_bytes;
       if (sub.kind == ProgramSublayer::kMLA) {
         mla_sublayer(mla[i]->shape, mla[i]->w, xn, cp, sp, layer_cache, layout, nt, res);
       } else {
@@ -658,7 +680,8 @@ void run_program(const StepProgramHandle& h, const std::vector<const MLASublayer
   linear_multi(hw, 1, xn, nt, ys);
 }
 
-// tokens int32 [T]; cache float32 [L, rows, W]; the step's arrays as mla_sublayer takes them -> logits [T, V].
+// tokens int32 [T]; cache [L, rows, W] (float32, float16 or bfloat16 bits); the step's arrays as mla_sublayer takes
+// them -> logits [T, V].
 py::array_t<float> step_program_py(const StepProgramHandle& h, const py::array& tokens, const py::array& cos2,
                                    const py::array& sin2, const py::array& cache, const py::array& seq,
                                    const py::array& keys, const py::array& write_rows, const py::array& table,
@@ -667,9 +690,8 @@ py::array_t<float> step_program_py(const StepProgramHandle& h, const py::array& 
   const Weight& head = h.head.cast<const WeightHandle&>().w;
   auto ta = checked<int32_t>(tokens, "tokens", 1);
   const py::ssize_t n = ta.shape(0);
-  auto ca = checked<float>(cache, "cache", 3);
-  if (!ca.writeable()) throw py::value_error("cache must be writeable");
-  const py::ssize_t n_layers = ca.shape(0), rows = ca.shape(1), w = ca.shape(2);
+  const KVType type = kv_type_of(cache, 3, -1);
+  const py::ssize_t n_layers = cache.shape(0), rows = cache.shape(1), w = cache.shape(2);
   const float *cp = nullptr, *sp = nullptr;
   // Every handle resolved while the GIL is held.
   std::vector<const MLASublayerHandle*> mla(h.subs.size(), nullptr);
@@ -704,15 +726,16 @@ py::array_t<float> step_program_py(const StepProgramHandle& h, const py::array& 
   auto tb = checked<int32_t>(table, "page_table", 2);
   const KVLayout layout{ints_of(seq, "seq", n), ints_of(keys, "keys", n), ints_of(write_rows, "write_rows", n),
                         tb.data(), static_cast<int>(tb.shape(0)), static_cast<int>(tb.shape(1)), page,
-                        static_cast<int>(rows)};
+                        static_cast<int>(rows), type};
   py::array_t<float> logits({n, static_cast<py::ssize_t>(head.rows)});
   const int32_t* tp = ta.data();
-  float* cache0 = ca.mutable_data();
+  void* cache0 = py::array(cache).mutable_data();
+  const size_t layer_bytes = static_cast<size_t>(rows) * w * cache.itemsize();
   float* lp = logits.mutable_data();
   const int nt = static_cast<int>(n);
   {
     py::gil_scoped_release release;
-    run_program(h, mla, gqa, moe, ffn, emb, head, tp, nt, cp, sp, cache0, rows, w, layout, lp);
+    run_program(h, mla, gqa, moe, ffn, emb, head, tp, nt, cp, sp, cache0, layer_bytes, layout, lp);
   }
   return logits;
 }
@@ -774,11 +797,13 @@ PYBIND11_MODULE(_native, m) {
   m.def("mla_attention", &mla_attention_py, py::arg("shape"), py::arg("q"), py::arg("kv"), py::arg("kv_norm"),
         py::arg("k_b"), py::arg("v_b"), py::arg("cos2"), py::arg("sin2"), py::arg("cache"), py::arg("seq"),
         py::arg("keys"), py::arg("write_rows"), py::arg("page_table"), py::arg("page"),
-        "MLA attention of rows of several sequences over a paged latent cache -> [T, H*V].");
+        "MLA attention of rows of several sequences over a paged latent cache (float32, float16, or uint16 holding "
+        "bfloat16 bits) -> [T, H*V].");
   m.def("gqa_attention", &gqa_attention_py, py::arg("shape"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("cos2"), py::arg("sin2"), py::arg("cache"), py::arg("seq"), py::arg("keys"), py::arg("write_rows"),
         py::arg("page_table"), py::arg("page"),
-        "Grouped-query attention of rows of several sequences over a paged K/V cache -> [T, H*Dv].");
+        "Grouped-query attention of rows of several sequences over a paged K/V cache (float32, float16, or uint16 "
+        "holding bfloat16 bits) -> [T, H*Dv].");
   m.def("route", &route_py, py::arg("params"), py::arg("x"), py::arg("gate"), py::arg("bias"),
         "(ids int32 [T, K], weights float32 [T, K]) of the router.");
   m.def("gated_ffn", &gated_ffn_py, py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("down"),

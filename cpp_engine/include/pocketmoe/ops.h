@@ -44,6 +44,11 @@ void finalize(float* x, const float* a, const float* b, const float* norm_w, int
 void rope(float* x, int n_rows, size_t row_stride, int heads, int head_dim, int rot, bool neox, const float* cos2,
           const float* sin2);
 
+// The values a KV cache stores: float32, IEEE half (llama.cpp's default) or bfloat16. An entry is computed in
+// float32 and rounded to the nearest even value of the type (as torch's .to(dtype)); the attention reads
+// it back exactly and computes in float32.
+enum class KVType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
 // Where each row's keys are: row t belongs to sequence seq[t] and sees that sequence's positions
 // 0..keys[t]-1; position p of sequence s sits in cache row table[s * table_width + p / page] * page + p % page.
 struct KVLayout {
@@ -55,30 +60,31 @@ struct KVLayout {
   int table_width = 0;
   int page = 0;
   int cache_rows = 0;          // rows the cache holds (bounds check)
+  KVType type = KVType::kF32;  // the cache's values
 };
 
-// DeepSeek MLA attention over a latent cache [cache_rows, W], weights absorbed (k_b [H, C, N], v_b [H, V, C]):
-// writes each row's cache entry (normed c_kv, roped k_pe from kv [T, W]), ropes q_pe, maps q_nope through
-// k_b, attends in latent space and maps the result through v_b. q: [T, H*(N+R)]; out: [T, H*V].
+// DeepSeek MLA attention over a latent cache [cache_rows, W] of kv_layout.type, weights absorbed (k_b [H, C, N],
+// v_b [H, V, C]): writes each row's cache entry (normed c_kv, roped k_pe from kv [T, W]), ropes q_pe, maps q_nope
+// through k_b, attends in latent space and maps the result through v_b. q: [T, H*(N+R)]; out: [T, H*V].
 struct MLAShape {
   int n_head, qk_nope, qk_rope, v_head, kv_lora;
   float scale, eps;
 };
 void mla_attention(const MLAShape& s, const float* q, const float* kv, const float* kv_norm, const Weight& k_b,
-                   const Weight& v_b, const float* cos2, const float* sin2, float* cache, const KVLayout& kv_layout,
+                   const Weight& v_b, const float* cos2, const float* sin2, void* cache, const KVLayout& kv_layout,
                    int n_rows, float* out);
 
-// Grouped-query attention over a cache [cache_rows, n_head_kv * (head_dim + v_dim)] whose row holds a token's
-// roped K of every KV head, then its V: writes each row's entry (k [T, G*Dh] roped, v [T, G*Dv]), ropes a copy
-// of q [T, H*Dh] into q_work (the first `rot` dims of each head; NeoX or normal pairs), and attends query head j
-// over KV head j / (H / G). out: [T, H*Dv].
+// Grouped-query attention over a cache [cache_rows, n_head_kv * (head_dim + v_dim)] of kv_layout.type whose row
+// holds a token's roped K of every KV head, then its V: writes each row's entry (k [T, G*Dh] roped, v [T, G*Dv]),
+// ropes a copy of q [T, H*Dh] into q_work (the first `rot` dims of each head; NeoX or normal pairs), and attends
+// query head j over KV head j / (H / G). out: [T, H*Dv].
 struct GQAShape {
   int n_head, n_head_kv, head_dim, v_dim, rot;
   bool neox;
   float scale;
 };
 void gqa_attention(const GQAShape& s, const float* q, const float* k, const float* v, const float* cos2,
-                   const float* sin2, float* cache, const KVLayout& kv_layout, int n_rows, float* q_work, float* out);
+                   const float* sin2, void* cache, const KVLayout& kv_layout, int n_rows, float* q_work, float* out);
 
 // Router: logits = x @ gate^T, probabilities by softmax (gating 1) or sigmoid (gating 2), selection
 // scores = probabilities + bias, the best `groups_used` of `n_groups` expert groups (group score: its two
@@ -129,7 +135,7 @@ struct MLAWeights {
   const Weight* wo = nullptr;
 };
 void mla_sublayer(const MLAShape& s, const MLAWeights& w, const float* xn, const float* cos2, const float* sin2,
-                  float* cache, const KVLayout& kv_layout, int n_rows, const Residual& res);
+                  void* cache, const KVLayout& kv_layout, int n_rows, const Residual& res);
 
 // GQA attention sublayer on normed rows xn [T, D]: q, k, v = xn (wq, wk, wv)^T in one dispatch, the q and k
 // norms over the whole projections (when given), gqa_attention, o wo^T, then the residual update.
@@ -143,7 +149,7 @@ struct GQAWeights {
   float eps = 0.0f;
 };
 void gqa_sublayer(const GQAShape& s, const GQAWeights& w, const float* xn, const float* cos2, const float* sin2,
-                  float* cache, const KVLayout& kv_layout, int n_rows, const Residual& res);
+                  void* cache, const KVLayout& kv_layout, int n_rows, const Residual& res);
 
 // Gated FFN sublayer (a dense FFN): gated_ffn(xn), then the residual update.
 void ffn_sublayer(const Weight& gate, const Weight& up, const Weight& down, const float* xn, int n_rows,

@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "pocketmoe/ops.h"
@@ -34,6 +36,56 @@ float* grow(std::vector<float>& v, size_t n) {
 
 int chunks_of(int keys) { return (keys + kKeyChunk - 1) / kKeyChunk; }
 
+// Cache values as they are stored (ops.h KVType): float, IEEE half or bfloat16, read 8 at a time as floats.
+struct Half { uint16_t bits; };
+struct BHalf { uint16_t bits; };
+
+PM_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+PM_INLINE __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+PM_INLINE __m256 load8(const BHalf* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// dst = n values of src (n a multiple of 8), rounded to the nearest even value of the cache's type as torch's
+// .to(float16) / .to(bfloat16) round (a NaN becomes bfloat16's quiet NaN).
+void store_values(const float* src, int n, float* dst) { std::copy(src, src + n, dst); }
+void store_values(const float* src, int n, Half* dst) {
+  for (int i = 0; i < n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+void store_values(const float* src, int n, BHalf* dst) {
+  for (int i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, sizeof u);
+    dst[i].bits = std::isnan(src[i]) ? uint16_t{0x7FC0} : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  }
+}
+
+size_t value_bytes(KVType type) {
+  switch (type) {
+    case KVType::kF32: return sizeof(float);
+    case KVType::kF16:
+    case KVType::kBF16: return sizeof(uint16_t);
+  }
+  throw std::invalid_argument("attention: KV cache type " + std::to_string(static_cast<int>(type)) +
+                              " is not float32 (0), float16 (1) or bfloat16 (2)");
+}
+
+// f(rows) with the cache's rows as the type they are stored in.
+template <class F>
+void typed(KVType type, void* cache, const F& f) {
+  switch (type) {
+    case KVType::kF32: f(static_cast<float*>(cache)); return;
+    case KVType::kF16: f(static_cast<Half*>(cache)); return;
+    case KVType::kBF16: f(static_cast<BHalf*>(cache)); return;
+  }
+  value_bytes(type);  // throws
+}
+
 // one(item, thread) for every item: on the caller alone when the work is small or there is one item (waking
 // the pool costs more).
 template <class F>
@@ -48,7 +100,7 @@ void run_items(ThreadPool& pool, int items, size_t work, const F& one) {
 // The heads of one query that read the same key rows (all of an MLA or DeepSeek-V4 query's heads; the
 // query heads of one GQA KV head). A key is the w values at k_off of its row, its value the c values at v_off.
 struct AttnUnit {
-  const float* const* rows;  // rows[s]: key s's cache row, s < keys
+  const void* const* rows;   // rows[s]: key s's cache row (values of the attention's type T), s < keys
   int keys;
   int k_off, v_off;
   const float* q;            // head j's query: q + j * q_stride (w values)
@@ -60,16 +112,16 @@ struct AttnUnit {
 
 // K keys [s, s + K) against G heads: sc[j][s + k - k0] = dot(q[j], key s + k) * scale. pre[k]: a row to
 // prefetch (to L2 if ToL2, else L1), a cache line per 16 values.
-template <int G, int K, bool ToL2>
-PM_INLINE void score_keys(const float* const* rows, int s, int k0, int w, int k_off, float scale,
-                          const float* const* q, const float* const* pre, float (*sc)[kKeyChunk]) {
-  const float* r[K];
-  for (int k = 0; k < K; ++k) r[k] = rows[s + k] + k_off;
+template <class T, int G, int K, bool ToL2>
+PM_INLINE void score_keys(const void* const* rows, int s, int k0, int w, int k_off, float scale,
+                          const float* const* q, const T* const* pre, float (*sc)[kKeyChunk]) {
+  const T* r[K];
+  for (int k = 0; k < K; ++k) r[k] = static_cast<const T*>(rows[s + k]) + k_off;
   __m256 a[G][K];
   for (int j = 0; j < G; ++j)
     for (int k = 0; k < K; ++k) a[j][k] = _mm256_setzero_ps();
   for (int i = 0; i < w; i += 8) {
-    if (i % 16 == 0)
+    if (i % (64 / sizeof(T)) == 0)
       for (int k = 0; k < K; ++k) {
         const char* line = reinterpret_cast<const char*>(pre[k] + i);
         if constexpr (ToL2) {
@@ -79,7 +131,7 @@ PM_INLINE void score_keys(const float* const* rows, int s, int k0, int w, int k_
         }
       }
     __m256 x[K];
-    for (int k = 0; k < K; ++k) x[k] = _mm256_loadu_ps(r[k] + i);
+    for (int k = 0; k < K; ++k) x[k] = load8(r[k] + i);
     for (int j = 0; j < G; ++j) {
       const __m256 qv = _mm256_loadu_ps(q[j] + i);
       for (int k = 0; k < K; ++k) a[j][k] = _mm256_fmadd_ps(qv, x[k], a[j][k]);
@@ -92,40 +144,41 @@ PM_INLINE void score_keys(const float* const* rows, int s, int k0, int w, int k_
 // sc[j][s - k0] = dot(q[j], key s) * scale for keys [k0, k1) and G <= 4 heads. Each dot is one 8-lane FMA chain
 // over the w values and one horizontal sum, whichever keys it is computed beside. Three keys at a time: twelve
 // chains keep both FMA pipes busy through a load's latency (eight did not). next: n_next rows to bring to L2.
-template <int G>
-void chunk_scores(const float* const* rows, int k0, int k1, int w, int k_off, float scale, const float* const* q,
-                  const float* const* next, int n_next, float (*sc)[kKeyChunk]) {
+template <class T, int G>
+void chunk_scores(const void* const* rows, int k0, int k1, int w, int k_off, float scale, const float* const* q,
+                  const void* const* next, int n_next, float (*sc)[kKeyChunk]) {
   constexpr int K = 3;
+  const auto row = [&](const void* const* r, int s) { return static_cast<const T*>(r[s]) + k_off; };
   int s = k0;
   for (; s + K <= k1; s += K) {
-    const float* pre[K];
+    const T* pre[K];
     if (n_next > 0) {
       // This chunk is in L2 already (an earlier head group read it): bring the next chunk's rows to L2 meanwhile.
-      for (int k = 0; k < K; ++k) pre[k] = next[std::min(s - k0 + k, n_next - 1)] + k_off;
-      score_keys<G, K, true>(rows, s, k0, w, k_off, scale, q, pre, sc);
+      for (int k = 0; k < K; ++k) pre[k] = row(next, std::min(s - k0 + k, n_next - 1));
+      score_keys<T, G, K, true>(rows, s, k0, w, k_off, scale, q, pre, sc);
     } else {
       // The keys two steps ahead (their first touch of DRAM or L3 stalled the loop).
-      for (int k = 0; k < K; ++k) pre[k] = s + 2 * K + k < k1 ? rows[s + 2 * K + k] + k_off : rows[s + k] + k_off;
-      score_keys<G, K, false>(rows, s, k0, w, k_off, scale, q, pre, sc);
+      for (int k = 0; k < K; ++k) pre[k] = s + 2 * K + k < k1 ? row(rows, s + 2 * K + k) : row(rows, s + k);
+      score_keys<T, G, K, false>(rows, s, k0, w, k_off, scale, q, pre, sc);
     }
   }
   for (; s < k1; ++s) {
-    const float* pre[1] = {rows[s] + k_off};
-    score_keys<G, 1, false>(rows, s, k0, w, k_off, scale, q, pre, sc);
+    const T* pre[1] = {row(rows, s)};
+    score_keys<T, G, 1, false>(rows, s, k0, w, k_off, scale, q, pre, sc);
   }
 }
 
 // o[j][i0 .. i0 + 8V) = sum over keys s in [k0, k1), in order, of p[j][s - k0] * value s.
-template <int G, int V>
-PM_INLINE void value_strip(const float* const* rows, int k0, int k1, int v_off, int i0, const float (*p)[kKeyChunk],
+template <class T, int G, int V>
+PM_INLINE void value_strip(const void* const* rows, int k0, int k1, int v_off, int i0, const float (*p)[kKeyChunk],
                            float* const* o) {
   __m256 acc[G][V];
   for (int j = 0; j < G; ++j)
     for (int v = 0; v < V; ++v) acc[j][v] = _mm256_setzero_ps();
   for (int s = k0; s < k1; ++s) {
-    const float* row = rows[s] + v_off + i0;
+    const T* row = static_cast<const T*>(rows[s]) + v_off + i0;
     __m256 x[V];
-    for (int v = 0; v < V; ++v) x[v] = _mm256_loadu_ps(row + 8 * v);
+    for (int v = 0; v < V; ++v) x[v] = load8(row + 8 * v);
     for (int j = 0; j < G; ++j) {
       const __m256 pj = _mm256_broadcast_ss(p[j] + (s - k0));
       for (int v = 0; v < V; ++v) acc[j][v] = _mm256_fmadd_ps(pj, x[v], acc[j][v]);
@@ -137,13 +190,13 @@ PM_INLINE void value_strip(const float* const* rows, int k0, int k1, int v_off, 
 
 // One key chunk [k0, k1) for G heads: m[j] the largest score, l[j] the sum of exp(score - m[j]) and o[j] the
 // values weighted by those exps (c values, 16 at a time over the chunk's keys, which stay in L2).
-template <int G>
+template <class T, int G>
 void attend_chunk(const AttnUnit& u, int h0, int k0, int k1, int w, int c, float scale, int n_next, float* m,
                   float* l, float* const* o) {
   const float* q[G];
   for (int j = 0; j < G; ++j) q[j] = u.q + (h0 + j) * u.q_stride;
   alignas(32) float sc[G][kKeyChunk];
-  chunk_scores<G>(u.rows, k0, k1, w, u.k_off, scale, q, u.rows + k1, n_next, sc);
+  chunk_scores<T, G>(u.rows, k0, k1, w, u.k_off, scale, q, u.rows + k1, n_next, sc);
   for (int j = 0; j < G; ++j) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int s = 0; s < k1 - k0; ++s) mx = std::max(mx, sc[j][s]);
@@ -151,20 +204,21 @@ void attend_chunk(const AttnUnit& u, int h0, int k0, int k1, int w, int c, float
     l[j] = exp_shifted(sc[j], k1 - k0, mx);
   }
   int i0 = 0;
-  for (; i0 + 24 <= c; i0 += 24) value_strip<G, 3>(u.rows, k0, k1, u.v_off, i0, sc, o);
-  if (c - i0 == 16) value_strip<G, 2>(u.rows, k0, k1, u.v_off, i0, sc, o);
-  if (c - i0 == 8) value_strip<G, 1>(u.rows, k0, k1, u.v_off, i0, sc, o);
+  for (; i0 + 24 <= c; i0 += 24) value_strip<T, G, 3>(u.rows, k0, k1, u.v_off, i0, sc, o);
+  if (c - i0 == 16) value_strip<T, G, 2>(u.rows, k0, k1, u.v_off, i0, sc, o);
+  if (c - i0 == 8) value_strip<T, G, 1>(u.rows, k0, k1, u.v_off, i0, sc, o);
 }
 
 // Heads h0 .. h0+g-1 (g <= 4) of a unit over one key chunk, bringing the n_next rows after it to L2 meanwhile;
 // m[j], l[j] and o[j] (c values) per head.
+template <class T>
 void attend_chunk_heads(int g, const AttnUnit& u, int h0, int k0, int k1, int w, int c, float scale, int n_next,
                         float* m, float* l, float* const* o) {
   switch (g) {
-    case 4: attend_chunk<4>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
-    case 3: attend_chunk<3>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
-    case 2: attend_chunk<2>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
-    default: attend_chunk<1>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
+    case 4: attend_chunk<T, 4>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
+    case 3: attend_chunk<T, 3>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
+    case 2: attend_chunk<T, 2>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
+    default: attend_chunk<T, 1>(u, h0, k0, k1, w, c, scale, n_next, m, l, o); break;
   }
 }
 
@@ -198,6 +252,7 @@ void merge_chunks(int chunks, const float* m, const float* l, const float* o, si
 // Attention for every unit, `heads` heads each: per (unit, key chunk, block of heads) a partial softmax, then
 // per (unit, head) the merge of its chunks in order. A head's arithmetic depends only on its query and keys:
 // never on the units beside it, the head blocks, the batches or the threads.
+template <class T>
 void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int heads, int w, int c, float scale) {
   if (n_units <= 0 || heads <= 0) return;
   size_t work = 0;
@@ -219,7 +274,7 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
         sub[u].o = units[u].o + h0 * units[u].o_stride;
         sub[u].sinks = units[u].sinks ? units[u].sinks + h0 : nullptr;
       }
-      attend_units(pool, sub.data(), n_units, std::min(block, heads - h0), w, c, scale);
+      attend_units<T>(pool, sub.data(), n_units, std::min(block, heads - h0), w, c, scale);
     }
     return;
   }
@@ -268,13 +323,13 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
           if (chunks == 1) {
             // The only chunk: its partial goes straight to the output and merges in place.
             for (int j = 0; j < g; ++j) o[j] = u.o + (h0 + j) * u.o_stride;
-            attend_chunk_heads(g, u, h0, k0, k1, w, c, scale, pre, mj, lj, o);
+            attend_chunk_heads<T>(g, u, h0, k0, k1, w, c, scale, pre, mj, lj, o);
             for (int j = 0; j < g; ++j)
               merge_chunks(1, mj + j, lj + j, o[j], 0, c, u.sinks ? u.sinks + h0 + j : nullptr, o[j]);
           } else {
             const size_t base = slot0[b] + static_cast<size_t>(h0) * chunks + chunk;
             for (int j = 0; j < g; ++j) o[j] = part + (base + static_cast<size_t>(j) * chunks) * c;
-            attend_chunk_heads(g, u, h0, k0, k1, w, c, scale, pre, mj, lj, o);
+            attend_chunk_heads<T>(g, u, h0, k0, k1, w, c, scale, pre, mj, lj, o);
             for (int j = 0; j < g; ++j) m[base + j * chunks] = mj[j], l[base + j * chunks] = lj[j];
           }
         }
@@ -300,7 +355,8 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
 }
 
 // Checks the layout against the call and returns, per sequence, the row pointers of its keys.
-std::vector<std::vector<const float*>> key_rows(const KVLayout& L, int n_rows, const float* cache, int w) {
+std::vector<std::vector<const void*>> key_rows(const KVLayout& L, int n_rows, const void* cache, int w) {
+  const size_t row_bytes = value_bytes(L.type) * w;
   if (L.page <= 0 || L.n_seqs <= 0 || L.table_width <= 0)
     throw std::invalid_argument("attention: empty KV layout (" + std::to_string(L.n_seqs) + " sequences, pages of " +
                                 std::to_string(L.page) + ")");
@@ -316,7 +372,7 @@ std::vector<std::vector<const float*>> key_rows(const KVLayout& L, int n_rows, c
                                   std::to_string(L.cache_rows) + " rows of the cache");
     need[s] = std::max(need[s], L.keys[t]);
   }
-  std::vector<std::vector<const float*>> rows(L.n_seqs);
+  std::vector<std::vector<const void*>> rows(L.n_seqs);
   for (int s = 0; s < L.n_seqs; ++s) {
     rows[s].resize(need[s]);
     const int32_t* table = L.table + static_cast<size_t>(s) * L.table_width;
@@ -325,16 +381,33 @@ std::vector<std::vector<const float*>> key_rows(const KVLayout& L, int n_rows, c
       if (table[p / L.page] < 0 || r >= L.cache_rows)
         throw std::invalid_argument("attention: sequence " + std::to_string(s) + " position " + std::to_string(p) +
                                     " maps to cache row " + std::to_string(r) + " of " + std::to_string(L.cache_rows));
-      rows[s][p] = cache + static_cast<size_t>(r) * w;
+      rows[s][p] = static_cast<const char*>(cache) + static_cast<size_t>(r) * row_bytes;
     }
   }
   return rows;
 }
 
+// Each row's cache entry: lat [n, w] stored at its write row, as the cache's type.
+void write_rows(const KVLayout& L, const float* lat, int n, int w, void* cache) {
+  typed(L.type, cache, [&](auto* rows) {
+    for (int t = 0; t < n; ++t)
+      store_values(lat + static_cast<size_t>(t) * w, w, rows + static_cast<size_t>(L.write_rows[t]) * w);
+  });
+}
+
+// attend_units over keys of the cache's type.
+void attend_cache(const KVLayout& L, ThreadPool& pool, const AttnUnit* units, int n_units, int heads, int w, int c,
+                  float scale, void* cache) {
+  typed(L.type, cache, [&](auto* rows) {
+    using T = std::remove_pointer_t<decltype(rows)>;
+    attend_units<T>(pool, units, n_units, heads, w, c, scale);
+  });
+}
+
 }  // namespace
 
 void mla_attention(const MLAShape& sh, const float* q, const float* kv, const float* kv_norm, const Weight& k_b,
-                   const Weight& v_b, const float* cos2, const float* sin2, float* cache, const KVLayout& layout,
+                   const Weight& v_b, const float* cos2, const float* sin2, void* cache, const KVLayout& layout,
                    int n, float* out) {
   const int h = sh.n_head, nope = sh.qk_nope, r = sh.qk_rope, c = sh.kv_lora, v = sh.v_head, w = c + r;
   const int qw = nope + r;
@@ -349,18 +422,18 @@ void mla_attention(const MLAShape& sh, const float* q, const float* kv, const fl
 
   std::unique_lock<std::mutex> lock;
   Runtime& rt = acquire_runtime(lock);
-  static thread_local std::vector<float> qn_, qc_, qlat_, olat_, ov_;
+  static thread_local std::vector<float> lat_, qn_, qc_, qlat_, olat_, ov_;
 
   // Cache rows of these tokens: normed c_kv, then roped k_pe.
+  float* lat = grow(lat_, static_cast<size_t>(n) * w);
   for (int t = 0; t < n; ++t) {
     const float* src = kv + static_cast<size_t>(t) * w;
-    float* dst = cache + static_cast<size_t>(layout.write_rows[t]) * w;
+    float* dst = lat + static_cast<size_t>(t) * w;
     rms_norm(src, kv_norm, 1, c, sh.eps, dst);
     std::copy(src + c, src + w, dst + c);
   }
-  for (int t = 0; t < n; ++t)
-    rope(cache + static_cast<size_t>(layout.write_rows[t]) * w + c, 1, 0, 1, r, r, false,
-         cos2 + static_cast<size_t>(t) * r, sin2 + static_cast<size_t>(t) * r);
+  rope(lat + c, n, w, 1, r, r, false, cos2, sin2);
+  write_rows(layout, lat, n, w, cache);
 
   // Per head and token: q_nope [H, n, N] for k_b; the attention query [H, n, W] = (q_nope k_b, roped q_pe).
   float* qn = grow(qn_, static_cast<size_t>(h) * n * nope);
@@ -384,7 +457,7 @@ void mla_attention(const MLAShape& sh, const float* q, const float* kv, const fl
   for (int t = 0; t < n; ++t)
     units[t] = {rows[layout.seq[t]].data(), layout.keys[t], 0, 0, qc + static_cast<size_t>(t) * w,
                 static_cast<size_t>(n) * w, olat + static_cast<size_t>(t) * c, static_cast<size_t>(n) * c, nullptr};
-  attend_units(*rt.pool, units.data(), n, h, w, c, sh.scale);
+  attend_cache(layout, *rt.pool, units.data(), n, h, w, c, sh.scale, cache);
 
   // o_lat [H, n, C] -> per head v [H, n, V] -> out [n, H*V].
   float* ov = grow(ov_, static_cast<size_t>(h) * n * v);
@@ -397,7 +470,7 @@ void mla_attention(const MLAShape& sh, const float* q, const float* kv, const fl
 }
 
 void gqa_attention(const GQAShape& sh, const float* q, const float* k, const float* v, const float* cos2,
-                   const float* sin2, float* cache, const KVLayout& layout, int n, float* q_work, float* out) {
+                   const float* sin2, void* cache, const KVLayout& layout, int n, float* q_work, float* out) {
   const int h = sh.n_head, g = sh.n_head_kv, dh = sh.head_dim, dv = sh.v_dim, r = sh.rot;
   if (h <= 0 || g <= 0 || h % g || dh <= 0 || dh % 8 || dv <= 0 || dv % 8 || r <= 0 || r % 2 || r > dh)
     throw std::invalid_argument("gqa attention: " + std::to_string(h) + " heads over " + std::to_string(g) +
@@ -409,14 +482,17 @@ void gqa_attention(const GQAShape& sh, const float* q, const float* k, const flo
   const auto rows = key_rows(layout, n, cache, w);
   std::unique_lock<std::mutex> lock;
   Runtime& rt = acquire_runtime(lock);
+  static thread_local std::vector<float> kv_;
 
   // Cache rows of these tokens: roped K of every KV head, then V.
+  float* kv = grow(kv_, static_cast<size_t>(n) * w);
   for (int t = 0; t < n; ++t) {
-    float* dst = cache + static_cast<size_t>(layout.write_rows[t]) * w;
+    float* dst = kv + static_cast<size_t>(t) * w;
     std::copy(k + static_cast<size_t>(t) * g * dh, k + static_cast<size_t>(t + 1) * g * dh, dst);
     std::copy(v + static_cast<size_t>(t) * g * dv, v + static_cast<size_t>(t + 1) * g * dv, dst + g * dh);
-    rope(dst, 1, 0, g, dh, r, sh.neox, cos2 + static_cast<size_t>(t) * r, sin2 + static_cast<size_t>(t) * r);
   }
+  rope(kv, n, w, g, dh, r, sh.neox, cos2, sin2);
+  write_rows(layout, kv, n, w, cache);
   std::copy(q, q + static_cast<size_t>(n) * h * dh, q_work);
   rope(q_work, n, static_cast<size_t>(h) * dh, h, dh, r, sh.neox, cos2, sin2);
 
@@ -430,7 +506,7 @@ void gqa_attention(const GQAShape& sh, const float* q, const float* k, const flo
                                                 q_work + h0 * dh, static_cast<size_t>(dh), out + h0 * dv,
                                                 static_cast<size_t>(dv), nullptr};
     }
-  attend_units(*rt.pool, units.data(), n * g, per, dh, dv, sh.scale);
+  attend_cache(layout, *rt.pool, units.data(), n * g, per, dh, dv, sh.scale, cache);
 }
 
 void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const float* sinks, const float* cache,
@@ -446,7 +522,7 @@ void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const
       throw std::invalid_argument("dsv4 attention: query " + std::to_string(t) + " has " + std::to_string(keys) +
                                   " keys; every query sees at least its own row");
   }
-  std::vector<const float*> ptrs(starts[n]);
+  std::vector<const void*> ptrs(starts[n]);
   for (int i = 0; i < starts[n]; ++i) {
     if (key_offsets[i] < 0 || static_cast<size_t>(key_offsets[i]) + d > cache_values)
       throw std::invalid_argument("dsv4 attention: key " + std::to_string(i) + " at value offset " +
@@ -463,7 +539,7 @@ void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const
     units[t] = {ptrs.data() + starts[t], starts[t + 1] - starts[t], 0, 0, q + h0 * d, static_cast<size_t>(d),
                 out + h0 * d, static_cast<size_t>(d), sinks};
   }
-  attend_units(*rt.pool, units.data(), n, n_head, d, d, scale);
+  attend_units<float>(*rt.pool, units.data(), n, n_head, d, d, scale);
 }
 
 }  // namespace pocketmoe

@@ -20,7 +20,7 @@ void close_residual(const Residual& res, const float* a, const float* b, int n, 
 }  // namespace
 
 void mla_sublayer(const MLAShape& s, const MLAWeights& w, const float* xn, const float* cos2, const float* sin2,
-                  float* cache, const KVLayout& layout, int n, const Residual& res) {
+                  void* cache, const KVLayout& layout, int n, const Residual& res) {
   if (n <= 0) return;
   static thread_local std::vector<float> q_, qa_, kv_, o_, y_;
   const int d = w.wkv_a->cols;
@@ -51,7 +51,7 @@ void mla_sublayer(const MLAShape& s, const MLAWeights& w, const float* xn, const
 }
 
 void gqa_sublayer(const GQAShape& s, const GQAWeights& w, const float* xn, const float* cos2, const float* sin2,
-                  float* cache, const KVLayout& layout, int n, const Residual& res) {
+                  void* cache, const KVLayout& layout, int n, const Residual& res) {
   if (n <= 0) return;
   static thread_local std::vector<float> q_, k_, v_, qw_, o_, y_;
   const int d = w.wq->cols;
