@@ -74,7 +74,8 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     if n_ctx < need:
         raise PocketMoEError(f"--n-ctx {n_ctx} cannot hold {args.prompt_tokens} prompt + {args.gen_tokens} "
                              f"generated tokens; give at least {need} or omit it.")
-    return BenchSettings(args.prompt_tokens, args.gen_tokens, args.threads, args.repeats, n_ctx, args.chunk_size)
+    return BenchSettings(args.prompt_tokens, args.gen_tokens, args.threads, args.repeats, n_ctx, args.chunk_size,
+                         args.kv_dtype)
 
 
 def llama_child(args: argparse.Namespace, s: BenchSettings) -> int:
@@ -120,6 +121,7 @@ def run(model: Path, s: BenchSettings, backend: str, llama: bool, bandwidth_mib:
     return {
         "model": str(model), "architecture": arch, "file_bytes": file_bytes, "threads": s.threads,
         "prompt_tokens": s.prompt_tokens, "gen_tokens": s.gen_tokens, "repeats": s.repeats, "n_ctx": s.n_ctx,
+        "kv_dtype": s.kv_dtype,
         "pocketmoe": ours, "llama_cpp": theirs, "ratio": ratio, "greedy_agreement": agree,
         "bound": decode_bound(per_token, bw.gbps, f"{bw.method}, threads {bw.threads}", ours["decode_tok_s"]),
     }
@@ -203,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pocketmoe.engine.llm import LLM
 
         llm = LLM(model, n_ctx=s.n_ctx, threads=s.threads, chunk_size=s.chunk_size, backend=args.backend,
-                  placement=placement_from_args(args))
+                  kv_dtype=s.kv_dtype, placement=placement_from_args(args))
         llm.runner.serve_steps()
         return 0
     report = run(model, s, args.backend, args.llama_cpp, args.bandwidth_mib, profile=args.profile,

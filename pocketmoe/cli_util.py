@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pocketmoe.errors import PocketMoEError
+from pocketmoe.kv_dtypes import DEFAULT_KV_DTYPE, KV_DTYPE_BYTES
 
 EXIT_OK = 0
 EXIT_VALIDATION = 1  # the file was read but does not pass the checks asked for
@@ -128,6 +129,9 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
                         "and keep hot ones), stage (stage every step, keep none), cpu (compute on the CPU)")
     g.add_argument("--expert-cache-slots", type=int, default=None, metavar="N",
                    help="hot-expert cache slots per MoE layer (default: the device memory the plan leaves free)")
+    g.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE, choices=list(KV_DTYPE_BYTES),
+                   help="what the KV cache stores: f32, or f16 / bf16 at half the memory (llama.cpp stores f16); "
+                        f"default {DEFAULT_KV_DTYPE}")
     g.add_argument("--numa", default="auto", choices=["auto", "interleave", "off"],
                    help="the routed experts kept in host memory: interleave their pages over the NUMA memory nodes "
                         "(auto: when the host has two or more)")

@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model = str(demo_model_path())
     placement = placement_from_args(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, threads=args.threads, chunk_size=args.chunk_size,
-              backend=args.backend, placement=placement)
+              backend=args.backend, kv_dtype=args.kv_dtype, placement=placement)
     if not llm.runner.parallel.is_lead:  # torchrun: rank 0 generates, the other ranks run its steps
         llm.runner.serve_steps()
         return 0
@@ -111,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "peak_rss_mib": round(mem.peak_rss_mib, 1),
         "peak_anon_mib": round(mem.peak_anon_mib, 1),
         "kv_cache_mib": round(llm.runner.cache.nbytes / 2**20, 1),
+        "kv_dtype": args.kv_dtype,
         "finish_reason": out.finish_reason,
         "backend": llm.backend_name,
         "mode": llm.runner.plan.mode,

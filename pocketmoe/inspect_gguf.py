@@ -36,6 +36,7 @@ from pocketmoe.inspect_sections import (
     validation,
     validation_text,
 )
+from pocketmoe.kv_dtypes import DEFAULT_KV_DTYPE, KV_DTYPE_BYTES
 from pocketmoe.placement import Bandwidths, PlacementError, PlanOptions, plan_report
 from pocketmoe.placement.run import RunPlacement, run_plan
 
@@ -70,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--context-length", type=int, default=None,
                    help="tokens per sequence for the KV reserve; default 4096 or the model's if shorter")
     d.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    d.add_argument("--kv-dtype", default="f16", help="KV cache dtype: f16, bf16 or f32")
+    d.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE, choices=list(KV_DTYPE_BYTES),
+                   help=f"what the KV cache stores, as generate / bench / serve --kv-dtype (default {DEFAULT_KV_DTYPE})")
     d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="the device the plan is for (cpu: the CPU stands in for it); auto: cuda when GPU sizes "
                         "are given or torch sees GPUs")

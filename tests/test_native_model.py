@@ -339,18 +339,29 @@ def test_native_attention_matches_torch_on_float_weights(tmp_path: Path, name: s
     assert (runner(path, "native", chunk_size=5).forward(prompt, 0) - want).abs().max().item() <= 1e-5
 
 
-def test_legacy_split_and_f16_cache(tmp_path: Path, synth) -> None:
-    """attn_kv_b is split into float32 k_b / v_b for the native attention; an f16 KV cache runs the
-    attention on the reference (the native op reads float32 rows) and still gives the same greedy tokens."""
+def test_legacy_split(tmp_path: Path) -> None:
+    """attn_kv_b is split into float32 k_b / v_b for the native attention."""
     t = F32_CASES["legacy-qlora-2dense"]
     path = write_gguf(tmp_path / "legacy.gguf", ds2_config(t), gguf_state_dict(hf_model(t, seed=3), t))
     attn = runner(path, "native").model.blocks[0].attn
     assert attn.absorbed and attn.wkv_b is None and attn.k_b.ggml_type == 0
     assert runner(path, "reference").model.blocks[0].attn.wkv_b is not None
+
+
+@pytest.mark.parametrize("kv", ["f16", "bf16"])
+def test_half_kv_cache(synth, kv: str) -> None:
+    """An f16 / bf16 KV cache is read by the native attention, decode steps replayed as one native call, and
+    gives the float32 cache's greedy tokens. (The attention over each dtype is held to the reference op in
+    test_ops.py / test_minimax_m2.py, the rounding to torch's, and replay to op by op in test_step_batching.py.
+    Whole-model logits are not compared with the reference backend's here: the two compute a cache row's
+    float32 values in different orders, and where those round to different halves the logits move by up to
+    1.4e-4 for f16 and 3.5e-4 for bf16 on the tiny float fixtures.)"""
     prompt = prompt_for(512)
-    f16 = runner(synth["Q4_K_M"], "native", n_ctx=PROMPT_LEN + GEN, kv_dtype="f16")
+    half = runner(synth["Q4_K_M"], "native", n_ctx=PROMPT_LEN + GEN, kv_dtype=kv)
+    assert half.cache.data.dtype == {"f16": torch.float16, "bf16": torch.bfloat16}[kv]
     f32 = runner(synth["Q4_K_M"], "native", n_ctx=PROMPT_LEN + GEN)
-    assert f16.generate_greedy(prompt, 4) == f32.generate_greedy(prompt, 4)
+    assert half.generate_greedy(prompt, 4) == f32.generate_greedy(prompt, 4)
+    assert [bool(p) for _, p in half.ops._programs.values()] == [True]
 
 
 def test_runs_and_threads_are_bitwise_identical(synth) -> None:
@@ -371,18 +382,24 @@ def test_runs_and_threads_are_bitwise_identical(synth) -> None:
 
 # -- 4. CLI ------------------------------------------------------------------------------------
 
-def test_generate_cli_native_json(synth) -> None:
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_generate_cli_native_json(synth, kv: str) -> None:
+    """generate --json on the native backend: the greedy tokens of the runner with the same --kv-dtype, and that
+    runner's KV cache size (an f16 cache half the f32 one)."""
     path = synth["Q8_0"]
     ids = prompt_for(512)[:6]
     r = subprocess.run([sys.executable, "-m", "pocketmoe.generate", "--model", str(path), "--token-ids",
                         ",".join(map(str, ids)), "--max-tokens", "5", "--ignore-eos", "--backend", "native",
-                        "--json", "--threads", "1", "--n-ctx", "64"],
+                        "--json", "--threads", "1", "--n-ctx", "64", "--kv-dtype", kv],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["backend"] == "native"
+    assert out["backend"] == "native" and out["kv_dtype"] == kv
     assert out["completion_tokens"] == 5
-    assert out["token_ids"] == runner(path, "native").generate_greedy(ids, 5)
+    want = runner(path, "native", kv_dtype=kv)
+    assert out["token_ids"] == want.generate_greedy(ids, 5)
+    assert out["kv_cache_mib"] == round(want.cache.nbytes / 2**20, 1)
+    assert want.cache.nbytes * (2 if kv == "f16" else 1) == runner(path, "native").cache.nbytes
 
 
 def test_decode_checks_its_input(synth) -> None:

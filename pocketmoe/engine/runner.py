@@ -20,6 +20,7 @@ from pocketmoe.engine.kv_cache import PAGE, ContextLengthError, PagedKVCache
 from pocketmoe.engine.step import SeqChunk, Step, StepContext
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.gguf import GGUFBundle
+from pocketmoe.kv_dtypes import DEFAULT_KV_DTYPE
 from pocketmoe.layers.experts import ExpertsFactory, host_experts_factory
 from pocketmoe.layers.linear import QuantLinear
 from pocketmoe.models import model_builder
@@ -52,7 +53,7 @@ class RunnerConfig:
     # so anonymous memory stays bounded on full-size models
     cache_budget_bytes: int = 1 << 30
     tile_rows: int | None = 8         # reference GEMMs in fixed row tiles: a row's result ignores the others
-    kv_dtype: str = "f32"
+    kv_dtype: str = DEFAULT_KV_DTYPE  # what the KV cache stores: f32, f16 or bf16 (--kv-dtype)
     max_seqs: int = 1                 # sequences the KV pool holds at n_ctx each (unless kv_cache_bytes)
     kv_cache_bytes: int | None = None  # KV pool size; None: max_seqs x n_ctx positions
     # where the model runs (--device/--mode/--gpu-memory-gib/--expert-policy/--expert-cache-slots);

@@ -8,8 +8,8 @@ from types import MappingProxyType
 from typing import Any
 
 from pocketmoe.errors import PocketMoEError
+from pocketmoe.kv_dtypes import DEFAULT_KV_DTYPE, KV_DTYPE_BYTES
 from pocketmoe.placement.estimate import Bandwidths, DecodeEstimates
-from pocketmoe.placement.reserve import KV_DTYPE_BYTES
 
 GIB = 2**30
 MODES = ("all-device", "heterogeneous", "cpu")
@@ -66,7 +66,7 @@ class Devices:
 class PlanOptions:
     context_length: int = 4096
     batch: int = 1
-    kv_dtype: str = "f16"
+    kv_dtype: str = DEFAULT_KV_DTYPE
     prefill_chunk: int = 512
     cuda_context_gib: float = 0.4  # CUDA context + allocator slack per GPU
     host_reserve_gib: float = 1.0  # host memory kept for the OS and the Python process

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-KV_DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+from pocketmoe.kv_dtypes import KV_DTYPE_BYTES
+
 ACT_BUFFERS = 16  # fp32 [tokens, hidden] buffers live at once in a step (residual, norms, attention, FFN)
 
 

@@ -83,12 +83,12 @@ def kv_budget(bundle, spec, args: argparse.Namespace) -> tuple[int, int]:  # noq
 
     c = spec.config
     file_ctx = int(c.n_ctx or 4096)
-    per_pos = c.n_layer * spec.kv_values_per_token() * KV_DTYPE_BYTES["f32"]
+    per_pos = c.n_layer * spec.kv_values_per_token() * KV_DTYPE_BYTES[args.kv_dtype]
     ctx = args.max_model_len or file_ctx
     if args.kv_cache_gib is not None:
         budget = int(args.kv_cache_gib * 2**30)
     else:
-        want = kv_reserve(bundle.architecture, bundle.metadata, ctx, args.max_num_seqs, "f32",
+        want = kv_reserve(bundle.architecture, bundle.metadata, ctx, args.max_num_seqs, args.kv_dtype,
                           spec.kv_values_per_token()).total
         weights = sum(p.stat().st_size for p in bundle.paths)
         headroom = max((host_memory_bytes() - weights - 2**30) // 2, 256 * 2**20)
@@ -107,7 +107,8 @@ def runner_config(args: argparse.Namespace, budget: int, max_len: int):  # noqa:
     from pocketmoe.engine.runner import RunnerConfig
 
     return RunnerConfig(n_ctx=max_len, chunk_size=args.chunk_size, threads=args.threads, backend=args.backend,
-                        kv_cache_bytes=budget, max_seqs=args.max_num_seqs, placement=placement_from_args(args))
+                        kv_dtype=args.kv_dtype, kv_cache_bytes=budget, max_seqs=args.max_num_seqs,
+                        placement=placement_from_args(args))
 
 
 def from_rank0(value: object) -> object:
