@@ -91,7 +91,7 @@ def one_gpu(mem: int) -> Devices:
     return Devices((DeviceSpec("cuda:0", mem),), HOST)
 
 
-OPTS = PlanOptions(context_length=256, cuda_context_gib=0.0)
+OPTS = PlanOptions(context_length=256, cuda_context_gib=0.0, kv_dtype="f16")
 
 
 def test_all_device_when_everything_fits(tiny) -> None:
@@ -118,7 +118,7 @@ def test_heterogeneous_cache_slots_and_estimates(tiny) -> None:
     slot = max(ref.expert_bytes().values())
     fixed = ref.total(routed=False) + ref.kv(256, 1) + ref.workspace(OPTS, head=True)
     bw = Bandwidths(dram_gbps=30.0, pcie_gbps=10.0, gpu_gbps=200.0)
-    opts = PlanOptions(context_length=256, cuda_context_gib=0.0, bandwidths=bw)
+    opts = PlanOptions(context_length=256, cuda_context_gib=0.0, bandwidths=bw, kv_dtype="f16")
     plan = plan_for(paths, one_gpu(fixed + 5 * slot + slot // 2), opts)
     assert plan.mode == "heterogeneous"
     (dev,) = plan.devices
@@ -155,7 +155,7 @@ def test_refuses_when_non_expert_part_does_not_fit(tiny) -> None:
 def test_refuses_when_host_cannot_hold_routed_experts(tiny) -> None:
     paths, ref = tiny
     fixed = ref.total(routed=False) + ref.kv(256, 1) + ref.workspace(OPTS, head=True)
-    opts = PlanOptions(context_length=256, cuda_context_gib=0.0, host_reserve_gib=0.0)
+    opts = PlanOptions(context_length=256, cuda_context_gib=0.0, host_reserve_gib=0.0, kv_dtype="f16")
     small_host = Devices((DeviceSpec("cuda:0", fixed + 1),), ref.total(routed=True) - 1)
     with pytest.raises(PlacementError, match="host memory") as e:
         plan_for(paths, small_host, opts)
@@ -166,13 +166,13 @@ def test_refuses_when_host_cannot_hold_routed_experts(tiny) -> None:
 
 def test_cpu_mode(tiny) -> None:
     paths, ref = tiny
-    opts = PlanOptions(context_length=256)
+    opts = PlanOptions(context_length=256, kv_dtype="f16")
     plan = plan_for(paths, Devices((), HOST), opts)
     assert plan.mode == "cpu" and plan.devices == () and plan.layer_device == {}
     weights = {k: v for k, v in plan.host_bytes.items() if k not in ("kv_cache", "workspace")}
     assert sum(weights.values()) == ref.total()
     assert plan.host_bytes["kv_cache"] == ref.kv(256, 1)
-    assert plan.host_bytes["workspace"] == ref.workspace(PlanOptions(context_length=256, cuda_context_gib=0),
+    assert plan.host_bytes["workspace"] == ref.workspace(PlanOptions(context_length=256, cuda_context_gib=0, kv_dtype="f16"),
                                                          head=True)
     (est,) = plan.estimates.estimates
     assert est.tok_s == pytest.approx(38.4e9 / (ref.b_tok() + ref.non_expert_read() + ref.kv(256, 1)))
@@ -204,7 +204,7 @@ def test_multi_gpu_pipeline_split(tiny) -> None:
 def test_sharded_bundle_bytes_match_reader(tmp_path: Path) -> None:
     paths = write_fixture("deepseek2", "tiny", "Q4_K_M", tmp_path / "sh.gguf", shards=2)
     ref = Ref(paths)
-    plan = plan_for(paths, Devices((), HOST), PlanOptions(context_length=64))
+    plan = plan_for(paths, Devices((), HOST), PlanOptions(context_length=64, kv_dtype="f16"))
     assert len(paths) == 2
     weights = {k: v for k, v in plan.host_bytes.items() if k not in ("kv_cache", "workspace")}
     assert sum(weights.values()) == ref.total()
@@ -217,7 +217,7 @@ def test_v2_lite_q4_k_m_on_a_4_gib_gpu() -> None:
     tensors = {t.name: t for t in fp.tensors}
     routed = sum(t.nbytes for t in fp.tensors if "_exps." in t.name)
     assert sum(t.nbytes for t in fp.tensors) == pytest.approx(10.37e9, rel=0.01)  # ANCHORS.md
-    plan = make_plan(fp.spec, tensors, Devices.from_gib(1, 4, 24), PlanOptions(context_length=4096))
+    plan = make_plan(fp.spec, tensors, Devices.from_gib(1, 4, 24), PlanOptions(context_length=4096, kv_dtype="f16"))
     assert plan.mode == "heterogeneous"
     (dev,) = plan.devices
     assert sum(dev.weights.values()) == sum(t.nbytes for t in fp.tensors) - routed
@@ -242,7 +242,7 @@ def test_v2_lite_q4_k_m_on_a_4_gib_gpu() -> None:
     types = {t.name: t.ggml_type for t in fp.tensors}
     infos = spec_tensor_infos(fp.spec, types, present=types)
     assert {n: i.nbytes for n, i in infos.items()} == {t.name: t.nbytes for t in fp.tensors}
-    assert make_plan(fp.spec, infos, Devices.from_gib(1, 4, 24), PlanOptions()).to_json() == plan.to_json()
+    assert make_plan(fp.spec, infos, Devices.from_gib(1, 4, 24), PlanOptions(kv_dtype="f16")).to_json() == plan.to_json()
 
 
 def test_kv_rules(tiny) -> None:
