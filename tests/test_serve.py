@@ -21,6 +21,7 @@ import torch
 
 from pocketmoe.engine.llm import LLM
 from pocketmoe.engine.sampler import SamplingParams
+from pocketmoe.errors import PocketMoEError
 from pocketmoe.testing.live_server import LiveServer
 from pocketmoe.testing.synth import write_fixture
 
@@ -357,3 +358,26 @@ def test_schema_fuzz_never_500s(server: LiveServer) -> None:
             elif body.get("stream") is True:
                 assert text.rstrip().endswith("data: [DONE]"), (body, text[-300:])
         assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("kv,size", [("f32", 4), ("f16", 2), ("bf16", 2)])
+def test_kv_pool_is_sized_by_kv_dtype(model: Path, kv: str, size: int) -> None:
+    """--kv-cache-gib buys positions at the --kv-dtype's bytes each (layers x latent width x size); the runner's
+    cache stores that dtype, and a pool too small for one sequence is refused with the numbers."""
+    from pocketmoe.engine.kv_cache import PAGE
+    from pocketmoe.engine.runner import KV_DTYPES
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.serve.__main__ import kv_budget, parse_args, runner_config
+    from pocketmoe.specs import spec_from_bundle
+
+    with open_bundle(model) as b:
+        spec = spec_from_bundle(b)
+        per_pos = spec.config.n_layer * spec.kv_values_per_token() * size
+        args = parse_args(["--model", str(model), "--kv-cache-gib", "0.01", "--kv-dtype", kv])
+        budget, max_len = kv_budget(b, spec, args)
+        assert budget == int(0.01 * 2**30) and max_len == min(int(spec.config.n_ctx), budget // per_pos // PAGE * PAGE)
+        assert KV_DTYPES[runner_config(args, budget, max_len).kv_dtype].itemsize == size
+        tight = parse_args(["--model", str(model), "--kv-cache-gib", str(per_pos * 100 / 2**30),
+                            "--max-model-len", "200", "--kv-dtype", kv])
+        with pytest.raises(PocketMoEError, match=f"{per_pos} bytes each"):
+            kv_budget(b, spec, tight)
