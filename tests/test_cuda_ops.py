@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from kv_check import KV_DTYPES, close_caches, rounding_values
 
 from pocketmoe.engine import PagedKVCache, SeqChunk, Step, StepContext
 from pocketmoe.errors import PocketMoEError
@@ -170,7 +171,8 @@ def _steps() -> list[Step]:
             Step([SeqChunk("a", [7], 5), SeqChunk("b", list(range(4)), 3), SeqChunk("long", [9], 68)])]
 
 
-def _run_attention(kind: str, ops: object, dev: torch.device, dims: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+def _run_attention(kind: str, ops: object, dev: torch.device, dims: tuple[int, ...],
+                   kv: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     if kind == "mla":
         attn = mla_layer(dims, dev, ops)
         width, rot = dims[4] + dims[2], dims[2]
@@ -178,10 +180,10 @@ def _run_attention(kind: str, ops: object, dev: torch.device, dims: tuple[int, .
         attn = gqa_layer(dims, dev, ops)
         width, rot = attn.cfg.kv_width, attn.cfg.n_rot
     rotary = Rotary(RopeConfig(dim=rot, base=10000.0, neox=kind == "gqa"))
-    cache = PagedKVCache(n_layer=2, width=width, n_pages=16, max_seq_len=128, page=16, device=dev)
+    cache = PagedKVCache(n_layer=2, width=width, n_pages=16, max_seq_len=128, page=16, device=dev, dtype=kv)
     cache.reserve("long", 66)  # 66 positions already cached (rows not at the start of the pool: "a" comes first)
     prior = torch.randn(66, width, generator=g(30))
-    cache.data[1, torch.from_numpy(cache.rows("long", 0, 66)).long().to(dev)] = prior.to(dev)
+    cache.data[1, torch.from_numpy(cache.rows("long", 0, 66)).long().to(dev)] = prior.to(dev, kv)
     outs = []
     for i, step in enumerate(_steps()):
         ctx = StepContext.build(step, cache, 100)
@@ -202,13 +204,37 @@ def _run_attention(kind: str, ops: object, dev: torch.device, dims: tuple[int, .
     return torch.cat(outs).cpu(), cache.data.cpu()
 
 
-@pytest.mark.parametrize("dims", list(MLA_DIMS))
-def test_mla_attention_over_several_sequences(sub, dims: str) -> None:
+@pytest.mark.parametrize("dims,kv", [("tiny", "f32"), ("v2lite", "f32"), ("tiny", "f16"), ("v2lite", "bf16")])
+def test_mla_attention_over_several_sequences(sub, dims: str, kv: str) -> None:
+    """The kernels against the reference over a cache of each --kv-dtype: outputs, and the latent rows (normed
+    c_kv, roped k_pe) the kernel wrote, at most one rounding step of the half types apart."""
     ops, dev = sub
-    out_c, cache_c = _run_attention("mla", ops, dev, MLA_DIMS[dims])
-    out_r, cache_r = _run_attention("mla", REF, torch.device("cpu"), MLA_DIMS[dims])
+    dtype = KV_DTYPES[kv][0]
+    out_c, cache_c = _run_attention("mla", ops, dev, MLA_DIMS[dims], dtype)
+    out_r, cache_r = _run_attention("mla", REF, torch.device("cpu"), MLA_DIMS[dims], dtype)
     close(out_c, out_r, 5e-5)
-    close(cache_c, cache_r, 1e-5)  # the latent rows: normed c_kv, roped k_pe
+    if kv == "f32":
+        close(cache_c, cache_r, 1e-5)
+    else:
+        close_caches(cache_c, cache_r)
+
+
+def test_kv_cache_values_round_as_torch() -> None:
+    """common.cuh's kv_store rounds a float to half and bfloat16 as torch's .to(dtype) does (kv_check's delicate
+    values, then random ones, bitwise), and kv_value reads the stored value back exactly."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    from pathlib import Path
+
+    mod = ShimModule([Path(__file__).parent / "cuda_kernels" / "kv_round.cu"])
+    x = torch.cat([rounding_values(), torch.randn(1000, generator=g(70)) * 300])
+    n = x.numel()
+    h, b = torch.empty(n, dtype=torch.float16), torch.empty(n, dtype=torch.bfloat16)
+    back_h, back_b = torch.empty(n), torch.empty(n)
+    mod.launch("kv_round", grid=(-(-n // 128), 1, 1), block=(128, 1, 1), args=[x, h, b, back_h, back_b, n])
+    for got, back, dtype in ((h, back_h, torch.float16), (b, back_b, torch.bfloat16)):
+        assert torch.equal(got.view(torch.int16), x.to(dtype).view(torch.int16)), dtype
+        assert torch.equal(back, got.float()), dtype
 
 
 def gqa_layer(dims: tuple[int, ...], dev: torch.device, ops: object) -> GQAttention:
@@ -218,13 +244,19 @@ def gqa_layer(dims: tuple[int, ...], dev: torch.device, ops: object) -> GQAttent
                        wv=f32_linear(kvh * vd, 8, 3, dev), wo=f32_linear(8, h * vd, 4, dev))
 
 
-@pytest.mark.parametrize("dims", [(4, 2, 64, 64, 32), (12, 2, 128, 128, 64)], ids=["mm2-tiny", "mm2-bench"])
-def test_gqa_attention_over_several_sequences(sub, dims: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("dims,kv", [((4, 2, 64, 64, 32), "f32"), ((12, 2, 128, 128, 64), "f32"),
+                                     ((4, 2, 64, 64, 32), "bf16"), ((12, 2, 128, 128, 64), "f16")],
+                         ids=["mm2-tiny", "mm2-bench", "mm2-tiny-bf16", "mm2-bench-f16"])
+def test_gqa_attention_over_several_sequences(sub, dims: tuple[int, ...], kv: str) -> None:
     ops, dev = sub
-    out_c, cache_c = _run_attention("gqa", ops, dev, dims)
-    out_r, cache_r = _run_attention("gqa", REF, torch.device("cpu"), dims)
+    dtype = KV_DTYPES[kv][0]
+    out_c, cache_c = _run_attention("gqa", ops, dev, dims, dtype)
+    out_r, cache_r = _run_attention("gqa", REF, torch.device("cpu"), dims, dtype)
     close(out_c, out_r, 5e-5)
-    close(cache_c, cache_r, 1e-5)
+    if kv == "f32":
+        close(cache_c, cache_r, 1e-5)
+    else:
+        close_caches(cache_c, cache_r)
 
 
 def test_results_do_not_depend_on_thread_order() -> None:

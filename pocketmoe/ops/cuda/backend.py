@@ -8,8 +8,8 @@ then the GEMV for up to GEMV_TOKENS tokens or the grouped GEMM (one group) beyon
 device copy made once; the embedding rows are looked up on the host and uploaded ([T, D] per step). A launcher runs a kernel: `CupyLauncher` compiles the sources with
 CuPy `RawModule` (NVRTC) and launches on torch's current stream (`cupy.cuda.ExternalStream`), torch tensors
 in and out by data_ptr; the tests hand CudaOps the CPU shim's launcher instead, so the same glue runs
-here without a GPU. An op the kernels do not take (another dtype, an f16 cache, a legacy MLA layout, dims
-past the kernels' limits) runs on the reference, on the same device. Importing this module imports no CuPy.
+here without a GPU. The attention kernels read f32, f16 and bf16 KV caches. An op the kernels do not take
+(another dtype, a legacy MLA layout, dims past the kernels' limits) runs on the reference, on the same device. Importing this module imports no CuPy.
 
 Legend: T tokens, H heads, G KV heads, C kv_lora, R rope dims, E experts, K experts per token.
 """
@@ -44,6 +44,8 @@ ROW_THREADS = 256  # norms and finalize: one block per row
 ROPE_THREADS = 128
 ATT_THREADS = 128
 ATT_ACC = 8  # attention.cu: value dims per thread, so value dims <= ATT_ACC * ATT_THREADS
+# attention.cu's kv_type of each KV cache dtype (the values the cache stores; the arithmetic is float32)
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', re.S)
 
@@ -464,7 +466,7 @@ class CudaOps(ReferenceOps):
     def mla_attention(self, attn: MLAttention, q: torch.Tensor, kv: torch.Tensor, ctx: StepContext,
                       layer: int) -> torch.Tensor:
         c, cache = attn.cfg, ctx.cache
-        if (not attn.absorbed or cache.dtype != torch.float32 or not _f32(q, kv)
+        if (not attn.absorbed or cache.dtype not in KV_TYPES or not _f32(q, kv)
                 or c.kv_lora > ATT_ACC * ATT_THREADS):
             return super().mla_attention(attn, q, kv, ctx, layer)
         t, dev, width = q.shape[0], q.device, c.kv_lora + c.qk_rope
@@ -472,7 +474,7 @@ class CudaOps(ReferenceOps):
         rows = cache.layer_rows(layer)  # [P, C+R]
         self.launch("attention.cu", "mla_latent_f32", (t, 1, 1), (ROW_THREADS, 1, 1),
                     [kv.contiguous(), self.on_device(attn.kv_a_norm.float()), cos2, sin2, write_rows, rows,
-                     c.kv_lora, c.qk_rope, attn.eps], 0)
+                     c.kv_lora, c.qk_rope, attn.eps, KV_TYPES[cache.dtype]], 0)
         q_nope, q_pe = q.view(t, c.n_head, -1).split([c.qk_nope, c.qk_rope], dim=-1)
         qcat = torch.empty(t, c.n_head, width, dtype=torch.float32, device=dev)  # [T, H, C+R]
         qcat[..., :c.kv_lora] = self._per_head(attn.k_b, q_nope)
@@ -481,13 +483,13 @@ class CudaOps(ReferenceOps):
         o_lat = torch.empty(t, c.n_head, c.kv_lora, dtype=torch.float32, device=dev)  # [T, H, C]
         self.launch("attention.cu", "mla_attention_f32", (t, c.n_head, 1), (ATT_THREADS, 1, 1),
                     [qcat, rows, seq, keys, table, table.shape[1], cache.page, o_lat, c.kv_lora, c.qk_rope,
-                     c.scale], width * 4)
+                     c.scale, KV_TYPES[cache.dtype]], width * 4)
         return self._per_head(attn.v_b, o_lat).reshape(t, c.n_head * c.v_head)  # [T, H, V]
 
     def gqa_attention(self, attn: GQAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
                       layer: int) -> torch.Tensor:
         c, cache = attn.cfg, ctx.cache
-        if cache.dtype != torch.float32 or not _f32(q, k, v) or c.v_dim > ATT_ACC * ATT_THREADS:
+        if cache.dtype not in KV_TYPES or not _f32(q, k, v) or c.v_dim > ATT_ACC * ATT_THREADS:
             return super().gqa_attention(attn, q, k, v, ctx, layer)
         t, dev = q.shape[0], q.device
         seq, keys, table, write_rows, cos2, sin2 = self._step_arrays(ctx, dev)
@@ -496,11 +498,11 @@ class CudaOps(ReferenceOps):
         self._rope_into(qr, cos2, sin2, c.neox)
         self._rope_into(kr, cos2, sin2, c.neox)
         rows = cache.layer_rows(layer)  # [P, G*(Dh+Dv)]
-        rows.index_copy_(0, write_rows.long(), torch.cat([kr.view(t, -1), v.reshape(t, -1)], dim=-1))
+        rows.index_copy_(0, write_rows.long(), torch.cat([kr.view(t, -1), v.reshape(t, -1)], dim=-1).to(rows.dtype))
         out = torch.empty(t, c.n_head, c.v_dim, dtype=torch.float32, device=dev)
         self.launch("attention.cu", "gqa_attention_f32", (t, c.n_head, 1), (ATT_THREADS, 1, 1),
                     [qr, rows, seq, keys, table, table.shape[1], cache.page, out, c.n_head_kv, c.head_dim,
-                     c.v_dim, c.scale], c.head_dim * 4)
+                     c.v_dim, c.scale, KV_TYPES[cache.dtype]], c.head_dim * 4)
         return out.view(t, c.n_head * c.v_dim)
 
     # -- experts -------------------------------------------------------------------------------

@@ -10,12 +10,17 @@
 // key of every head, and its first C values are the value: out [T, H, C] is the latent output that v_b
 // maps to v_head. GQA: q [T, H, Dh] roped; a cache row is [K of the G KV heads, then their V]; head h reads
 // KV head h / (H / G); out [T, H, Dv].
+//
+// The cache stores float32, IEEE half or bfloat16 values (kv_type: common.cuh kv_value / kv_store): an entry
+// is computed in float32 and rounded to nearest even, and read back exactly; the arithmetic is float32
+// whatever the type.
 #include "common.cuh"
 
 #define ATT_TILE 64
 #define ATT_ACC 8
 
-__device__ __forceinline__ void attend(const float* __restrict__ q, const float* __restrict__ cache, long long ld,
+template <class T>
+__device__ __forceinline__ void attend(const float* __restrict__ q, const T* __restrict__ cache, long long ld,
                                        int key_off, int dk, int val_off, int dv, int n_keys,
                                        const int32_t* __restrict__ pages, int page, float scale,
                                        float* __restrict__ out, float* qs, float* p, long long* rows,
@@ -34,9 +39,9 @@ __device__ __forceinline__ void attend(const float* __restrict__ q, const float*
     }
     __syncthreads();
     for (int j = w; j < n; j += nw) {  // a warp per key, lanes over its dims
-      const float* key = cache + rows[j] + key_off;
+      const T* key = cache + rows[j] + key_off;
       float dot = 0.0f;
-      for (int i = lane; i < dk; i += WARP) dot += qs[i] * key[i];
+      for (int i = lane; i < dk; i += WARP) dot += qs[i] * kv_value(key[i]);
       dot = warp_sum(dot);
       if (lane == 0) p[j] = dot * scale;
     }
@@ -59,7 +64,7 @@ __device__ __forceinline__ void attend(const float* __restrict__ q, const float*
       const int c = tid + k * blockDim.x;
       if (c < dv) {
         float a = acc[k] * corr;
-        for (int j = 0; j < n; ++j) a += p[j] * cache[rows[j] + val_off + c];
+        for (int j = 0; j < n; ++j) a += p[j] * kv_value(cache[rows[j] + val_off + c]);
         acc[k] = a;
       }
     }
@@ -72,25 +77,38 @@ __device__ __forceinline__ void attend(const float* __restrict__ q, const float*
   }
 }
 
-extern "C" __global__ void mla_attention_f32(const float* __restrict__ q, const float* __restrict__ cache,
+// attend over a cache of kv_type (the same branch for every thread of the launch).
+template <class... Args>
+__device__ __forceinline__ void attend_kv(int kv_type, const float* q, const void* cache, Args... args) {
+  if (kv_type == KV_F16) {
+    attend(q, static_cast<const __half*>(cache), args...);
+  } else if (kv_type == KV_BF16) {
+    attend(q, static_cast<const __nv_bfloat16*>(cache), args...);
+  } else {
+    attend(q, static_cast<const float*>(cache), args...);
+  }
+}
+
+extern "C" __global__ void mla_attention_f32(const float* __restrict__ q, const void* __restrict__ cache,
                                              const int32_t* __restrict__ seq, const int32_t* __restrict__ n_keys,
                                              const int32_t* __restrict__ page_table, int n_pages, int page,
-                                             float* __restrict__ out, int kv_lora, int rope, float scale) {
+                                             float* __restrict__ out, int kv_lora, int rope, float scale,
+                                             int kv_type) {
   extern __shared__ float qs[];
   __shared__ float p[ATT_TILE];
   __shared__ long long rows[ATT_TILE];
   __shared__ float scratch[WARP];
   const int t = blockIdx.x, h = blockIdx.y, n_head = gridDim.y, d = kv_lora + rope;
   const long long qh = (long long)t * n_head + h;
-  attend(q + qh * d, cache, d, 0, d, 0, kv_lora, n_keys[t], page_table + (long long)seq[t] * n_pages, page,
-         scale, out + qh * kv_lora, qs, p, rows, scratch);
+  attend_kv(kv_type, q + qh * d, cache, (long long)d, 0, d, 0, kv_lora, n_keys[t],
+            page_table + (long long)seq[t] * n_pages, page, scale, out + qh * kv_lora, qs, p, rows, scratch);
 }
 
-extern "C" __global__ void gqa_attention_f32(const float* __restrict__ q, const float* __restrict__ cache,
+extern "C" __global__ void gqa_attention_f32(const float* __restrict__ q, const void* __restrict__ cache,
                                              const int32_t* __restrict__ seq, const int32_t* __restrict__ n_keys,
                                              const int32_t* __restrict__ page_table, int n_pages, int page,
                                              float* __restrict__ out, int n_head_kv, int head_dim, int v_dim,
-                                             float scale) {
+                                             float scale, int kv_type) {
   extern __shared__ float qs[];
   __shared__ float p[ATT_TILE];
   __shared__ long long rows[ATT_TILE];
@@ -98,30 +116,45 @@ extern "C" __global__ void gqa_attention_f32(const float* __restrict__ q, const 
   const int t = blockIdx.x, h = blockIdx.y, n_head = gridDim.y, g = h / (n_head / n_head_kv);
   const long long qh = (long long)t * n_head + h;
   const long long ld = (long long)n_head_kv * (head_dim + v_dim);
-  attend(q + qh * head_dim, cache, ld, g * head_dim, head_dim, n_head_kv * head_dim + g * v_dim, v_dim, n_keys[t],
-         page_table + (long long)seq[t] * n_pages, page, scale, out + qh * v_dim, qs, p, rows, scratch);
+  attend_kv(kv_type, q + qh * head_dim, cache, ld, g * head_dim, head_dim, n_head_kv * head_dim + g * v_dim, v_dim,
+            n_keys[t], page_table + (long long)seq[t] * n_pages, page, scale, out + qh * v_dim, qs, p, rows,
+            scratch);
 }
 
-// The MLA latent of each token into its cache row (row write_rows[t] of `cache`, width C+R):
+// Token t's latent into `row` (the values of the cache's type T).
+template <class T>
+__device__ __forceinline__ void latent_row(const float* __restrict__ x, const float* __restrict__ norm_w, float s,
+                                           const float* __restrict__ c, const float* __restrict__ sn,
+                                           T* __restrict__ row, int kv_lora, int rope) {
+  for (int i = threadIdx.x; i < kv_lora; i += blockDim.x) kv_store(row + i, x[i] * s * norm_w[i]);
+  for (int j = threadIdx.x; j < rope / 2; j += blockDim.x) {
+    const float a = x[kv_lora + 2 * j], b = x[kv_lora + 2 * j + 1];
+    kv_store(row + kv_lora + 2 * j, a * c[2 * j] + b * sn[2 * j]);
+    kv_store(row + kv_lora + 2 * j + 1, b * c[2 * j + 1] + a * sn[2 * j + 1]);
+  }
+}
+
+// The MLA latent of each token into its cache row (row write_rows[t] of `cache`, width C+R, kv_type values):
 // [rms_norm(c_kv) * norm_w, rope(k_pe)] from kv [T, C+R] (the kv_a projection); normal rope pairs, cos2 /
 // sin2 [T, R]. One block per token.
 extern "C" __global__ void mla_latent_f32(const float* __restrict__ kv, const float* __restrict__ norm_w,
                                           const float* __restrict__ cos2, const float* __restrict__ sin2,
-                                          const int32_t* __restrict__ write_rows, float* __restrict__ cache,
-                                          int kv_lora, int rope, float eps) {
+                                          const int32_t* __restrict__ write_rows, void* __restrict__ cache,
+                                          int kv_lora, int rope, float eps, int kv_type) {
   __shared__ float scratch[WARP];
   const int t = blockIdx.x, d = kv_lora + rope;
   const float* x = kv + (long long)t * d;
-  float* row = cache + (long long)write_rows[t] * d;
+  const long long at = (long long)write_rows[t] * d;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < kv_lora; i += blockDim.x) ss += x[i] * x[i];
   const float s = rsqrtf(block_sum(ss, scratch) / (float)kv_lora + eps);
-  for (int i = threadIdx.x; i < kv_lora; i += blockDim.x) row[i] = x[i] * s * norm_w[i];
   const float* c = cos2 + (long long)t * rope;
   const float* sn = sin2 + (long long)t * rope;
-  for (int j = threadIdx.x; j < rope / 2; j += blockDim.x) {
-    const float a = x[kv_lora + 2 * j], b = x[kv_lora + 2 * j + 1];
-    row[kv_lora + 2 * j] = a * c[2 * j] + b * sn[2 * j];
-    row[kv_lora + 2 * j + 1] = b * c[2 * j + 1] + a * sn[2 * j + 1];
+  if (kv_type == KV_F16) {
+    latent_row(x, norm_w, s, c, sn, static_cast<__half*>(cache) + at, kv_lora, rope);
+  } else if (kv_type == KV_BF16) {
+    latent_row(x, norm_w, s, c, sn, static_cast<__nv_bfloat16*>(cache) + at, kv_lora, rope);
+  } else {
+    latent_row(x, norm_w, s, c, sn, static_cast<float*>(cache) + at, kv_lora, rope);
   }
 }

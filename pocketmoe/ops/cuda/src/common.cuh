@@ -22,6 +22,17 @@ typedef unsigned long long uint64_t;
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+// A KV cache's values: float32, IEEE half or bfloat16 (kv_type 0, 1, 2: --kv-dtype, as the CPU ops' KVType).
+// kv_store rounds a float to nearest even (as torch's .to(dtype)); kv_value reads it back exactly.
+#define KV_F16 1
+#define KV_BF16 2
+__device__ __forceinline__ float kv_value(float x) { return x; }
+__device__ __forceinline__ float kv_value(__half x) { return __half2float(x); }
+__device__ __forceinline__ float kv_value(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void kv_store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void kv_store(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void kv_store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+
 #define WARP 32
 #define FULL_MASK 0xffffffffu
 #define NEG_INF (-__int_as_float(0x7f800000))
