@@ -200,6 +200,23 @@ def test_kv_cache_rounds_as_torch(ops, kv: str) -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+def test_attention_refuses_a_cache_it_cannot_read() -> None:
+    """A cache of another dtype, shape or layout is a ValueError naming what is wrong, before anything is written."""
+    lib = native._lib()
+    shape = lib.GQAShape(2, 1, 8, 8, 8, False, 0.3)
+    q, k, v = np.ones((1, 16), np.float32), np.ones((1, 8), np.float32), np.ones((1, 8), np.float32)
+    cos2, sin2 = np.ones((1, 8), np.float32), np.zeros((1, 8), np.float32)
+    step = (np.zeros(1, np.int32), np.ones(1, np.int32), np.zeros(1, np.int32), np.zeros((1, 1), np.int32), 16)
+    for cache, message in ((np.zeros((16, 16), np.float64), "float32, float16 or uint16"),
+                           (np.zeros((16, 12), np.float16), "rows have 12 values, expected 16"),
+                           (np.zeros((2, 16, 16), np.uint16), "2 dimensions, got 3"),
+                           (np.zeros((16, 32), np.float32)[:, ::2], "C-contiguous")):
+        before = cache.copy()
+        with pytest.raises(ValueError, match=message):
+            lib.gqa_attention(shape, q, k, v, cos2, sin2, cache, *step)
+        assert np.array_equal(cache, before)
+
+
 def test_attention_over_tens_of_thousands_of_keys() -> None:
     """One query of 16 heads over 33,000 keys (516 chunks of 64): the heads' partials (16 x 516 x 514 floats) pass the
     cap a call holds, so the heads go in blocks; against float64 softmax attention with each head's sink, and the

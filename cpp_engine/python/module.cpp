@@ -282,9 +282,12 @@ KVType kv_type_of(const py::array& cache, int ndim, int w) {
   }
   if (!(cache.flags() & py::array::c_style)) throw py::value_error("cache must be C-contiguous");
   if (!cache.writeable()) throw py::value_error("cache must be writeable");
-  if (cache.ndim() != ndim || (w >= 0 && cache.shape(ndim - 1) != w))
-    throw py::value_error("cache must have " + std::to_string(ndim) + " dimensions, the last of " +
-                          std::to_string(w) + " values");
+  if (cache.ndim() != ndim)
+    throw py::value_error("cache must have " + std::to_string(ndim) + " dimensions, got " +
+                          std::to_string(cache.ndim()));
+  if (w >= 0 && cache.shape(ndim - 1) != w)
+    throw py::value_error("cache rows have " + std::to_string(cache.shape(ndim - 1)) + " values, expected " +
+                          std::to_string(w));
   return type;
 }
 

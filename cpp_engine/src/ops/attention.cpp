@@ -61,7 +61,8 @@ void store_values(const float* src, int n, BHalf* dst) {
   for (int i = 0; i < n; ++i) {
     uint32_t u;
     std::memcpy(&u, src + i, sizeof u);
-    dst[i].bits = std::isnan(src[i]) ? uint16_t{0x7FC0} : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    const uint32_t rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+    dst[i].bits = std::isnan(src[i]) ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
   }
 }
 
@@ -111,7 +112,7 @@ struct AttnUnit {
 };
 
 // K keys [s, s + K) against G heads: sc[j][s + k - k0] = dot(q[j], key s + k) * scale. pre[k]: a row to
-// prefetch (to L2 if ToL2, else L1), a cache line per 16 values.
+// prefetch (to L2 if ToL2, else L1), a 64-byte cache line at a time.
 template <class T, int G, int K, bool ToL2>
 PM_INLINE void score_keys(const void* const* rows, int s, int k0, int w, int k_off, float scale,
                           const float* const* q, const T* const* pre, float (*sc)[kKeyChunk]) {
