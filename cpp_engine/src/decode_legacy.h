@@ -203,14 +203,12 @@ struct F32 {
 };
 
 struct F16 {
-  static PM_INLINE __m256 load8(const uint8_t* row, int i) { return _mm256_cvtph_ps(load128(row + 2 * i)); }
+  static PM_INLINE __m256 load8(const uint8_t* row, int i) { return load8_f16(row + 2 * i); }
   static PM_INLINE float load1(const uint8_t* row, int i) { return fp16(row + 2 * i); }
 };
 
 struct BF16 {
-  static PM_INLINE __m256 load8(const uint8_t* row, int i) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load128(row + 2 * i)), 16));
-  }
+  static PM_INLINE __m256 load8(const uint8_t* row, int i) { return load8_bf16(row + 2 * i); }
   static PM_INLINE float load1(const uint8_t* row, int i) {
     const uint32_t bits = uint32_t{load_u16(row + 2 * i)} << 16;
     float f;

@@ -58,6 +58,13 @@ PM_INLINE uint32_t load_u32(const uint8_t* p) {
 
 PM_INLINE float fp16(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
 
+// 8 IEEE halves / 8 bfloat16 values at p as floats (a bfloat16 is the high 16 bits of its float).
+PM_INLINE __m256 load8_f16(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
+PM_INLINE __m256 load8_bf16(const void* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 PM_INLINE __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 PM_INLINE __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
 PM_INLINE void store256(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }

@@ -41,13 +41,8 @@ struct Half { uint16_t bits; };
 struct BHalf { uint16_t bits; };
 
 PM_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-PM_INLINE __m256 load8(const Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-PM_INLINE __m256 load8(const BHalf* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+PM_INLINE __m256 load8(const Half* p) { return simd::load8_f16(p); }
+PM_INLINE __m256 load8(const BHalf* p) { return simd::load8_bf16(p); }
 
 // dst = n values of src (n a multiple of 8), rounded to the nearest even value of the cache's type as torch's
 // .to(float16) / .to(bfloat16) round (a NaN becomes bfloat16's quiet NaN).
