@@ -159,40 +159,49 @@ struct IQ2S {
 // IQ3_S, 110 bytes: d, qs[64] (low 8 bits of a 9-bit grid index per 4 weights), qh[8] (the indices' top
 // bits, eight per group), signs[32] (a byte per 8 weights), scales[4] (a 4-bit s per group);
 // w = d * (2s+1) * grid * sign, grid bytes 1..15, stored + 16.
+// Where the grid indices are formed is a matter of the CPU: on Zen 3 (AVX2 build) the head forms all 64 with
+// a few vector ops and a group is its table loads (GEMV 381-412 -> 358 us); on Zen 4 (AVX-512 build; its AVX2
+// build too) a group forming its own eight in scalar registers is faster (bench_kernels GEMV 1536x3072, one
+// thread: 529 -> 464 us; AVX2 build 540 -> 483).
 struct IQ3S {
   static constexpr int kBytes = 110;
   static constexpr bool kCanonical = false;
   static constexpr bool kSigned = false, kOffset = true, kMin = false;
+  static constexpr bool kHeadIndices = !PM_AVX512;
   struct Head : SignHead {
-    alignas(32) uint16_t idx[64];
+    alignas(32) uint16_t idx[kHeadIndices ? 64 : 1];
   };
   static PM_INLINE Head head(const uint8_t* b) {
     Head h;
-    // Index k: qs[k] | bit k % 8 of qh[k / 8] << 8, sixteen at a time (each qh byte over eight lanes).
-    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256i qh = _mm256_broadcastsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 66)));
-    static_for<4>([&](auto jc) {
-      constexpr int J = decltype(jc)::value;
-      constexpr char lo = 2 * J, hi = 2 * J + 1;
-      const __m256i byte = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(lo, -1, lo, -1, lo, -1, lo, -1, lo, -1, lo, -1, lo,
-                                                                    -1, lo, -1, hi, -1, hi, -1, hi, -1, hi, -1, hi, -1,
-                                                                    hi, -1, hi, -1, hi, -1));
-      const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(byte, bit), bit);
-      const __m256i top = _mm256_and_si256(set, _mm256_set1_epi16(256));
-      store256(h.idx + 16 * J, _mm256_or_si256(_mm256_cvtepu8_epi16(load128(b + 2 + 16 * J)), top));
-    });
+    if constexpr (kHeadIndices) {
+      // Index k: qs[k] | bit k % 8 of qh[k / 8] << 8, sixteen at a time (each qh byte over eight lanes).
+      const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
+      const __m256i qh = _mm256_broadcastsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 66)));
+      static_for<4>([&](auto jc) {
+        constexpr int J = decltype(jc)::value;
+        constexpr char lo = 2 * J, hi = 2 * J + 1;
+        const __m256i byte = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(lo, -1, lo, -1, lo, -1, lo, -1, lo, -1, lo, -1,
+                                                                      lo, -1, lo, -1, hi, -1, hi, -1, hi, -1, hi, -1,
+                                                                      hi, -1, hi, -1, hi, -1, hi, -1));
+        const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(byte, bit), bit);
+        const __m256i top = _mm256_and_si256(set, _mm256_set1_epi16(256));
+        store256(h.idx + 16 * J, _mm256_or_si256(_mm256_cvtepu8_epi16(load128(b + 2 + 16 * J)), top));
+      });
+    }
     const __m128i x = _mm_cvtsi32_si128(static_cast<int>(load_u32(b + 106)));   // group g: nibble g % 2 of byte g / 2
     const __m128i s = _mm_cvtepu8_epi16(split_nibbles(x));
     static_cast<SignHead&>(h) = with_signs(odd_scale_head<4>(fp16(b), s), load256(b + 74));
     return h;
   }
   template <int G>
-  static PM_INLINE __m256i quants(const uint8_t*, const Head& h) {
+  static PM_INLINE __m256i quants(const uint8_t* b, const Head& h) {
     const uint32_t* t = tables::kIq3s;
-    const uint16_t* i = h.idx + 8 * G;
-    const __m256i g = _mm256_setr_epi32(static_cast<int>(t[i[0]]), static_cast<int>(t[i[1]]), static_cast<int>(t[i[2]]),
-                                        static_cast<int>(t[i[3]]), static_cast<int>(t[i[4]]), static_cast<int>(t[i[5]]),
-                                        static_cast<int>(t[i[6]]), static_cast<int>(t[i[7]]));
+    const uint8_t* q = b + 2 + 8 * G;
+    const uint32_t qh = b[66 + G];
+    const auto entry = [&](int k) {
+      return static_cast<int>(t[kHeadIndices ? h.idx[8 * G + k] : q[k] | ((qh << (8 - k)) & 256)]);
+    };
+    const __m256i g = _mm256_setr_epi32(entry(0), entry(1), entry(2), entry(3), entry(4), entry(5), entry(6), entry(7));
     return signed_plus<G, 16>(g, h);
   }
   template <int G>
