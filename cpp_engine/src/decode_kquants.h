@@ -153,6 +153,7 @@ struct Ternary {
   static constexpr int kBytes = D + 2;
   static constexpr bool kCanonical = false;
   static constexpr bool kSigned = false, kOffset = true, kMin = false;
+  static constexpr bool kUnitScale = true;
   using Head = KHead;
   static PM_INLINE Head head(const uint8_t* b) {
     return {fp16(b + D), 0.0f, _mm256_set1_epi16(-1), _mm256_set1_epi16(1)};

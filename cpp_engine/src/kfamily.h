@@ -50,6 +50,14 @@ struct alignas(32) CanonBlock {
 };
 static_assert(sizeof(CanonBlock) == 576);
 
+// Whether a decoder's scales are 1 throughout (Dec::kUnitScale, the ternary types): with VNNI the GEMV then
+// sums its u8 x s8 products with one VPDPBUSD instead of VPMADDUBSW and VPDPWSSD by 1 (the same integers:
+// q <= 2 keeps every pair of products far from int16 saturation).
+template <class Dec, class = void>
+constexpr bool kUnitScale = false;
+template <class Dec>
+constexpr bool kUnitScale<Dec, std::void_t<decltype(Dec::kUnitScale)>> = Dec::kUnitScale;
+
 template <class Dec>
 struct Canon {
   static constexpr int kBytes = sizeof(CanonBlock);
@@ -257,12 +265,15 @@ struct Family {
           for (int c = 0; c < C; ++c) {
             __m256i av = load256(a[c].qs + 256 * b + 32 * G);
             if constexpr (Dec::kSigned) av = _mm256_sign_epi8(av, q);
-            const __m256i m = _mm256_maddubs_epi16(qu, av);
             __m256i& sum = G % 2 ? odd[r][c] : isum[r][c];
 #if PM_VNNI
-            sum = dpwssd(sum, m, s);
+            if constexpr (kUnitScale<Dec>) {
+              sum = dpbusd(sum, qu, av);   // the same four products per lane, without the multiply by 1
+            } else {
+              sum = dpwssd(sum, _mm256_maddubs_epi16(qu, av), s);
+            }
 #else
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(m, s));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(qu, av), s));
 #endif
             // Keep the sum a running one: left free, GCC reassociates the eight groups' integer adds of
             // a repacked tile into a tree and spills every product to the stack (GEMM 15-25% slower).
