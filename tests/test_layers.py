@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
+from kv_check import KV_DTYPES
 from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf3
@@ -237,15 +238,16 @@ def test_native_hyper_connection_ops_are_the_reference_bitwise(t: int) -> None:
 
 
 @pytest.mark.skipif(not native_available(), reason="native kernels")
-def test_native_dsv4_attend_is_the_torch_softmax_with_sinks() -> None:
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
+def test_native_dsv4_attend_is_the_torch_softmax_with_sinks(kv: str) -> None:
     """DeepSeek-V4's attention core on the native kernels: each query over its allowed keys (window rows and
-    entries at any value offsets of the cache), the head's sink logit in the softmax, against the torch path;
-    a query's output is bitwise the same alone or with others."""
+    entries at any value offsets of the cache, of each KV dtype), the head's sink logit in the softmax, against
+    the torch path; a query's output is bitwise the same alone or with others."""
     from pocketmoe.ops.cpu import NativeOps
 
     g = torch.Generator().manual_seed(5)
     t, h, d, width, rows = 7, 6, 64, 200, 40
-    cache = torch.randn(rows, width, generator=g)
+    cache = torch.randn(rows, width, generator=g).to(KV_DTYPES[kv][0])
     offsets = np.concatenate([np.arange(20) * width + 3, np.arange(20, 30) * width + 130]).astype(np.int64)
     allowed = torch.rand(t, len(offsets), generator=g).numpy() < 0.6
     allowed[np.arange(t), np.arange(t)] = True  # every query sees at least one key

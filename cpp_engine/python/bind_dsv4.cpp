@@ -19,7 +19,7 @@ py::array_t<float> dsv4_attend_py(const py::array& q, const py::array& cache, co
                                   const py::array& starts, const py::array& sinks, float scale) {
   auto qa = checked<float>(q, "q", 3);
   const py::ssize_t t = qa.shape(0), h = qa.shape(1), d = qa.shape(2);
-  auto ca = checked<float>(cache, "cache", -1);
+  const KVType type = kv_type_of(cache, -1, -1);
   auto ko = checked<int64_t>(key_offsets, "key_offsets", 1);
   auto st = checked<int32_t>(starts, "starts", 1);
   const float* sp = vector_of(sinks, "sinks", h);
@@ -31,13 +31,14 @@ py::array_t<float> dsv4_attend_py(const py::array& q, const py::array& cache, co
     throw py::value_error("starts ends at " + std::to_string(s[t]) + " but key_offsets holds " +
                           std::to_string(ko.shape(0)) + " keys");
   py::array_t<float> out({t, h, d});
-  const float *qp = qa.data(), *cp = ca.data();
+  const float* qp = qa.data();
+  const void* cp = cache.data();
   const int64_t* kp = ko.data();
   float* op = out.mutable_data();
-  const size_t n_values = static_cast<size_t>(ca.size());
+  const size_t n_values = static_cast<size_t>(cache.size());
   run(static_cast<size_t>(ko.shape(0)) * d * 4, [&] {
-    dsv4_attention(qp, static_cast<int>(t), static_cast<int>(h), static_cast<int>(d), scale, sp, cp, n_values, kp, s,
-                   op);
+    dsv4_attention(qp, static_cast<int>(t), static_cast<int>(h), static_cast<int>(d), scale, sp, cp, type, n_values,
+                   kp, s, op);
   });
   return out;
 }
@@ -214,8 +215,7 @@ py::array_t<float> attention_py(const AttentionHandle& h, const py::array& x, co
   const DSV4Attention& a = h.a;
   auto xa = rows_of(x, "x", a.wq_a->cols);
   const py::ssize_t n = xa.shape(0);
-  auto ca = rows_of(cache, "cache", -1);
-  if (!ca.writeable()) throw py::value_error("cache must be writeable");
+  const KVType type = kv_type_of(cache, 2, -1);
   auto ta = checked<int32_t>(table, "page_table", 2);
   auto c = rows_of(cos2, "cos2", a.n_rot), s = rows_of(sin2, "sin2", a.n_rot);
   if (c.shape(0) != s.shape(0)) throw py::value_error("cos2 and sin2 need the same rows");
@@ -223,12 +223,14 @@ py::array_t<float> attention_py(const AttentionHandle& h, const py::array& x, co
   DSV4Step st;
   st.positions = ints_of(positions, "positions", n);
   st.kv = KVLayout{ints_of(seq, "seq", n), nullptr, ints_of(write_rows, "write_rows", n), ta.data(),
-                   static_cast<int>(ta.shape(0)), static_cast<int>(ta.shape(1)), page, static_cast<int>(ca.shape(0))};
+                   static_cast<int>(ta.shape(0)), static_cast<int>(ta.shape(1)), page, static_cast<int>(cache.shape(0)),
+                   type};
   st.cos2 = c.data(), st.sin2 = s.data(), st.rope_rows = static_cast<int>(c.shape(0));
   py::array_t<float> out({n, static_cast<py::ssize_t>(a.wo_b->rows)});
   const float* xp = xa.data();
-  float *cp = ca.mutable_data(), *op = out.mutable_data();
-  const int width = static_cast<int>(ca.shape(1));
+  void* cp = py::array(cache).mutable_data();
+  float* op = out.mutable_data();
+  const int width = static_cast<int>(cache.shape(1));
   run(size_t{1} << 20, [&] { dsv4_attention_sublayer(a, xp, static_cast<int>(n), cp, width, st, op); });
   return out;
 }

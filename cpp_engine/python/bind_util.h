@@ -36,6 +36,31 @@ py::array_t<T> checked(const py::array& a, const char* name, int ndim) {
   return py::reinterpret_borrow<py::array_t<T>>(a);
 }
 
+// A KV cache array: float32, float16, or uint16 holding bfloat16 bits (numpy has no bfloat16), C-contiguous
+// and writeable with `ndim` dimensions (any with ndim < 0), the last of w values (any with w < 0).
+inline KVType kv_type_of(const py::array& cache, int ndim, int w) {
+  KVType type;
+  if (cache.dtype().is(py::dtype::of<float>())) {
+    type = KVType::kF32;
+  } else if (cache.dtype().is(py::dtype("float16"))) {
+    type = KVType::kF16;
+  } else if (cache.dtype().is(py::dtype::of<uint16_t>())) {
+    type = KVType::kBF16;
+  } else {
+    throw py::value_error("cache must be float32, float16 or uint16 (bfloat16 bits), got " +
+                          std::string(py::str(cache.dtype())));
+  }
+  if (!(cache.flags() & py::array::c_style)) throw py::value_error("cache must be C-contiguous");
+  if (!cache.writeable()) throw py::value_error("cache must be writeable");
+  if (ndim >= 0 && cache.ndim() != ndim)
+    throw py::value_error("cache must have " + std::to_string(ndim) + " dimensions, got " +
+                          std::to_string(cache.ndim()));
+  if (w >= 0 && cache.shape(cache.ndim() - 1) != w)
+    throw py::value_error("cache rows have " + std::to_string(cache.shape(cache.ndim() - 1)) + " values, expected " +
+                          std::to_string(w));
+  return type;
+}
+
 // A weight and the array it points into (kept alive by the handle).
 struct WeightHandle {
   Weight w;

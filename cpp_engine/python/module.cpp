@@ -266,31 +266,6 @@ void rope_py(const py::array& x, int heads, int head_dim, int rot, bool neox, co
        s.data());
 }
 
-// A KV cache array: float32, float16, or uint16 holding bfloat16 bits (numpy has no bfloat16), C-contiguous
-// and writeable with `ndim` dimensions, the last of w values (any with w < 0).
-KVType kv_type_of(const py::array& cache, int ndim, int w) {
-  KVType type;
-  if (cache.dtype().is(py::dtype::of<float>())) {
-    type = KVType::kF32;
-  } else if (cache.dtype().is(py::dtype("float16"))) {
-    type = KVType::kF16;
-  } else if (cache.dtype().is(py::dtype::of<uint16_t>())) {
-    type = KVType::kBF16;
-  } else {
-    throw py::value_error("cache must be float32, float16 or uint16 (bfloat16 bits), got " +
-                          std::string(py::str(cache.dtype())));
-  }
-  if (!(cache.flags() & py::array::c_style)) throw py::value_error("cache must be C-contiguous");
-  if (!cache.writeable()) throw py::value_error("cache must be writeable");
-  if (cache.ndim() != ndim)
-    throw py::value_error("cache must have " + std::to_string(ndim) + " dimensions, got " +
-                          std::to_string(cache.ndim()));
-  if (w >= 0 && cache.shape(ndim - 1) != w)
-    throw py::value_error("cache rows have " + std::to_string(cache.shape(ndim - 1)) + " values, expected " +
-                          std::to_string(w));
-  return type;
-}
-
 // The rows' cache layout (pocketmoe/ops.h KVLayout) from the step's arrays; cachep: the cache's rows [rows, w].
 KVLayout kv_layout_of(const py::array& cache, int w, const py::array& seq, const py::array& keys,
                       const py::array& write_rows, const py::array& table, int page, py::ssize_t n, void*& cachep) {

@@ -1,6 +1,6 @@
 """The op set on the native CPU kernels (pocketmoe._native): raw GGUF blocks, activations quantized once
 per row, bitwise batch-invariant. Whatever an op cannot take natively (a type without a kernel, a weight
-on another device, a DeepSeek-V4 cache that is not float32) runs that one op on the reference.
+on another device, a cache of another dtype) runs that one op on the reference.
 
 Each native weight is wrapped once (a `_native.Weight` handle kept on the layer), so a call passes
 handles and arrays, nothing to convert.
@@ -18,7 +18,7 @@ import torch
 from pocketmoe.layers.experts import NativeExperts, native_reads
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear
 from pocketmoe.layers.moe import GATING_SIGMOID, GATING_SOFTMAX, WEIGHT_SUM_MIN
-from pocketmoe.ops.cpu_v4 import NativeDeepSeek4Ops
+from pocketmoe.ops.cpu_v4 import NATIVE_KV, NativeDeepSeek4Ops
 from pocketmoe.ops.reference import ReferenceOps
 from pocketmoe.specs.base import Role
 
@@ -33,15 +33,6 @@ if TYPE_CHECKING:
 
 def _np(x: torch.Tensor) -> np.ndarray:
     return (x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()).numpy()
-
-
-# The KV cache dtypes the native attention reads, and each one's numpy view (numpy has no bfloat16: its bits
-# go as uint16, which the native ops take as bfloat16).
-_NATIVE_KV: dict[torch.dtype, Callable[[torch.Tensor], np.ndarray]] = {
-    torch.float32: lambda t: t.numpy(),
-    torch.float16: lambda t: t.numpy(),
-    torch.bfloat16: lambda t: t.view(torch.uint16).numpy(),
-}
 
 
 def _not_replayed(op: Callable[..., Any]) -> Callable[..., Any]:
@@ -307,11 +298,11 @@ class NativeOps(NativeDeepSeek4Ops):
         """The attention's arrays of this step, made at its first call (None: the cache is not native)."""
         if self._step[0] is not ctx:
             data = ctx.cache.data
-            if data is None or data.dtype not in _NATIVE_KV or not data.is_cpu:
+            if data is None or data.dtype not in NATIVE_KV or not data.is_cpu:
                 args = None
             else:
                 if self._cache_layers[0] is not data:
-                    whole = _NATIVE_KV[data.dtype](data)
+                    whole = NATIVE_KV[data.dtype](data)
                     self._cache_layers = (data, [whole[i] for i in range(data.shape[0])], whole)
                 args = (ctx.cos2.numpy(), ctx.sin2.numpy(), self._cache_layers[1], ctx.seq, ctx.keys, ctx.write_rows,
                         ctx.page_table, ctx.cache.page)

@@ -1,14 +1,15 @@
 """The DeepSeek-V4 ops on the native kernels, mixed into NativeOps: one native call per mHC site (hc_pre,
 hc_head), per attention sublayer (dsv4_attention) and per MoE sublayer (dsv4_moe), each layer's weights bound
 once in a handle on the layer. What a handle cannot take (a weight type without a kernel, an expert bank other
-than the native host one, a cache not float32 on the host) runs the reference composition (reference_v4.py)
-over the native fine ops.
+than the native host one, a cache not on the host or of a dtype outside NATIVE_KV) runs the reference composition
+(reference_v4.py) over the native fine ops.
 
 Legend: T tokens, n streams, D hidden, M = (2 + n) * n mixing rows, P cache rows, R rope dims.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,6 +29,22 @@ if TYPE_CHECKING:
 
 def _np(x: torch.Tensor) -> np.ndarray:
     return (x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()).numpy()
+
+
+# The KV cache dtypes the native attention reads, and each one's numpy view (numpy has no bfloat16: its bits
+# go as uint16, which the native ops take as bfloat16).
+NATIVE_KV: dict[torch.dtype, Callable[[torch.Tensor], np.ndarray]] = {
+    torch.float32: lambda t: t.numpy(),
+    torch.float16: lambda t: t.numpy(),
+    torch.bfloat16: lambda t: t.view(torch.uint16).numpy(),
+}
+
+
+def native_cache(t: torch.Tensor) -> np.ndarray | None:
+    """Cache rows as the native ops take them, or None where they cannot (another dtype, device or layout)."""
+    if t.dtype not in NATIVE_KV or not t.is_cpu or not t.is_contiguous():
+        return None
+    return NATIVE_KV[t.dtype](t)
 
 
 def _floats(t: torch.Tensor) -> np.ndarray:
@@ -103,9 +120,8 @@ class NativeDeepSeek4Ops(ReferenceOps):
             step = self._v4_step = (ctx, {}, {})
         cache = step[2].get(layer)
         if cache is None:
-            rows = ctx.cache.layer_rows(layer)
-            ok = rows.dtype == torch.float32 and rows.is_cpu and rows.is_contiguous()
-            cache = step[2][layer] = rows.numpy() if ok else False
+            view = native_cache(ctx.cache.layer_rows(layer))
+            cache = step[2][layer] = False if view is None else view
         if op is False or cache is False or not x.is_cpu:
             return super().dsv4_attention(attn, x, ctx, layer, rope)
         compressed = attn.cfg.ratio != 0
@@ -145,13 +161,14 @@ class NativeDeepSeek4Ops(ReferenceOps):
                     sinks: torch.Tensor, scale: float) -> torch.Tensor:
         """One native call: each query over its allowed keys only (the mask as per-query key lists)."""
         self._record("other")
-        if cache.dtype != torch.float32 or not cache.is_cpu or not cache.is_contiguous() or q.shape[-1] % 8:
+        view = native_cache(cache)
+        if view is None or q.shape[-1] % 8:
             return super().dsv4_attend(q, cache, offsets, allowed, sinks, scale)
         ti, si = np.nonzero(allowed)  # row-major: query by query, keys in order
         starts = np.zeros(len(allowed) + 1, dtype=np.int32)
         np.cumsum(np.bincount(ti, minlength=len(allowed)), out=starts[1:])
         keys = np.ascontiguousarray(offsets[si], dtype=np.int64)
-        return torch.from_numpy(self.lib.dsv4_attend(_np(q), cache.numpy(), keys, starts, _np(sinks), scale))
+        return torch.from_numpy(self.lib.dsv4_attend(_np(q), view, keys, starts, _np(sinks), scale))
 
     # -- MoE -----------------------------------------------------------------------------------------------
     def dsv4_moe(self, moe: DSV4MoE, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -90,8 +90,9 @@ struct DSV4Step {
 // The attention sublayer on normed rows x [T, D] -> out [T, D]: q LoRA (q_a, its norm, q_b, an unweighted norm
 // per head, rope on the last R dims), kv (its norm, rope) into the cache, the compressors' states and entries,
 // the indexer's choice, dsv4_attention over each query's window rows and entries, the inverse rope, the grouped
-// output LoRA (wo_a per group, wo_b). cache: this layer's rows [P, W].
-void dsv4_attention_sublayer(const DSV4Attention& a, const float* x, int n_rows, float* cache, int width,
+// output LoRA (wo_a per group, wo_b). cache: this layer's rows [P, W] of step.kv.type; a value written to it is
+// rounded to that type, and every later read sees the rounded value.
+void dsv4_attention_sublayer(const DSV4Attention& a, const float* x, int n_rows, void* cache, int width,
                              const DSV4Step& step, float* out);
 
 // ---- MoE ---------------------------------------------------------------------------------------------------

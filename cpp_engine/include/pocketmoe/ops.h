@@ -170,10 +170,11 @@ struct MoEParts {
 void moe_sublayer(const MoEParts& m, const float* xn, int n_rows, int hidden, const Residual& res);
 
 // DeepSeek-V4 attention (one shared K = V head): per query t, heads [t, H, d] over its own keys, the d values at
-// cache + key_offsets[starts[t] .. starts[t + 1]) (window rows and visible compressed entries, already masked),
-// a softmax with each head's sink logit (its mass dropped), scaled by `scale`. out [t, H, d].
-void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const float* sinks, const float* cache,
-                    size_t cache_values, const int64_t* key_offsets, const int32_t* starts, float* out);
+// value offsets key_offsets[starts[t] .. starts[t + 1]) of the cache (window rows and visible compressed entries,
+// already masked; cache_values values of `type`), a softmax with each head's sink logit (its mass dropped),
+// scaled by `scale`. out [t, H, d].
+void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const float* sinks, const void* cache,
+                    KVType type, size_t cache_values, const int64_t* key_offsets, const int32_t* starts, float* out);
 
 // DeepSeek-V4's hyper-connections (mHC) over n residual streams, each in the op order of the torch reference
 // (pocketmoe/ops/reference_v4.py), element by element, no fused multiply-adds: bitwise its results.

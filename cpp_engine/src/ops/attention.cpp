@@ -14,6 +14,7 @@
 #include "pocketmoe/ops.h"
 #include "pocketmoe/silu.h"
 #include "../simd.h"
+#include "kv_values.h"
 #include "../workspace.h"
 
 namespace pocketmoe {
@@ -36,51 +37,12 @@ float* grow(std::vector<float>& v, size_t n) {
 
 int chunks_of(int keys) { return (keys + kKeyChunk - 1) / kKeyChunk; }
 
-// Cache values as they are stored (ops.h KVType): float, IEEE half or bfloat16, read 8 at a time as floats.
-struct Half { uint16_t bits; };
-struct BHalf { uint16_t bits; };
-
-PM_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-PM_INLINE __m256 load8(const Half* p) { return simd::load8_f16(p); }
-PM_INLINE __m256 load8(const BHalf* p) { return simd::load8_bf16(p); }
-
-// dst = n values of src (n a multiple of 8), rounded to the nearest even value of the cache's type as torch's
-// .to(float16) / .to(bfloat16) round (a NaN becomes bfloat16's quiet NaN).
-void store_values(const float* src, int n, float* dst) { std::copy(src, src + n, dst); }
-void store_values(const float* src, int n, Half* dst) {
-  for (int i = 0; i < n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-void store_values(const float* src, int n, BHalf* dst) {
-  for (int i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, src + i, sizeof u);
-    const uint32_t rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
-    dst[i].bits = std::isnan(src[i]) ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
-  }
-}
-
-size_t value_bytes(KVType type) {
-  switch (type) {
-    case KVType::kF32: return sizeof(float);
-    case KVType::kF16:
-    case KVType::kBF16: return sizeof(uint16_t);
-  }
-  throw std::invalid_argument("attention: KV cache type " + std::to_string(static_cast<int>(type)) +
-                              " is not float32 (0), float16 (1) or bfloat16 (2)");
-}
-
-// f(rows) with the cache's rows as the type they are stored in.
-template <class F>
-void typed(KVType type, void* cache, const F& f) {
-  switch (type) {
-    case KVType::kF32: f(static_cast<float*>(cache)); return;
-    case KVType::kF16: f(static_cast<Half*>(cache)); return;
-    case KVType::kBF16: f(static_cast<BHalf*>(cache)); return;
-  }
-  value_bytes(type);  // throws
-}
+using kv::BHalf;
+using kv::Half;
+using kv::load8;
+using kv::store_values;
+using kv::typed;
+using kv::value_bytes;
 
 // one(item, thread) for every item: on the caller alone when the work is small or there is one item (waking
 // the pool costs more).
@@ -517,8 +479,8 @@ void gqa_attention(const GQAShape& sh, const float* q, const float* k, const flo
   attend_cache(layout, *rt.pool, units.data(), n * g, per, dh, dv, sh.scale, cache);
 }
 
-void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const float* sinks, const float* cache,
-                    size_t cache_values, const int64_t* key_offsets, const int32_t* starts, float* out) {
+void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const float* sinks, const void* cache,
+                    KVType type, size_t cache_values, const int64_t* key_offsets, const int32_t* starts, float* out) {
   if (n_head <= 0 || d <= 0 || d % 8)
     throw std::invalid_argument("dsv4 attention: " + std::to_string(n_head) + " heads of " + std::to_string(d) +
                                 " dims (heads positive, dims a positive multiple of 8)");
@@ -536,7 +498,7 @@ void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const
       throw std::invalid_argument("dsv4 attention: key " + std::to_string(i) + " at value offset " +
                                   std::to_string(key_offsets[i]) + " runs past the cache's " +
                                   std::to_string(cache_values) + " values");
-    ptrs[i] = cache + key_offsets[i];
+    ptrs[i] = static_cast<const char*>(cache) + key_offsets[i] * value_bytes(type);
   }
   std::unique_lock<std::mutex> lock;
   Runtime& rt = acquire_runtime(lock);
@@ -547,7 +509,10 @@ void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const
     units[t] = {ptrs.data() + starts[t], starts[t + 1] - starts[t], 0, 0, q + h0 * d, static_cast<size_t>(d),
                 out + h0 * d, static_cast<size_t>(d), sinks};
   }
-  attend_units<float>(*rt.pool, units.data(), n, n_head, d, d, scale);
+  typed(type, const_cast<void*>(cache), [&](auto* values) {
+    attend_units<std::remove_const_t<std::remove_pointer_t<decltype(values)>>>(*rt.pool, units.data(), n, n_head, d, d,
+                                                                                 scale);
+  });
 }
 
 }  // namespace pocketmoe

@@ -75,10 +75,11 @@ void head_norms(float* x, int n, int heads, int d, float eps) {
 
 }  // namespace
 
-void dsv4_attention_sublayer(const DSV4Attention& a, const float* x, int n, float* cache, int width,
+void dsv4_attention_sublayer(const DSV4Attention& a, const float* x, int n, void* cache_values, int width,
                              const DSV4Step& st, float* out) {
   if (n <= 0) return;
   check(a, width, st, n);
+  const kv::Rows cache{cache_values, st.kv.type, width};
   const int h = a.n_head, d = a.head_dim, rot = a.n_rot, ql = a.wq_a->rows, g = a.o_groups;
   const DSV4Compressor* comps[2] = {a.comp, a.idx ? &a.idx->comp : nullptr};
   const int c0 = a.comp ? a.comp->wkv->rows : 0, c1 = a.idx ? a.idx->comp.wkv->rows : 0;
@@ -113,14 +114,11 @@ void dsv4_attention_sublayer(const DSV4Attention& a, const float* x, int n, floa
   rope_tail(q, n, static_cast<size_t>(h) * d, h, d, rot, st.positions, st.cos2, st.sin2, false);
   rms_norm(kv, a.kv_norm, n, d, a.eps, kv);
   rope_tail(kv, n, d, 1, d, rot, st.positions, st.cos2, st.sin2, false);
-  for (int t = 0; t < n; ++t)
-    std::copy(kv + static_cast<size_t>(t) * d, kv + static_cast<size_t>(t + 1) * d,
-              cache + static_cast<size_t>(st.kv.write_rows[t]) * width + a.kv);
-  if (a.comp)
-    dsv4::compressor_states(*a.comp, states, states + nn * c0, n, st.positions, st.kv.write_rows, cache, width);
+  for (int t = 0; t < n; ++t) cache.write(st.kv.write_rows[t], a.kv, kv + static_cast<size_t>(t) * d, d);
+  if (a.comp) dsv4::compressor_states(*a.comp, states, states + nn * c0, n, st.positions, st.kv.write_rows, cache);
   if (a.idx) {
     dsv4::compressor_states(a.idx->comp, states + nn * 2 * c0, states + nn * (2 * c0 + c1), n, st.positions,
-                            st.kv.write_rows, cache, width);
+                            st.kv.write_rows, cache);
     const int ihd = a.idx->head_dim;
     rope_tail(iq, n, iq_w, ih, ihd, rot, st.positions, st.cos2, st.sin2, false);
     for (size_t i = 0; i < nn * ih; ++i) iw[i] = iw[i] * a.idx->w_scale;
@@ -145,10 +143,10 @@ void dsv4_attention_sublayer(const DSV4Attention& a, const float* x, int n, floa
         fail("sequence " + std::to_string(s) + "'s page " + std::to_string(pg) + " is outside the cache");
     }
     for (const DSV4Compressor* k : comps)
-      if (k) dsv4::compress_blocks(*k, st.kv, s, start, end, cache, width, rot, st.cos2, st.sin2);
+      if (k) dsv4::compress_blocks(*k, st.kv, s, start, end, cache, rot, st.cos2, st.sin2);
     if (a.idx)
       dsv4::indexer_keep(*a.idx, iq + static_cast<size_t>(t0) * iq_w, iw + static_cast<size_t>(t0) * ih, t1 - t0,
-                         start, end, st.kv, s, cache, width, kept, count);
+                         start, end, st.kv, s, cache, kept, count);
     for (int t = t0; t < t1; ++t) {
       const int p = st.positions[t];
       for (int k = std::max(0, p - a.window + 1); k <= p; ++k)
@@ -167,8 +165,8 @@ void dsv4_attention_sublayer(const DSV4Attention& a, const float* x, int n, floa
     t0 = t1;
   }
   float* o = grow(o_, nn * h * d);
-  dsv4_attention(q, n, h, d, a.scale, a.sinks, cache, static_cast<size_t>(st.kv.cache_rows) * width, offsets.data(),
-                 starts.data(), o);
+  dsv4_attention(q, n, h, d, a.scale, a.sinks, cache.data, cache.type, static_cast<size_t>(st.kv.cache_rows) * width,
+                 offsets.data(), starts.data(), o);
   rope_tail(o, n, static_cast<size_t>(h) * d, h, d, rot, st.positions, st.cos2, st.sin2, true);
   // Grouped output: o [T, G, cols] -> [G, T, cols] -> wo_a per group [G, T, r] -> [T, G * r] -> wo_b.
   const int cols = h * d / g, r = a.wo_a->rows;

@@ -95,19 +95,20 @@ void rope_tail(float* x, int n, size_t stride, int heads, int d, int rot, const 
 }
 
 void compressor_states(const DSV4Compressor& k, const float* kv, const float* score, int n, const int32_t* positions,
-                       const int32_t* write_rows, float* cache, int width) {
+                       const int32_t* write_rows, const kv::Rows& cache) {
   const int c = k.wkv->rows;
+  static thread_local std::vector<float> sum_;
+  float* sum = grow(sum_, c);
   for (int t = 0; t < n; ++t) {
-    float* row = cache + static_cast<size_t>(write_rows[t]) * width;
-    const float* kt = kv + static_cast<size_t>(t) * c;
     const float* st = score + static_cast<size_t>(t) * c;
     const float* ape = k.ape + static_cast<size_t>(positions[t] % k.ratio) * c;
-    std::copy(kt, kt + c, row + k.kv);
-    for (int i = 0; i < c; ++i) row[k.score + i] = st[i] + ape[i];
+    for (int i = 0; i < c; ++i) sum[i] = st[i] + ape[i];
+    cache.write(write_rows[t], k.kv, kv + static_cast<size_t>(t) * c, c);
+    cache.write(write_rows[t], k.score, sum, c);
   }
 }
 
-void compress_blocks(const DSV4Compressor& k, const KVLayout& kv, int s, int start, int end, float* cache, int width,
+void compress_blocks(const DSV4Compressor& k, const KVLayout& kv, int s, int start, int end, const kv::Rows& cache,
                      int rot, const float* cos2, const float* sin2) {
   const int r = k.ratio, d = k.dim;
   const bool overlap = r == 4;
@@ -115,8 +116,8 @@ void compress_blocks(const DSV4Compressor& k, const KVLayout& kv, int s, int sta
   static thread_local std::vector<float> kv_, sc_, pooled_;
   float* kvb = grow(kv_, static_cast<size_t>(m) * d);
   float* scb = grow(sc_, static_cast<size_t>(m) * d);
-  float* pooled = grow(pooled_, static_cast<size_t>(3) * d);
-  float *mx = pooled + d, *sum = pooled + 2 * d;
+  float* pooled = grow(pooled_, static_cast<size_t>(4) * d);
+  float *mx = pooled + d, *sum = pooled + 2 * d, *entry = pooled + 3 * d;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int b = start / r; b < end / r; ++b) {
     // the block's m rows of d channels: with overlap the previous block's first d (none before block 0: kv 0,
@@ -131,10 +132,10 @@ void compress_blocks(const DSV4Compressor& k, const KVLayout& kv, int s, int sta
         std::fill(sr, sr + d, neg_inf);
         continue;
       }
-      const float* row = cache + static_cast<size_t>(cache_row(kv, s, p)) * width;
+      const int64_t row = cache_row(kv, s, p);
       const int off = prev || !overlap ? 0 : d;
-      std::copy(row + k.kv + off, row + k.kv + off + d, kr);
-      std::copy(row + k.score + off, row + k.score + off + d, sr);
+      cache.read(row, k.kv + off, d, kr);
+      cache.read(row, k.score + off, d, sr);
     }
     std::fill(mx, mx + d, neg_inf);
     for (int i = 0; i < m; ++i)
@@ -153,23 +154,28 @@ void compress_blocks(const DSV4Compressor& k, const KVLayout& kv, int s, int sta
         const float v = kvb[static_cast<size_t>(i) * d + j] * pr;
         pooled[j] = pooled[j] + v;
       }
-    float* entry = cache + static_cast<size_t>(cache_row(kv, s, b * r + r - 1)) * width + k.entry;
     rms_norm(pooled, k.norm, 1, d, k.eps, entry);
     const int32_t first = b * r;
     rope_tail(entry, 1, 0, 1, d, rot, &first, cos2, sin2, false);
+    cache.write(cache_row(kv, s, b * r + r - 1), k.entry, entry, d);
   }
 }
 
 void indexer_keep(const DSV4Indexer& idx, const float* q, const float* w, int t, int start, int end,
-                  const KVLayout& kv, int s, const float* cache, int width, std::vector<int32_t>& kept,
+                  const KVLayout& kv, int s, const kv::Rows& cache, std::vector<int32_t>& kept,
                   std::vector<int32_t>& count) {
   const int r = idx.comp.ratio, n_ent = end / r, h = idx.n_head, hd = idx.head_dim;
   count.assign(std::max(t, 0), 0);
   if (n_ent == 0 || t <= 0) return;
   kept.resize(static_cast<size_t>(t) * idx.top_k);
+  // The entries as floats: the cache's own rows, or converted once for all the queries.
+  static thread_local std::vector<float> converted_;
+  float* converted = cache.type == KVType::kF32 ? nullptr : grow(converted_, static_cast<size_t>(n_ent) * hd);
   std::vector<const float*> keys(n_ent);
-  for (int b = 0; b < n_ent; ++b)
-    keys[b] = cache + static_cast<size_t>(cache_row(kv, s, b * r + r - 1)) * width + idx.comp.entry;
+  for (int b = 0; b < n_ent; ++b) {
+    float* scratch = converted != nullptr ? converted + static_cast<size_t>(b) * hd : nullptr;
+    keys[b] = cache.floats(cache_row(kv, s, b * r + r - 1), idx.comp.entry, hd, scratch);
+  }
   const int k = std::min(idx.top_k, n_ent);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const auto one = [&](int i) {

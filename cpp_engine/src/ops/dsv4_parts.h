@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "pocketmoe/dsv4.h"
+#include "kv_values.h"
 
 namespace pocketmoe {
 namespace dsv4 {
@@ -28,18 +29,18 @@ void rope_tail(float* x, int n, size_t stride, int heads, int d, int rot, const 
 
 // Each token's compressor state into its cache row: kv, and score + ape[pos % r]; kv, score [T, c] (wkv x, wgate x).
 void compressor_states(const DSV4Compressor& k, const float* kv, const float* score, int n, const int32_t* positions,
-                       const int32_t* write_rows, float* cache, int width);
+                       const int32_t* write_rows, const kv::Rows& cache);
 
 // The entries of the blocks that positions start..end-1 of sequence s complete, each in its last token's row.
 // cos2 / sin2: the compressed rope tables [., rot] by position.
-void compress_blocks(const DSV4Compressor& k, const KVLayout& kv, int s, int start, int end, float* cache, int width,
+void compress_blocks(const DSV4Compressor& k, const KVLayout& kv, int s, int start, int end, const kv::Rows& cache,
                      int rot, const float* cos2, const float* sin2);
 
 // The entries each of the t queries of sequence s at positions start.. keeps of its n_ent = end / r: its top_k
 // visible ones by sum_h w_h relu(q_h . k_s), in ascending order, query i's kept[i * top_k ..] (count[i] of them).
 // q [t, h * hd] (roped), w [t, h].
 void indexer_keep(const DSV4Indexer& idx, const float* q, const float* w, int t, int start, int end,
-                  const KVLayout& kv, int s, const float* cache, int width, std::vector<int32_t>& kept,
+                  const KVLayout& kv, int s, const kv::Rows& cache, std::vector<int32_t>& kept,
                   std::vector<int32_t>& count);
 
 }  // namespace dsv4
