@@ -177,6 +177,7 @@ struct TQ2_0 : Ternary<64> {
 // Group G < 5 is digit G of qs[0..31]; groups 5 and 6 are digits 0, 1 and 2, 3 of qs[32..47] (16
 // weights each); group 7 is digit 4 of qs[32..47], then digit n of qh[j] as weight 240 + 4n + j.
 struct TQ1_0 : Ternary<52> {
+  static constexpr int kGemvRows = PM_AVX512 ? 2 : 1;   // driver.h; GEMV 112.5 -> 102 us on Zen 4 (TQ2_0 slower)
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t* b, const Head&) {
     if constexpr (G < 5) {
