@@ -27,7 +27,8 @@ def native_extension():
         sources,
         include_dirs=["cpp_engine/include"],
         depends=sorted(glob.glob("cpp_engine/src/*.h") + glob.glob("cpp_engine/src/*.inc")
-                       + glob.glob("cpp_engine/src/ops/*.h") + glob.glob("cpp_engine/include/pocketmoe/*.h")),
+                       + glob.glob("cpp_engine/src/ops/*.h") + glob.glob("cpp_engine/include/pocketmoe/*.h")
+                       + glob.glob("cpp_engine/python/*.h")),
         cxx_std=17,
         extra_compile_args=["-O3", "-mavx2", "-mfma", "-mf16c", "-mbmi2", "-fno-math-errno", "-pthread"],
         extra_link_args=["-pthread"],

@@ -220,10 +220,12 @@ def test_attention_refuses_a_cache_it_cannot_read() -> None:
 def test_attention_over_tens_of_thousands_of_keys() -> None:
     """One query of 16 heads over 33,000 keys (516 chunks of 64): the heads' partials (16 x 516 x 514 floats) pass the
     cap a call holds, so the heads go in blocks; against float64 softmax attention with each head's sink, and the
-    second query of the call the first one's keys in reverse. The keys repeat 97 cache rows (K = V, 512 values)."""
+    second query of the call the first one's keys in reverse. The keys repeat 97 cache rows (K = V, 512 values),
+    read-only (the op only reads them)."""
     rng = np.random.default_rng(0)
     h, d, n_keys, scale = 16, 512, 33_000, 0.05
     cache = rng.standard_normal((97, d)).astype(np.float32)
+    cache.setflags(write=False)
     rows = rng.integers(0, 97, n_keys)
     offsets = np.concatenate([rows, rows[::-1]]).astype(np.int64) * d
     starts = np.array([0, n_keys, 2 * n_keys], dtype=np.int32)

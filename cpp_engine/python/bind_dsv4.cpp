@@ -19,7 +19,7 @@ py::array_t<float> dsv4_attend_py(const py::array& q, const py::array& cache, co
                                   const py::array& starts, const py::array& sinks, float scale) {
   auto qa = checked<float>(q, "q", 3);
   const py::ssize_t t = qa.shape(0), h = qa.shape(1), d = qa.shape(2);
-  const KVType type = kv_type_of(cache, -1, -1);
+  const KVType type = kv_type_of(cache, -1, -1, /*written=*/false);
   auto ko = checked<int64_t>(key_offsets, "key_offsets", 1);
   auto st = checked<int32_t>(starts, "starts", 1);
   const float* sp = vector_of(sinks, "sinks", h);

@@ -37,8 +37,9 @@ py::array_t<T> checked(const py::array& a, const char* name, int ndim) {
 }
 
 // A KV cache array: float32, float16, or uint16 holding bfloat16 bits (numpy has no bfloat16), C-contiguous
-// and writeable with `ndim` dimensions (any with ndim < 0), the last of w values (any with w < 0).
-inline KVType kv_type_of(const py::array& cache, int ndim, int w) {
+// (and writeable unless the op only reads it) with `ndim` dimensions (any with ndim < 0), the last of w values (any
+// with w < 0).
+inline KVType kv_type_of(const py::array& cache, int ndim, int w, bool written = true) {
   KVType type;
   if (cache.dtype().is(py::dtype::of<float>())) {
     type = KVType::kF32;
@@ -51,7 +52,7 @@ inline KVType kv_type_of(const py::array& cache, int ndim, int w) {
                           std::string(py::str(cache.dtype())));
   }
   if (!(cache.flags() & py::array::c_style)) throw py::value_error("cache must be C-contiguous");
-  if (!cache.writeable()) throw py::value_error("cache must be writeable");
+  if (written && !cache.writeable()) throw py::value_error("cache must be writeable");
   if (ndim >= 0 && cache.ndim() != ndim)
     throw py::value_error("cache must have " + std::to_string(ndim) + " dimensions, got " +
                           std::to_string(cache.ndim()));

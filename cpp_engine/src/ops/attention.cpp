@@ -509,7 +509,7 @@ void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const
     units[t] = {ptrs.data() + starts[t], starts[t + 1] - starts[t], 0, 0, q + h0 * d, static_cast<size_t>(d),
                 out + h0 * d, static_cast<size_t>(d), sinks};
   }
-  typed(type, const_cast<void*>(cache), [&](auto* values) {
+  typed(type, cache, [&](auto* values) {
     attend_units<std::remove_const_t<std::remove_pointer_t<decltype(values)>>>(*rt.pool, units.data(), n, n_head, d, d,
                                                                                  scale);
   });

@@ -70,13 +70,22 @@ inline size_t value_bytes(KVType type) {
                               " is not float32 (0), float16 (1) or bfloat16 (2)");
 }
 
-// f(values) with the cache's values as the type they are stored in.
+// f(values) with the cache's values as the type they are stored in (const where the cache is).
 template <class F>
 void typed(KVType type, void* cache, const F& f) {
   switch (type) {
     case KVType::kF32: f(static_cast<float*>(cache)); return;
     case KVType::kF16: f(static_cast<Half*>(cache)); return;
     case KVType::kBF16: f(static_cast<BHalf*>(cache)); return;
+  }
+  value_bytes(type);  // throws
+}
+template <class F>
+void typed(KVType type, const void* cache, const F& f) {
+  switch (type) {
+    case KVType::kF32: f(static_cast<const float*>(cache)); return;
+    case KVType::kF16: f(static_cast<const Half*>(cache)); return;
+    case KVType::kBF16: f(static_cast<const BHalf*>(cache)); return;
   }
   value_bytes(type);  // throws
 }
