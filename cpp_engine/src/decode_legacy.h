@@ -209,12 +209,7 @@ struct F16 {
 
 struct BF16 {
   static PM_INLINE __m256 load8(const uint8_t* row, int i) { return load8_bf16(row + 2 * i); }
-  static PM_INLINE float load1(const uint8_t* row, int i) {
-    const uint32_t bits = uint32_t{load_u16(row + 2 * i)} << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
+  static PM_INLINE float load1(const uint8_t* row, int i) { return bf16_value(load_u16(row + 2 * i)); }
 };
 
 }  // namespace pocketmoe::PM_ISA::decode

@@ -56,7 +56,16 @@ PM_INLINE uint32_t load_u32(const uint8_t* p) {
   return v;
 }
 
-PM_INLINE float fp16(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
+// One IEEE half / bfloat16 value, given as its bits, as a float.
+PM_INLINE float f16_value(uint16_t bits) { return _cvtsh_ss(bits); }
+PM_INLINE float bf16_value(uint16_t bits) {
+  const uint32_t wide = uint32_t{bits} << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+PM_INLINE float fp16(const uint8_t* p) { return f16_value(load_u16(p)); }
 
 // 8 IEEE halves / 8 bfloat16 values at p as floats (a bfloat16 is the high 16 bits of its float).
 PM_INLINE __m256 load8_f16(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p))); }

@@ -18,7 +18,7 @@ import torch
 from pocketmoe.layers.experts import NativeExperts, native_reads
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear
 from pocketmoe.layers.moe import GATING_SIGMOID, GATING_SOFTMAX, WEIGHT_SUM_MIN
-from pocketmoe.ops.cpu_v4 import NATIVE_KV, NativeDeepSeek4Ops
+from pocketmoe.ops.cpu_v4 import NativeDeepSeek4Ops, native_cache
 from pocketmoe.ops.reference import ReferenceOps
 from pocketmoe.specs.base import Role
 
@@ -65,7 +65,7 @@ class NativeOps(NativeDeepSeek4Ops):
         self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         self._stream: tuple[torch.Tensor | None, np.ndarray | None] = (None, None)
         self._step: tuple[object, tuple[object, ...]] = (None, ())
-        self._cache_layers: tuple[torch.Tensor | None, list[np.ndarray], np.ndarray | None] = (None, [], None)
+        self._cache_layers: tuple[torch.Tensor | None, list[np.ndarray] | None, np.ndarray | None] = (None, None, None)
         # Recorded steps (see run): per model, a StepProgram, or False where its step cannot be replayed.
         self._programs: dict[int, tuple[object, object]] = {}
         self._recording: list[tuple[Any, ...]] | None = None
@@ -298,12 +298,13 @@ class NativeOps(NativeDeepSeek4Ops):
         """The attention's arrays of this step, made at its first call (None: the cache is not native)."""
         if self._step[0] is not ctx:
             data = ctx.cache.data
-            if data is None or data.dtype not in NATIVE_KV or not data.is_cpu:
+            if data is not None and self._cache_layers[0] is not data:
+                whole = native_cache(data)
+                layers = None if whole is None else [whole[i] for i in range(data.shape[0])]
+                self._cache_layers = (data, layers, whole)
+            if data is None or self._cache_layers[1] is None:
                 args = None
             else:
-                if self._cache_layers[0] is not data:
-                    whole = NATIVE_KV[data.dtype](data)
-                    self._cache_layers = (data, [whole[i] for i in range(data.shape[0])], whole)
                 args = (ctx.cos2.numpy(), ctx.sin2.numpy(), self._cache_layers[1], ctx.seq, ctx.keys, ctx.write_rows,
                         ctx.page_table, ctx.cache.page)
             self._step = (ctx, args)

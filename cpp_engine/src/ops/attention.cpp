@@ -492,13 +492,14 @@ void dsv4_attention(const float* q, int n, int n_head, int d, float scale, const
       throw std::invalid_argument("dsv4 attention: query " + std::to_string(t) + " has " + std::to_string(keys) +
                                   " keys; every query sees at least its own row");
   }
+  const size_t bytes = value_bytes(type);
   std::vector<const void*> ptrs(starts[n]);
   for (int i = 0; i < starts[n]; ++i) {
     if (key_offsets[i] < 0 || static_cast<size_t>(key_offsets[i]) + d > cache_values)
       throw std::invalid_argument("dsv4 attention: key " + std::to_string(i) + " at value offset " +
                                   std::to_string(key_offsets[i]) + " runs past the cache's " +
                                   std::to_string(cache_values) + " values");
-    ptrs[i] = static_cast<const char*>(cache) + key_offsets[i] * value_bytes(type);
+    ptrs[i] = static_cast<const char*>(cache) + key_offsets[i] * bytes;
   }
   std::unique_lock<std::mutex> lock;
   Runtime& rt = acquire_runtime(lock);

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "pocketmoe/ops.h"
 #include "../simd.h"
@@ -26,13 +27,8 @@ PM_INLINE __m256 load8(const BHalf* p) { return simd::load8_bf16(p); }
 
 // One value as a float.
 inline float value(float v) { return v; }
-inline float value(Half v) { return _cvtsh_ss(v.bits); }
-inline float value(BHalf v) {
-  const uint32_t u = uint32_t{v.bits} << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float value(Half v) { return simd::f16_value(v.bits); }
+inline float value(BHalf v) { return simd::bf16_value(v.bits); }
 
 inline Half half_of(float v) { return {_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline BHalf bhalf_of(float v) {
@@ -70,22 +66,15 @@ inline size_t value_bytes(KVType type) {
                               " is not float32 (0), float16 (1) or bfloat16 (2)");
 }
 
-// f(values) with the cache's values as the type they are stored in (const where the cache is).
-template <class F>
-void typed(KVType type, void* cache, const F& f) {
+// f(values) with the cache's values as the type they are stored in, const where the cache is (Void is void or
+// const void).
+template <class Void, class F>
+void typed(KVType type, Void* cache, const F& f) {
+  constexpr bool kConst = std::is_const_v<Void>;
   switch (type) {
-    case KVType::kF32: f(static_cast<float*>(cache)); return;
-    case KVType::kF16: f(static_cast<Half*>(cache)); return;
-    case KVType::kBF16: f(static_cast<BHalf*>(cache)); return;
-  }
-  value_bytes(type);  // throws
-}
-template <class F>
-void typed(KVType type, const void* cache, const F& f) {
-  switch (type) {
-    case KVType::kF32: f(static_cast<const float*>(cache)); return;
-    case KVType::kF16: f(static_cast<const Half*>(cache)); return;
-    case KVType::kBF16: f(static_cast<const BHalf*>(cache)); return;
+    case KVType::kF32: f(static_cast<std::conditional_t<kConst, const float, float>*>(cache)); return;
+    case KVType::kF16: f(static_cast<std::conditional_t<kConst, const Half, Half>*>(cache)); return;
+    case KVType::kBF16: f(static_cast<std::conditional_t<kConst, const BHalf, BHalf>*>(cache)); return;
   }
   value_bytes(type);  // throws
 }
