@@ -32,3 +32,14 @@ inline simde__m512i pm_shuffle_i64x2(simde__m512i a, simde__m512i b, int imm) {
 #define _mm512_shuffle_i64x2(a, b, imm) pm_shuffle_i64x2(a, b, imm)
 // ... nor vpmovzxbw on 512 bits: sign extension with the high bytes masked off is the same.
 #define _mm512_cvtepu8_epi16(v) simde_mm512_and_si512(simde_mm512_cvtepi8_epi16(v), simde_mm512_set1_epi16(0xFF))
+// ... nor the masked byte subtraction on 256 bits: lane i is a - b where bit i of k is set, else src's.
+inline __m256i pm_mask_sub_epi8(__m256i src, uint32_t k, __m256i a, __m256i b) {
+  alignas(32) uint8_t r[32], x[32], y[32];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(r), src);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(x), a);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(y), b);
+  for (int i = 0; i < 32; ++i)
+    if ((k >> i) & 1) r[i] = static_cast<uint8_t>(x[i] - y[i]);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(r));
+}
+#define _mm256_mask_sub_epi8(src, k, a, b) pm_mask_sub_epi8(src, k, a, b)
