@@ -155,9 +155,19 @@ PM_INLINE float hmax(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// [a, b, c, d]: the four table entries of an IQ group. AVX-512 builds take them as four broadcast loads, three
+// masked, instead of two vmovq, two vpinsrq and a vinserti128 (Zen 4 bench_kernels GEMV 1536 x 3072, one thread:
+// IQ2_XXS 250 -> 242 us, IQ2_S 274 -> 268; IQ2_XS, IQ1_S and IQ1_M within 1%).
 PM_INLINE __m256i set_u64x4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+#if PM_AVX512 && !defined(PM_AVX512_EMULATED)
+  __m256i v = _mm256_set1_epi64x(static_cast<int64_t>(a));
+  v = _mm256_mask_set1_epi64(v, 0x2, static_cast<int64_t>(b));
+  v = _mm256_mask_set1_epi64(v, 0x4, static_cast<int64_t>(c));
+  return _mm256_mask_set1_epi64(v, 0x8, static_cast<int64_t>(d));
+#else
   return _mm256_set_epi64x(static_cast<int64_t>(d), static_cast<int64_t>(c), static_cast<int64_t>(b),
                            static_cast<int64_t>(a));
+#endif
 }
 
 #if PM_VNNI
