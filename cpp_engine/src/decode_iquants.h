@@ -23,8 +23,8 @@ PM_INLINE KHead odd_scale_head(float d, __m128i s) {
 // off the IQ2_XXS and IQ2_XS GEMV on Zen 3), then applied per group by signed_plus<G> in one of two forms:
 // broadcast by halves and spread over the group's 32 weights with byte ops (AVX2), or (AVX-512) as the
 // group's 32-bit mask of a masked subtraction, three instructions fewer a group (Zen 4 bench_kernels GEMV
-// 1536 x 3072, one thread: IQ2_XXS 269 -> 249 us, IQ2_XS 266 -> 249, IQ2_S 306 -> 274, IQ3_XXS 364 -> 339;
-// IQ3_S, whose groups form their grid indices in scalar registers, slower: 464 -> 490, and keeps the bytes).
+// 1536 x 3072, one thread: IQ2_XXS 269 -> 249 us, IQ2_XS 266 -> 249, IQ2_S 306 -> 274, IQ3_XXS 364 -> 339,
+// IQ3_S 431 -> 395).
 struct SignHead : KHead {
   __m256i signs[2];   // sign bytes of groups 0-3, then of groups 4-7, in both 128-bit lanes
 };
@@ -180,55 +180,43 @@ struct IQ2S {
 // IQ3_S, 110 bytes: d, qs[64] (low 8 bits of a 9-bit grid index per 4 weights), qh[8] (the indices' top
 // bits, eight per group), signs[32] (a byte per 8 weights), scales[4] (a 4-bit s per group);
 // w = d * (2s+1) * grid * sign, grid bytes 1..15, stored + 16.
-// Where the grid indices are formed is a matter of the CPU: on Zen 3 (AVX2 build) the head forms all 64 with
-// a few vector ops and a group is its table loads (GEMV 381-412 -> 358 us); on Zen 4 (AVX-512 build; its AVX2
-// build too) a group forming its own eight in scalar registers is faster (bench_kernels GEMV 1536x3072, one
-// thread: 529 -> 464 us; AVX2 build 540 -> 483).
+// The head forms all 64 grid indices with a few vector ops; a group reads its eight as two u64 and takes them
+// apart in scalar registers (Zen 4 bench_kernels GEMV 1536 x 3072, one thread: 465 -> 431 us, and 395 with the
+// AVX-512 sign masks; its AVX2 build 540 -> 438). Read one u16 at a time, they cost an extract or a
+// store-forwarded load each, slower than forming them from the block's bytes in the group (464 us).
 struct IQ3S {
   static constexpr int kBytes = 110;
   static constexpr bool kCanonical = false;
   static constexpr bool kSigned = false, kOffset = true, kMin = false;
-  static constexpr bool kHeadIndices = !PM_AVX512;
-  struct IndexHead : SignHead {
+  struct Head : FastSignHead {
     alignas(32) uint16_t idx[64];
   };
-  using Head = std::conditional_t<kHeadIndices, IndexHead, SignHead>;
-  // head and quants are templates on the head's type, so that h.idx is looked up only where it exists.
-  template <class H = Head>
-  static PM_INLINE H head(const uint8_t* b) {
-    H h;
-    if constexpr (kHeadIndices) {
-      // Index k: qs[k] | bit k % 8 of qh[k / 8] << 8, sixteen at a time (each qh byte over eight lanes).
-      const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
-      const __m256i qh = _mm256_broadcastsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 66)));
-      static_for<4>([&](auto jc) {
-        constexpr int J = decltype(jc)::value;
-        constexpr char lo = 2 * J, hi = 2 * J + 1;
-        const __m256i byte = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(lo, -1, lo, -1, lo, -1, lo, -1, lo, -1, lo, -1,
-                                                                      lo, -1, lo, -1, hi, -1, hi, -1, hi, -1, hi, -1,
-                                                                      hi, -1, hi, -1, hi, -1, hi, -1));
-        const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(byte, bit), bit);
-        const __m256i top = _mm256_and_si256(set, _mm256_set1_epi16(256));
-        store256(h.idx + 16 * J, _mm256_or_si256(_mm256_cvtepu8_epi16(load128(b + 2 + 16 * J)), top));
-      });
-    }
+  static PM_INLINE Head head(const uint8_t* b) {
+    Head h;
+    // Index k: qs[k] | bit k % 8 of qh[k / 8] << 8, sixteen at a time (each qh byte over eight lanes).
+    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i qh = _mm256_broadcastsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 66)));
+    static_for<4>([&](auto jc) {
+      constexpr int J = decltype(jc)::value;
+      constexpr char lo = 2 * J, hi = 2 * J + 1;
+      const __m256i byte = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(lo, -1, lo, -1, lo, -1, lo, -1, lo, -1, lo, -1,
+                                                                    lo, -1, lo, -1, hi, -1, hi, -1, hi, -1, hi, -1,
+                                                                    hi, -1, hi, -1, hi, -1, hi, -1));
+      const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(byte, bit), bit);
+      const __m256i top = _mm256_and_si256(set, _mm256_set1_epi16(256));
+      store256(h.idx + 16 * J, _mm256_or_si256(_mm256_cvtepu8_epi16(load128(b + 2 + 16 * J)), top));
+    });
     const __m128i x = _mm_cvtsi32_si128(static_cast<int>(load_u32(b + 106)));   // group g: nibble g % 2 of byte g / 2
     const __m128i s = _mm_cvtepu8_epi16(split_nibbles(x));
-    static_cast<SignHead&>(h) = with_signs(odd_scale_head<4>(fp16(b), s), load256(b + 74));
+    static_cast<FastSignHead&>(h) = with_signs<FastSignHead>(odd_scale_head<4>(fp16(b), s), load256(b + 74));
     return h;
   }
-  template <int G, class H>
-  static PM_INLINE __m256i quants(const uint8_t* b, const H& h) {
+  template <int G>
+  static PM_INLINE __m256i quants(const uint8_t*, const Head& h) {
     const uint32_t* t = tables::kIq3s;
-    const uint8_t* q = b + 2 + 8 * G;
-    const uint32_t qh = b[66 + G];
-    const auto entry = [&](int k) {
-      if constexpr (kHeadIndices) {
-        return static_cast<int>(t[h.idx[8 * G + k]]);
-      } else {
-        return static_cast<int>(t[q[k] | ((qh << (8 - k)) & 256)]);
-      }
-    };
+    uint64_t x[2];
+    std::memcpy(x, h.idx + 8 * G, sizeof x);
+    const auto entry = [&](int k) { return static_cast<int>(t[(x[k / 4] >> (16 * (k % 4))) & 0xFFFF]); };
     const __m256i g = _mm256_setr_epi32(entry(0), entry(1), entry(2), entry(3), entry(4), entry(5), entry(6), entry(7));
     return signed_plus<G, 16>(g, h);
   }
@@ -266,7 +254,8 @@ struct IQ3XXS {
 // IQ1_S, 50 bytes: d, qs[32], qh[8] (u16 per 32 weights: four 3-bit high grid-index bits, a 3-bit scale s,
 // the delta sign in bit 15); per 8 weights an 11-bit index into the IQ1 grid. w = d * (2s+1) * (grid +-
 // 1/8), stored as 8*grid + delta + 16 with d/8 as the block scale (IQ1_M's table). The head forms the 32
-// table indices (with the delta bit) in two vector passes, so a group is four loads.
+// table indices (with the delta bit) in two vector passes; a group reads its four as one u64 and takes them
+// apart in scalar registers (as IQ3_S: Zen 4 GEMV 280 -> 240 us, AVX2 build 315 -> 286).
 struct IQ1S {
   static constexpr int kBytes = 50;
   static constexpr bool kCanonical = false;
@@ -304,8 +293,9 @@ struct IQ1S {
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t*, const Head& h) {
     const uint64_t* t = tables::kIq1m;
-    const uint16_t* i = h.idx + 4 * G;
-    return set_u64x4(t[i[0]], t[i[1]], t[i[2]], t[i[3]]);
+    uint64_t x;
+    std::memcpy(&x, h.idx + 4 * G, sizeof x);
+    return set_u64x4(t[x & 0xFFFF], t[(x >> 16) & 0xFFFF], t[(x >> 32) & 0xFFFF], t[x >> 48]);
   }
   template <int G>
   static PM_INLINE __m256i scales(const uint8_t*, const Head& h) {
