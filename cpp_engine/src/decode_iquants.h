@@ -33,16 +33,15 @@ struct MaskSignHead : KHead {
 };
 using FastSignHead = std::conditional_t<PM_AVX512 != 0, MaskSignHead, SignHead>;
 
-template <class Head = SignHead>
-PM_INLINE Head with_signs(const KHead& k, __m256i bytes) {
-  Head h;
+PM_INLINE FastSignHead with_signs(const KHead& k, __m256i bytes) {
+  FastSignHead h;
   static_cast<KHead&>(h) = k;
-  if constexpr (std::is_same_v<Head, MaskSignHead>) {
-    store256(h.masks, bytes);
-  } else {
-    h.signs[0] = _mm256_permute2x128_si256(bytes, bytes, 0x00);
-    h.signs[1] = _mm256_permute2x128_si256(bytes, bytes, 0x11);
-  }
+#if PM_AVX512
+  store256(h.masks, bytes);
+#else
+  h.signs[0] = _mm256_permute2x128_si256(bytes, bytes, 0x00);
+  h.signs[1] = _mm256_permute2x128_si256(bytes, bytes, 0x11);
+#endif
   return h;
 }
 
@@ -83,8 +82,9 @@ PM_INLINE __m256i signed_plus(__m256i g, const MaskSignHead& h) {
 PM_INLINE FastSignHead xxs_head(float d, __m256i w) {
   const auto field = [&](int k) { return _mm256_and_si256(_mm256_slli_epi32(w, k), _mm256_set1_epi32(0x7F << (8 * k))); };
   const __m256i s = _mm256_srli_epi32(w, 28);
-  return with_signs<FastSignHead>(
-      odd_scale_head<6>(d, _mm_packs_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1))), ksigns(_mm256_or_si256(_mm256_or_si256(field(0), field(1)), _mm256_or_si256(field(2), field(3)))));
+  const __m256i fields = _mm256_or_si256(_mm256_or_si256(field(0), field(1)), _mm256_or_si256(field(2), field(3)));
+  return with_signs(odd_scale_head<6>(d, _mm_packs_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1))),
+                    ksigns(fields));
 }
 
 // IQ2_XXS, 66 bytes: d, then per 32 weights two u32: four grid indices (bytes), and four 7-bit sign indices
@@ -139,7 +139,7 @@ struct IQ2XS {
     // The sign indices are the top 7 bits of the 32 u16: packed to bytes, with packus's lane order undone.
     const __m256i lo = _mm256_srli_epi16(load256(b + 2), 9), hi = _mm256_srli_epi16(load256(b + 34), 9);
     const __m256i f = _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), _MM_SHUFFLE(3, 1, 2, 0));
-    return with_signs<Head>(iq2_nibble_head(b, b + 66), ksigns(f));
+    return with_signs(iq2_nibble_head(b, b + 66), ksigns(f));
   }
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t* b, const Head& h) {
@@ -161,7 +161,7 @@ struct IQ2S {
   static constexpr bool kCanonical = false;
   static constexpr bool kSigned = false, kOffset = true, kMin = false;
   using Head = FastSignHead;
-  static PM_INLINE Head head(const uint8_t* b) { return with_signs<Head>(iq2_nibble_head(b, b + 74), load256(b + 34)); }
+  static PM_INLINE Head head(const uint8_t* b) { return with_signs(iq2_nibble_head(b, b + 74), load256(b + 34)); }
   template <int G>
   static PM_INLINE __m256i quants(const uint8_t* b, const Head& h) {
     const uint8_t* qs = b + 2 + 4 * G;
@@ -208,7 +208,7 @@ struct IQ3S {
     });
     const __m128i x = _mm_cvtsi32_si128(static_cast<int>(load_u32(b + 106)));   // group g: nibble g % 2 of byte g / 2
     const __m128i s = _mm_cvtepu8_epi16(split_nibbles(x));
-    static_cast<FastSignHead&>(h) = with_signs<FastSignHead>(odd_scale_head<4>(fp16(b), s), load256(b + 74));
+    static_cast<FastSignHead&>(h) = with_signs(odd_scale_head<4>(fp16(b), s), load256(b + 74));
     return h;
   }
   template <int G>
