@@ -350,3 +350,38 @@ def test_ffn_and_moe_sublayers(ops) -> None:
     for a, b, c in zip(*results, strict=True):
         assert torch.equal(a, b)
         close(a, c, 1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 9, 300])
+def test_moe_sublayer_quantized_shared_expert(ops, n: int) -> None:
+    """The one-call MoE sublayer runs the shared expert inside the routed experts' dispatches; on quantized
+    weights whose activation formats differ (Q8_K, Q8_0, float), a shared width unlike the routed one and more
+    tokens than one gemm work item takes, it is bitwise the same native ops one call each."""
+    nat, _ = ops
+    rng = np.random.default_rng(70 + n)
+    hidden, ffn, sffn, ne = 256, 256, 512, 8
+
+    def experts(qtype: Q, o: int, i: int) -> ExpertWeights:
+        return ExpertWeights(torch.from_numpy(random_blocks(int(qtype), (ne, o, i), rng)), int(qtype), (ne, o, i))
+
+    ew = [experts(Q.Q4_K, ffn, hidden), experts(Q.Q5_0, ffn, hidden), experts(Q.Q6_K, hidden, ffn)]
+    shared = [(Q.Q8_0, sffn, hidden), (Q.IQ4_XS, sffn, hidden), (Q.F16, hidden, sffn)]
+    blocks = [random_blocks(int(q), (o, i), rng) for q, o, i in shared]
+    router = torch.randn(ne, hidden, generator=g(71)) / hidden ** 0.5
+    cfg = RouterConfig(ne, 3, GATING_SOFTMAX, norm=False, scale=1.0)
+    norm = torch.rand(hidden, generator=g(72)) + 0.5
+    xn = torch.randn(n, hidden, generator=g(73))
+    x = torch.randn(n, hidden, generator=g(74))
+    results = []
+    for o in (nat, _op_by_op(nat)):
+        mlp = GatedMLP(*(QuantLinear(torch.from_numpy(b), int(q), (r, c), backend=o)
+                         for b, (q, r, c) in zip(blocks, shared, strict=True)), o)
+        gate = QuantLinear(router.contiguous().view(torch.uint8), 0, (ne, hidden), backend=o)
+        block = MoEBlock(Router(gate, cfg, None, o), NativeExperts(*ew), mlp)
+        xs = x.clone()
+        results.append((xs, block(xn, Residual(xs, norm, 1e-6))))
+        if o is nat:
+            assert block.native not in (None, False)  # the one native call ran
+    (xa, na), (xb, nb) = results
+    assert torch.equal(xa, xb) and torch.equal(na, nb)
+    assert torch.isfinite(na).all() and not torch.equal(xa, x)

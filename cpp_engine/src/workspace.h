@@ -73,8 +73,20 @@ uint8_t* quantize_rows(ThreadPool& pool, Buffer& buf, ActFormat format, const fl
                        bool on_caller);
 void gemm_batched(Runtime& e, const uint8_t* weight, int heads, int rows, size_t row_bytes, int ggml_type,
                   const float* x, int n_tokens, int cols, float* y);
+// A dense gated FFN on moe_forward's tokens (DeepSeek's shared experts), run inside its two pool dispatches:
+// gate and up [ffn, hidden] beside the routed experts' gate and up, down [hidden, ffn] beside their down.
+// y [T, hidden] gets bitwise what gated_ffn gives; the SwiGLU limit does not apply to it. Without gate and
+// up, h [T, ffn] is down's input, made by the caller (DeepSeek-V4's clamped SwiGLU): y = down h.
+struct Weight;
+struct SharedFFN {
+  const Weight* gate;
+  const Weight* up;
+  const Weight* down;
+  float* y;
+  const float* h = nullptr;
+};
 void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int32_t* ids, const float* weights,
                  int top_k, const MoEWeights& gate, const MoEWeights& up, const MoEWeights& down, int n_experts,
-                 int ffn, float* y, float swiglu_limit = 0.0f);
+                 int ffn, float* y, float swiglu_limit = 0.0f, const SharedFFN* shared = nullptr);
 
 }  // namespace pocketmoe

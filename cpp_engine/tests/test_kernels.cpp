@@ -17,6 +17,7 @@
 #include "pocketmoe/act_quant.h"
 #include "pocketmoe/runtime.h"
 #include "pocketmoe/matmul.h"
+#include "pocketmoe/ops.h"
 #include "pocketmoe/samples.h"
 #include "pocketmoe/silu.h"
 #include "pocketmoe/thread_pool.h"
@@ -192,6 +193,60 @@ void test_moe_matches_gemm_composition() {
       }
       CHECK(worst == 0, "moe gate %d down %d T=%d: differs from the gemm composition by %.3g", c.gate_type,
             c.down_type, n_tokens, worst);
+    }
+  }
+}
+
+// A shared expert run inside moe_forward's dispatches leaves the routed sum as it was and gives bitwise
+// gated_ffn's output, or with its down's input made by the caller, the gemm of that input.
+void test_moe_shared_expert() {
+  std::mt19937 rng(8);
+  struct Case {
+    int routed_type, gate_type, up_type, down_type, hidden, ffn, sffn;
+  };
+  const Case cases[] = {{kQ4_K, kQ8_0, kIQ4_XS, kF16, 256, 256, 512}, {kQ5_0, kQ4_K, kQ4_K, kQ6_K, 512, 288, 256},
+                        {kF32, kF32, kF32, kF32, 40, 24, 48}};
+  const int n_experts = 7, top_k = 3;
+  for (const Case& c : cases) {
+    const auto gate = samples::random_weight(c.routed_type, n_experts * c.ffn, c.hidden, rng);
+    const auto up = samples::random_weight(c.routed_type, n_experts * c.ffn, c.hidden, rng);
+    const auto down = samples::random_weight(c.routed_type, n_experts * c.hidden, c.ffn, rng);
+    const MoEWeights mg{gate.data(), gate.size(), c.routed_type}, mu{up.data(), up.size(), c.routed_type};
+    const MoEWeights md{down.data(), down.size(), c.routed_type};
+    const auto sg = samples::random_weight(c.gate_type, c.sffn, c.hidden, rng);
+    const auto su = samples::random_weight(c.up_type, c.sffn, c.hidden, rng);
+    const auto sd = samples::random_weight(c.down_type, c.hidden, c.sffn, rng);
+    const auto weight = [](const std::vector<uint8_t>& w, int type, int rows, int cols) {
+      return Weight{w.data(), type, 1, rows, cols, weight_row_bytes(type_info(type), cols)};
+    };
+    const Weight wg = weight(sg, c.gate_type, c.sffn, c.hidden), wu = weight(su, c.up_type, c.sffn, c.hidden);
+    const Weight wd = weight(sd, c.down_type, c.hidden, c.sffn);
+    for (int n : {1, 9, 300}) {
+      const std::vector<float> x = samples::random_floats(static_cast<size_t>(n) * c.hidden, rng);
+      const std::vector<float> h = samples::random_floats(static_cast<size_t>(n) * c.sffn, rng);
+      std::vector<int32_t> ids(static_cast<size_t>(n) * top_k);
+      std::vector<float> wts(ids.size());
+      std::uniform_int_distribution<int> pick(0, n_experts - 1);
+      for (size_t i = 0; i < ids.size(); ++i) ids[i] = pick(rng), wts[i] = 0.25f + 0.1f * static_cast<float>(i % 5);
+      const size_t out = static_cast<size_t>(n) * c.hidden;
+      std::vector<float> alone(out), routed(out), shared(out), want(out);
+      moe_forward(x.data(), n, c.hidden, ids.data(), wts.data(), top_k, mg, mu, md, n_experts, c.ffn, alone.data());
+      for (int form = 0; form < 2; ++form) {
+        SharedFFN sh{form == 0 ? &wg : nullptr, form == 0 ? &wu : nullptr, &wd, shared.data(), h.data()};
+        {
+          std::unique_lock<std::mutex> lock;
+          moe_forward(acquire_runtime(lock), x.data(), n, c.hidden, ids.data(), wts.data(), top_k, mg, mu, md,
+                      n_experts, c.ffn, routed.data(), 0.0f, &sh);
+        }
+        if (form == 0)
+          gated_ffn(wg, wu, wd, x.data(), n, want.data());
+        else
+          gemm(sd.data(), c.hidden, wd.row_bytes, c.down_type, h.data(), n, c.sffn, want.data());
+        CHECK(std::memcmp(alone.data(), routed.data(), out * 4) == 0,
+              "moe shared %d/%d T=%d form %d: routed sum changed", c.gate_type, c.down_type, n, form);
+        CHECK(std::memcmp(want.data(), shared.data(), out * 4) == 0,
+              "moe shared %d/%d T=%d form %d: shared output differs", c.gate_type, c.down_type, n, form);
+      }
     }
   }
 }
@@ -418,6 +473,7 @@ int main() {
       {"gemm_batched_matches_gemm", test_gemm_batched_matches_gemm},
       {"gemm_multi_matches_gemm", test_gemm_multi_matches_gemm},
       {"moe_matches_gemm_composition", test_moe_matches_gemm_composition},
+      {"moe_shared_expert", test_moe_shared_expert},
       {"errors", test_errors},
 #if PM_TEST_VNNI_EMU
       {"vnni_kernels_match_avx2", test_vnni_kernels_match_avx2},

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "pocketmoe/dsv4.h"
+#include "../workspace.h"
 
 namespace pocketmoe {
 namespace {
@@ -95,18 +96,21 @@ void dsv4_moe(const DSV4MoE& m, const float* x, const int64_t* tokens, int n, fl
     linear_multi(ws, m.shared_gate ? 3 : 1, x, n, ys);
   }
   route(m, logits, tokens, n, ids_.data(), wts);
-  moe_forward(x, n, dm, ids_.data(), wts, k, m.gate_e, m.up, m.down, ne, m.ffn, y, m.limit);
-  if (m.shared_gate == nullptr) return;
   const float lim = m.shared_limit;
-  for (size_t i = 0; i < static_cast<size_t>(n) * f; ++i) {
+  for (size_t i = 0; m.shared_gate != nullptr && i < static_cast<size_t>(n) * f; ++i) {
     float a = g[i], b = u[i];
     if (lim > 0.0f) a = std::min(a, lim), b = std::min(std::max(b, -lim), lim);
     const double ad = a;
     g[i] = static_cast<float>(ad / (1.0 + std::exp(-ad))) * b;
   }
-  const Weight* wd[1] = {m.shared_down};
-  float* yd[1] = {u};
-  linear_multi(wd, 1, g, n, yd);
+  // The shared expert's down runs inside the routed experts' down dispatch, into u.
+  SharedFFN shared{nullptr, nullptr, m.shared_down, u, g};
+  {
+    std::unique_lock<std::mutex> lock;
+    moe_forward(acquire_runtime(lock), x, n, dm, ids_.data(), wts, k, m.gate_e, m.up, m.down, ne, m.ffn, y, m.limit,
+                m.shared_gate != nullptr ? &shared : nullptr);
+  }
+  if (m.shared_gate == nullptr) return;
   for (size_t i = 0; i < static_cast<size_t>(n) * dm; ++i) y[i] = y[i] + u[i];
 }
 

@@ -91,12 +91,13 @@ void moe_sublayer(const MoEParts& m, const float* xn, int n, int hidden, const R
   float* wts = grow(weights_, nk);
   route(m.route, xn, n, *m.gate_inp, m.bias, ids_.data(), wts);
   float* routed = grow(routed_, static_cast<size_t>(n) * hidden);
-  moe_forward(xn, n, hidden, ids_.data(), wts, m.route.top_k, m.gate, m.up, m.down, m.route.n_experts, m.ffn, routed);
-  const float* shared = nullptr;
-  if (m.shared_gate != nullptr) {
-    float* sh = grow(shared_, static_cast<size_t>(n) * hidden);
-    gated_ffn(*m.shared_gate, *m.shared_up, *m.shared_down, xn, n, sh);
-    shared = sh;
+  // The shared experts run inside the routed experts' two dispatches.
+  float* shared = m.shared_gate != nullptr ? grow(shared_, static_cast<size_t>(n) * hidden) : nullptr;
+  const SharedFFN sh{m.shared_gate, m.shared_up, m.shared_down, shared};
+  {
+    std::unique_lock<std::mutex> lock;
+    moe_forward(acquire_runtime(lock), xn, n, hidden, ids_.data(), wts, m.route.top_k, m.gate, m.up, m.down,
+                m.route.n_experts, m.ffn, routed, 0.0f, shared != nullptr ? &sh : nullptr);
   }
   close_residual(res, routed, shared, n, hidden);
 }
