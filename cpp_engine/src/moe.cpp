@@ -19,6 +19,9 @@ namespace {
 
 int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
+// The shared expert's tokens per kernel call, as gemm's: one call's activations stay in L2.
+constexpr int kSharedTokenChunk = 256;
+
 // Rows per work item: about 8 items per thread, a multiple of `align`, at most max(align, cap).
 int block_rows(int total_rows, int rows, int threads, int align, int cap) {
   const int want = round_up((total_rows + threads * 8 - 1) / (threads * 8), align);
@@ -192,7 +195,8 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
   for (int s = 0; s < n_pairs; ++s) hrows[s] = hbuf + harb * s;
   for (int t = 0; t < n_hrows - n_pairs; ++t) hrows[n_pairs + t] = sbuf + sarb * t;
 
-  int max_count = shared_gate_up ? n_tokens : 0;
+  const int shared_chunks = (n_tokens + kSharedTokenChunk - 1) / kSharedTokenChunk;
+  int max_count = shared_gate_up ? std::min(n_tokens, kSharedTokenChunk) : 0;
   for (int i = 0; i < rt.n_active; ++i) max_count = std::max(max_count, rt.count[rt.active[i]]);
   const int rows_all = rt.n_active * ffn + sffn;
   const int rows_a = block_rows(rows_all, ffn, threads, hblock, 256);
@@ -211,16 +215,19 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
 
   const int blocks_a = (ffn + rows_a - 1) / rows_a;
   const int routed_items = rt.n_active * blocks_a;
-  const int shared_items = shared ? (sffn + rows_s - 1) / rows_s : 0;
+  const int shared_blocks = shared ? (sffn + rows_s - 1) / rows_s : 0;
+  const int shared_items = shared_blocks * shared_chunks;  // (row block, token chunk)
   pool.parallel_for(routed_items + shared_items, [&](int item, int thread) {
     const bool sh = item >= routed_items;
     const int expert = sh ? -1 : rt.active[item / blocks_a];
     const int width = sh ? sffn : ffn, rows = sh ? rows_s : rows_a;
-    const int r0 = (sh ? item - routed_items : item % blocks_a) * rows, r1 = std::min(width, r0 + rows);
-    const int count = sh ? n_tokens : rt.count[expert];
+    const int r0 = (sh ? (item - routed_items) % shared_blocks : item % blocks_a) * rows;
+    const int r1 = std::min(width, r0 + rows);
+    const int t0 = sh ? (item - routed_items) / shared_blocks * kSharedTokenChunk : 0;  // shared: first token
+    const int count = sh ? std::min(kSharedTokenChunk, n_tokens - t0) : rt.count[expert];
     if (sh && !shared_gate_up) {  // the caller's h, quantized
       const int block = act_block_values(sfmt);
-      for (int t = 0; t < n_tokens; ++t)
+      for (int t = t0; t < t0 + count; ++t)
         quantize_act_blocks(sfmt, shared->h + static_cast<size_t>(t) * sffn + r0, sffn, r0 / block, r1 / block,
                             sbuf + sarb * t);
       return;
@@ -239,12 +246,12 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
     if (sh) {
       task.weight = shared->gate->data;
       task.row_bytes = shared->gate->row_bytes;
-      task.acts = shared_acts[0];
+      task.acts = shared_acts[0] + t0;
       task.out = g;
       matmul_kernel(shared->gate->ggml_type)(task);
       task.weight = shared->up->data;
       task.row_bytes = shared->up->row_bytes;
-      task.acts = shared_acts[1];
+      task.acts = shared_acts[1] + t0;
       task.out = u;
       matmul_kernel(shared->up->ggml_type)(task);
     } else {
@@ -275,7 +282,7 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
         }
       }
       silu_mul(gi, ui, r1 - r0);
-      uint8_t* dst = sh ? sbuf + sarb * i : hbuf + harb * (rt.offset[expert] + i);
+      uint8_t* dst = sh ? sbuf + sarb * (t0 + i) : hbuf + harb * (rt.offset[expert] + i);
       quantize_act_blocks(fmt, gi, width, r0 / block, r1 / block, dst);
     }
   });
@@ -312,13 +319,13 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
         yt[r] = acc;
       }
     }
-    if (shared) {
+    for (int t0 = 0; shared && t0 < n_tokens; t0 += kSharedTokenChunk) {
       task.weight = shared->down->data;
       task.row_bytes = shared->down->row_bytes;
       task.cols = sffn;
-      task.acts = hrows + n_pairs;
-      task.n_tokens = n_tokens;
-      task.out = shared->y + r0;
+      task.acts = hrows + n_pairs + t0;
+      task.n_tokens = std::min(kSharedTokenChunk, n_tokens - t0);
+      task.out = shared->y + static_cast<size_t>(t0) * hidden + r0;
       task.out_stride = hidden;
       matmul_kernel(shared->down->ggml_type)(task);
     }
