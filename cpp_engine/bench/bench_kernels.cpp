@@ -1,6 +1,7 @@
 // Microbenchmark of the native kernels: memory read bandwidth (the physical bound), GEMV GB/s and
-// GEMM GFLOP/s per weight type, and one routed-expert MoE layer (decode and 128-token prefill).
-//   bench_kernels [threads] [--cpu-time] [--only TYPE[,TYPE...]]   (--only: those GEMV / GEMM rows, nothing else)
+// GEMM GFLOP/s per weight type, and MoE layers, with and without shared experts (decode and 128-token prefill).
+//   bench_kernels [threads] [--cpu-time] [--only TYPE[,TYPE...]] [--moe]
+//   (--only: those GEMV / GEMM rows, nothing else; --moe: the MoE rows alone)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -13,10 +14,12 @@
 #include <ctime>
 #include <vector>
 
+#include "pocketmoe/ops.h"
 #include "pocketmoe/runtime.h"
 #include "pocketmoe/samples.h"
 #include "pocketmoe/thread_pool.h"
 #include "pocketmoe/types.h"
+#include "../src/workspace.h"
 
 using namespace pocketmoe;
 using Clock = std::chrono::steady_clock;
@@ -120,20 +123,28 @@ void bench_gemm(const Shape& s, std::mt19937& rng) {
 struct MoEShape {
   const char* name;
   int hidden, ffn, n_experts, top_k, gate_type, down_type, layers;
+  int shared_ffn;  // the shared experts' width (gate_type gate/up, down_type down), run inside the same call; 0: none
 };
 
 void bench_moe(const MoEShape& m, std::mt19937& rng) {
   const size_t gate_bytes = weight_row_bytes(type_info(m.gate_type), m.hidden) * m.ffn * m.n_experts;
   const size_t down_bytes = weight_row_bytes(type_info(m.down_type), m.ffn) * m.hidden * m.n_experts;
-  std::vector<std::vector<uint8_t>> gate, up, down;
+  const int sf = m.shared_ffn;
+  std::vector<std::vector<uint8_t>> gate, up, down, sgate, sup, sdown;
   for (int l = 0; l < m.layers; ++l) {
     gate.push_back(samples::random_weight(m.gate_type, m.ffn * m.n_experts, m.hidden, rng));
     up.push_back(samples::random_weight(m.gate_type, m.ffn * m.n_experts, m.hidden, rng));
     down.push_back(samples::random_weight(m.down_type, m.hidden * m.n_experts, m.ffn, rng));
+    if (sf == 0) continue;
+    sgate.push_back(samples::random_weight(m.gate_type, sf, m.hidden, rng));
+    sup.push_back(samples::random_weight(m.gate_type, sf, m.hidden, rng));
+    sdown.push_back(samples::random_weight(m.down_type, m.hidden, sf, rng));
   }
+  const size_t sgate_rb = sf ? weight_row_bytes(type_info(m.gate_type), m.hidden) : 0;
+  const size_t sdown_rb = sf ? weight_row_bytes(type_info(m.down_type), sf) : 0;
   const int max_tokens = 128;
   const std::vector<float> x = samples::random_floats(static_cast<size_t>(max_tokens) * m.hidden, rng);
-  std::vector<float> y(static_cast<size_t>(max_tokens) * m.hidden);
+  std::vector<float> y(static_cast<size_t>(max_tokens) * m.hidden), ys(y.size());
   std::vector<int32_t> ids(static_cast<size_t>(max_tokens) * m.top_k);
   std::vector<float> w(ids.size(), 1.0f / m.top_k);
   std::vector<int> perm(m.n_experts);
@@ -145,11 +156,19 @@ void bench_moe(const MoEShape& m, std::mt19937& rng) {
     }
   };
   auto run = [&](int layer, int n_tokens) {
-    moe_forward(x.data(), n_tokens, m.hidden, ids.data(), w.data(), m.top_k,
+    const Weight wg{sf ? sgate[layer].data() : nullptr, m.gate_type, 1, sf, m.hidden, sgate_rb};
+    const Weight wu{sf ? sup[layer].data() : nullptr, m.gate_type, 1, sf, m.hidden, sgate_rb};
+    const Weight wd{sf ? sdown[layer].data() : nullptr, m.down_type, 1, m.hidden, sf, sdown_rb};
+    const SharedFFN shared{&wg, &wu, &wd, ys.data()};
+    std::unique_lock<std::mutex> lock;
+    moe_forward(acquire_runtime(lock), x.data(), n_tokens, m.hidden, ids.data(), w.data(), m.top_k,
                 {gate[layer].data(), gate_bytes, m.gate_type}, {up[layer].data(), gate_bytes, m.gate_type},
-                {down[layer].data(), down_bytes, m.down_type}, m.n_experts, m.ffn, y.data());
+                {down[layer].data(), down_bytes, m.down_type}, m.n_experts, m.ffn, y.data(), 0.0f,
+                sf ? &shared : nullptr);
   };
-  const double expert_bytes = static_cast<double>(2 * gate_bytes + down_bytes) / m.n_experts;
+  // Bytes one token reads: its k routed experts and the shared ones.
+  const double token_bytes = static_cast<double>(2 * gate_bytes + down_bytes) / m.n_experts * m.top_k +
+                             static_cast<double>(2 * sgate_rb * sf + sdown_rb * m.hidden);
   auto timed = [&](int reps, int n_tokens, std::vector<double>& times) {
     for (int i = 0; i < reps; ++i) {
       route(n_tokens);
@@ -165,7 +184,7 @@ void bench_moe(const MoEShape& m, std::mt19937& rng) {
   const double decode = dec[dec.size() / 2], prefill = pre[pre.size() / 2];
   std::printf("%s\n  decode median %7.1f us/layer (best %6.1f) = %5.1f GB/s of experts | prefill 128 median %7.2f ms/layer "
               "(best %6.2f) = %6.0f tok/s per layer\n",
-              m.name, decode * 1e6, dec[0] * 1e6, m.top_k * expert_bytes / decode / 1e9, prefill * 1e3, pre[0] * 1e3,
+              m.name, decode * 1e6, dec[0] * 1e6, token_bytes / decode / 1e9, prefill * 1e3, pre[0] * 1e3,
               max_tokens / prefill);
 }
 
@@ -174,9 +193,12 @@ void bench_moe(const MoEShape& m, std::mt19937& rng) {
 int main(int argc, char** argv) {
   int threads = physical_core_count();
   std::string only;
+  bool moe_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--cpu-time") {
       g_cpu_time = true;
+    } else if (std::string(argv[i]) == "--moe") {
+      moe_only = true;
     } else if (std::string(argv[i]) == "--only" && i + 1 < argc) {
       only = "," + std::string(argv[++i]) + ",";
     } else {
@@ -185,7 +207,7 @@ int main(int argc, char** argv) {
   }
   set_num_threads(threads);
   std::printf("%s%s\n", describe().c_str(), g_cpu_time ? "; times are process CPU time" : "");
-  if (only.empty())
+  if (only.empty() && !moe_only)
     std::printf("memory read bandwidth (%d threads, 512 MiB): %.1f GB/s\n", threads, read_bandwidth(threads));
   std::mt19937 rng(1234);
   const Shape shapes[] = {
@@ -197,13 +219,16 @@ int main(int argc, char** argv) {
       {kMXFP4, 2048, 2048}, {kNVFP4, 2048, 2048}, {kF16, 1408, 2048}, {kBF16, 1408, 2048}, {kF32, 64, 2048},
   };
   for (const Shape& s : shapes)
-    if (only.empty() || only.find("," + std::string(type_info(s.type).name) + ",") != std::string::npos)
+    if (!moe_only && (only.empty() || only.find("," + std::string(type_info(s.type).name) + ",") != std::string::npos))
       bench_gemm(s, rng);
   if (!only.empty()) return 0;
   const MoEShape moes[] = {
-      {"DeepSeek-V2-Lite (Q4_K gate/up, Q5_0 down)", 2048, 1408, 64, 6, kQ4_K, kQ5_0, 2},
-      {"DeepSeek-V2-Lite (Q4_K gate/up, Q8_0 down)", 2048, 1408, 64, 6, kQ4_K, kQ8_0, 2},
-      {"452M bench MoE (Q4_K gate/up, Q6_K down)", 1024, 512, 32, 4, kQ4_K, kQ6_K, 8},
+      {"DeepSeek-V2-Lite (Q4_K gate/up, Q5_0 down)", 2048, 1408, 64, 6, kQ4_K, kQ5_0, 2, 0},
+      {"DeepSeek-V2-Lite (Q4_K gate/up, Q8_0 down)", 2048, 1408, 64, 6, kQ4_K, kQ8_0, 2, 0},
+      {"DeepSeek-V2-Lite with its 2 shared experts (Q4_K gate/up, Q5_0 down)", 2048, 1408, 64, 6, kQ4_K, kQ5_0, 2,
+       2816},
+      {"452M bench MoE (Q4_K gate/up, Q6_K down)", 1024, 512, 32, 4, kQ4_K, kQ6_K, 8, 0},
+      {"452M bench MoE with its shared expert (Q4_K gate/up, Q6_K down)", 1024, 512, 32, 4, kQ4_K, kQ6_K, 8, 512},
   };
   for (const MoEShape& m : moes) bench_moe(m, rng);
   return 0;
