@@ -1,5 +1,6 @@
 // Routed experts of one MoE layer: gate/up per (expert, ffn row block), then down per hidden row
-// block over all experts, combined per token in slot order.
+// block over all experts, combined per token in slot order. The shared experts, when given, take
+// part in both dispatches (gate/up per (row block, token chunk), down beside the routed downs).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -188,12 +189,12 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
   const ActFormat sfmt = shared ? type_info(shared->down->ggml_type).act : hfmt;
   const int hblock = std::max(16, act_block_values(hfmt)), sblock = std::max(16, act_block_values(sfmt));
   const size_t harb = act_row_bytes(hfmt, ffn), sarb = shared ? act_row_bytes(sfmt, sffn) : 0;
-  const int n_hrows = n_pairs + (shared ? n_tokens : 0);
-  uint8_t* hbuf = ws.hidden.get(harb * n_pairs + sarb * n_tokens);
+  const int shared_rows = shared ? n_tokens : 0;
+  uint8_t* hbuf = ws.hidden.get(harb * n_pairs + sarb * shared_rows);
   uint8_t* sbuf = hbuf + harb * n_pairs;
-  const uint8_t** hrows = ws.hidden_ptrs.get_as<const uint8_t*>(n_hrows);
+  const uint8_t** hrows = ws.hidden_ptrs.get_as<const uint8_t*>(n_pairs + shared_rows);
   for (int s = 0; s < n_pairs; ++s) hrows[s] = hbuf + harb * s;
-  for (int t = 0; t < n_hrows - n_pairs; ++t) hrows[n_pairs + t] = sbuf + sarb * t;
+  for (int t = 0; t < shared_rows; ++t) hrows[n_pairs + t] = sbuf + sarb * t;
 
   const int shared_chunks = (n_tokens + kSharedTokenChunk - 1) / kSharedTokenChunk;
   int max_count = shared_gate_up ? std::min(n_tokens, kSharedTokenChunk) : 0;
@@ -291,6 +292,7 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
   // shared expert's down rows straight into its output.
   const int blocks_b = (hidden + rows_b - 1) / rows_b;
   const MatmulFn down_fn = matmul_kernel(down.ggml_type);
+  const MatmulFn shared_down_fn = shared ? matmul_kernel(shared->down->ggml_type) : nullptr;
   pool.parallel_for(blocks_b, [&](int item, int thread) {
     const int r0 = item * rows_b, r1 = std::min(hidden, r0 + rows_b);
     uint8_t* scratch = ws.per_thread[thread].get(thread_bytes);
@@ -327,7 +329,7 @@ void moe_forward(Runtime& e, const float* x, int n_tokens, int hidden, const int
       task.n_tokens = std::min(kSharedTokenChunk, n_tokens - t0);
       task.out = shared->y + static_cast<size_t>(t0) * hidden + r0;
       task.out_stride = hidden;
-      matmul_kernel(shared->down->ggml_type)(task);
+      shared_down_fn(task);
     }
   });
 }
