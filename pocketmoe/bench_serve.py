@@ -40,6 +40,7 @@ class RequestResult:
     latency: float = 0.0  # seconds, request start to the end of the stream
     itl: list[float] = field(default_factory=list)  # seconds between successive output events
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache gave (usage.prompt_tokens_details)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -143,6 +144,8 @@ async def one_request(client: httpx.AsyncClient, base: str, body: dict[str, Any]
                     events, last = events + 1, now
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
+                    res.cached_tokens = int((chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                                            or 0)
     except (httpx.HTTPError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"[:200]
         return res
@@ -198,6 +201,7 @@ def summarize(args: argparse.Namespace, base: str, model: str, results: list[Req
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": round(duration, 4),
         "request_throughput": round(len(ok) / duration, 4), "output_throughput": round(out_tokens / duration, 3),
         "total_input_tokens": args.prompt_tokens * len(ok), "total_output_tokens": out_tokens,
+        "cached_input_tokens": sum(r.cached_tokens for r in ok),  # a prefix cache hit makes a TTFT shorter
         "ttft_ms": stats_ms([r.ttft for r in ok]),
         "tpot_ms": stats_ms([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
         "itl_ms": stats_ms([gap for r in ok for gap in r.itl]),
@@ -213,7 +217,8 @@ def render(rep: dict[str, Any]) -> str:
              f"  completed {rep['completed']}, failed {rep['failed']}, duration {rep['duration_s']:.2f} s",
              f"  request throughput {rep['request_throughput']:.3f} req/s, "
              f"output throughput {rep['output_throughput']:.1f} tok/s (aggregate)",
-             f"  input tokens {rep['total_input_tokens']}, output tokens {rep['total_output_tokens']}", ""]
+             f"  input tokens {rep['total_input_tokens']} ({rep['cached_input_tokens']} from the server's prefix "
+             f"cache), output tokens {rep['total_output_tokens']}", ""]
     rows = [[name, *(f"{rep[key][s]:.2f}" for s in ("mean", "p50", "p99"))]
             for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"),
                               ("E2E latency", "e2e_latency_ms"))]

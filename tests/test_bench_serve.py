@@ -60,7 +60,8 @@ def fake_app(fake: Fake) -> FastAPI:
                              "choices": [{"index": 0, "text": "t", "logprobs": None, "finish_reason": None}]}
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
                 usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"],
-                         "total_tokens": len(body["prompt"]) + body["max_tokens"]}
+                         "total_tokens": len(body["prompt"]) + body["max_tokens"],
+                         "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) // 4 * 2}}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
             finally:
@@ -112,6 +113,7 @@ def test_counts_latencies_and_concurrency(server: tuple[str, Fake], capsys: pyte
     assert (rep["concurrency"], rep["requests"], rep["prompt_tokens"], rep["gen_tokens"]) == (c, n, p, g)
     assert rep["completed"] == n and rep["failed"] == 0 and rep["errors"] == []
     assert rep["total_output_tokens"] == n * g and rep["total_input_tokens"] == n * p
+    assert rep["cached_input_tokens"] == n * (p // 4 * 2)
     assert rep["duration_s"] > 0
     assert rep["request_throughput"] == pytest.approx(n / rep["duration_s"], rel=1e-2)
     assert rep["output_throughput"] == pytest.approx(n * g / rep["duration_s"], rel=1e-2)

@@ -196,6 +196,29 @@ def test_disconnect_mid_stream_frees_kv(server: LiveServer) -> None:
     assert "pocketmoe_time_to_first_token_seconds_count" in text
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_gave(server: LiveServer, client: openai.OpenAI) -> None:
+    """A prompt sent again takes its full KV pages from the prefix cache (usage.prompt_tokens_details.cached_tokens,
+    as OpenAI reports it) and gets the same text and logprobs."""
+    prompt = " ".join(f"cached{i}" for i in range(24))
+    kw = {"model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2,
+          "extra_body": {"ignore_eos": True}}
+    hits = _metric(server.url, "pocketmoe_prefix_cache_hits_total")
+    first = client.completions.create(**kw)
+    second = client.completions.create(**kw)
+    n = second.usage.prompt_tokens
+    assert n > 16 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    assert second.choices[0].text == first.choices[0].text
+    assert second.choices[0].logprobs.top_logprobs == first.choices[0].logprobs.top_logprobs
+    assert _metric(server.url, "pocketmoe_prefix_cache_hits_total") == hits + (n - 1) // 16 * 16
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    messages = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    assert chat.usage.prompt_tokens_details.cached_tokens == (chat.usage.prompt_tokens - 1) // 16 * 16 > 0
+
+
 BAD = [
     ("not json", "{", 400),
     ("not an object", "[1, 2]", 400),
@@ -358,6 +381,14 @@ def test_schema_fuzz_never_500s(server: LiveServer) -> None:
             elif body.get("stream") is True:
                 assert text.rstrip().endswith("data: [DONE]"), (body, text[-300:])
         assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_prefix_caching_flag() -> None:
+    from pocketmoe.serve.__main__ import parse_args
+
+    assert parse_args([]).enable_prefix_caching is None  # the engine's default: on where the ops are chunk-invariant
+    assert parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert parse_args(["--enable-prefix-caching"]).enable_prefix_caching is True
 
 
 @pytest.mark.parametrize("kv,size", [("f32", 4), ("f16", 2), ("bf16", 2)])

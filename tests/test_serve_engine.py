@@ -29,7 +29,7 @@ def model(tmp_path_factory) -> Path:
 
 
 def make_engine(model: Path, n_ctx: int, kv_bytes: int | None = None, chunk: int = 256, seqs: int = 8,
-                max_queue: int = 64) -> tuple[Engine, list[Step]]:
+                max_queue: int = 64, prefix_caching: bool | None = None) -> tuple[Engine, list[Step]]:
     bundle = open_bundle(model)
     runner = ModelRunner(bundle, RunnerConfig(n_ctx=n_ctx, backend=BACKEND, threads=1, max_seqs=seqs,
                                               kv_cache_bytes=kv_bytes, chunk_size=chunk))
@@ -41,7 +41,8 @@ def make_engine(model: Path, n_ctx: int, kv_bytes: int | None = None, chunk: int
         return forward(step, *a, **kw)
 
     runner.forward = recorded  # type: ignore[method-assign]
-    eng = Engine(runner, Tokenizer.from_metadata(bundle.metadata), EngineConfig(seqs, max_queue, chunk, n_ctx), Metrics())
+    eng = Engine(runner, Tokenizer.from_metadata(bundle.metadata), EngineConfig(seqs, max_queue, chunk, n_ctx, prefix_caching),
+                 Metrics())
     return eng, steps
 
 
@@ -82,7 +83,8 @@ def test_preempted_sequences_resume_with_their_solo_tokens(model: Path) -> None:
 
 
 def test_long_prefill_runs_in_chunks_beside_running_decode(model: Path) -> None:
-    eng, steps = make_engine(model, n_ctx=256, chunk=16)
+    # without the prefix cache, which would give the second run of the long prompt its pages
+    eng, steps = make_engine(model, n_ctx=256, chunk=16, prefix_caching=False)
     eng.start()
     long_prompt = [(7 * i) % 400 + 3 for i in range(100)]
     alone_long = run(tokens(eng, long_prompt, 5))
@@ -163,3 +165,88 @@ def test_prompt_logprobs_across_chunks(model: Path) -> None:
     for p in range(1, len(prompt)):
         assert got[p].token_id == prompt[p]
         assert got[p].logprob == pytest.approx(float(want[p - 1, prompt[p]]), abs=1e-5)
+
+
+async def outputs(eng: Engine, prompt: list[int], n: int, prompt_logprobs: bool = False) -> tuple:
+    """(tokens, logprobs with the top 2, cached prompt tokens, prompt logprobs) of one greedy request."""
+    req = eng.submit(prompt, [greedy(n)], logprobs=2, prompt_logprobs=prompt_logprobs)
+    toks, lps, plps, cached = [], [], [], None
+    async for d in req.deltas():
+        toks += d.token_ids
+        lps += d.logprobs
+        plps += d.prompt_logprobs or []
+        cached = d.cached_tokens if d.cached_tokens is not None else cached
+    return toks, lps, cached, plps
+
+
+NATIVE_ONLY = pytest.mark.skipif(BACKEND != "native", reason="the torch reference ops' rows are not bitwise the same "
+                                 "however a prompt is chunked (prefix caching is off there by default)")
+
+
+@NATIVE_ONLY
+def test_prefix_cache_gives_a_later_turn_its_pages_and_the_same_tokens(model: Path) -> None:
+    """A second turn (the first's prompt and answer, then more) takes the first turn's full pages and gets the
+    tokens and logprobs (floats compared exactly) an engine without the cache computes."""
+    on, _ = make_engine(model, n_ctx=128, chunk=32)
+    off, _ = make_engine(model, n_ctx=128, chunk=32, prefix_caching=False)
+    on.start()
+    off.start()
+    p = [(5 * i) % 300 + 3 for i in range(40)]
+    t1, lp1, c1, _ = run(outputs(on, p, 12))
+    assert (t1, lp1, c1) == run(outputs(off, p, 12))[:3] and c1 == 0
+    q = p + t1 + [7, 8, 9, 10, 11]  # turn 1 computed 51 positions: three full pages of 16
+    got = run(outputs(on, q, 12))
+    want = run(outputs(off, q, 12))
+    assert got[2] == 48 and want[2] == 0
+    assert got[:2] == want[:2]
+    again = run(outputs(on, q, 12))  # the same prompt again: every full page but the one of its last token
+    assert again[2] == (len(q) - 1) // 16 * 16 and again[:2] == want[:2]
+    aligned = run(outputs(on, q[:48], 5))  # three cached pages, but the last token's logits are computed
+    assert aligned[2] == 32 and aligned[:2] == run(outputs(off, q[:48], 5))[:2]
+    on.stop()
+    off.stop()
+    assert on.metrics.prefix_cache_hits._value.get() == 128
+    assert on.metrics.prefix_cache_queries._value.get() == len(p) + 2 * len(q) + 48
+    assert on.cache.used_pages == 0 and on.cache.cached_pages > 0
+
+
+@NATIVE_ONLY
+def test_prefix_cache_with_evictions_and_preemption_gives_the_solo_tokens(model: Path) -> None:
+    """A shared system prompt over a pool too small to keep every prefix: pages are evicted and sequences
+    preempted, and each request still gets its tokens from an engine without the cache."""
+    system = list(range(3, 35))  # two pages
+    prompts = [system + [40 + i, 41 + i, 42 + i] for i in range(4)]
+    off, _ = make_engine(model, n_ctx=64, prefix_caching=False)
+    off.start()
+    alone = [run(tokens(off, p, 20)) for p in prompts]
+    off.stop()
+    width = off.runner.spec.kv_values_per_token()
+    small, _ = make_engine(model, n_ctx=64, kv_bytes=7 * 16 * off.runner.model.n_layer * width * 4, seqs=4)
+    assert small.cache.n_pages == 7
+    small.start()
+    assert [run(tokens(small, p, 20)) for p in prompts] == alone  # one at a time: the system pages are shared
+
+    async def together() -> list[list[int]]:
+        return list(await asyncio.gather(*(tokens(small, p, 20) for p in prompts)))
+
+    assert run(together()) == alone
+    small.stop()
+    assert small.metrics.prefix_cache_hits._value.get() >= 3 * 32
+    assert small.metrics.preemptions._value.get() > 0
+    assert small.cache.used_pages == 0 and small.cache.cached_pages <= 7
+
+
+@NATIVE_ONLY
+def test_prompt_logprobs_compute_the_whole_prompt_even_when_cached(model: Path) -> None:
+    on, _ = make_engine(model, n_ctx=128, chunk=16)
+    off, _ = make_engine(model, n_ctx=128, chunk=16, prefix_caching=False)
+    on.start()
+    off.start()
+    p = [(11 * i) % 250 + 4 for i in range(37)]
+    run(outputs(on, p, 3))  # caches p's first two pages
+    got = run(outputs(on, p, 3, prompt_logprobs=True))
+    want = run(outputs(off, p, 3, prompt_logprobs=True))
+    on.stop()
+    off.stop()
+    assert got[2] == 0 and len(got[3]) == len(p)
+    assert got == want

@@ -2,13 +2,24 @@
 
 Each sequence owns a list of pages; position p of a sequence lives in cache row
 page_table[p // page] * page + p % page. What a row holds is the attention kind's business (MLA: the
-normed latent c_kv and the roped k_pe, `ModelSpec.kv_values_per_token` values).
+normed latent c_kv and the roped k_pe, `ModelSpec.kv_values_per_token` values); it depends only on the
+tokens at positions 0..p.
+
+Prefix cache. A full page whose rows are computed can be indexed (`commit`) under a digest of every token
+up to its end; a new sequence whose tokens start the same way then takes those pages instead of
+computing them again (`attach`), the way vLLM's automatic prefix caching and llama.cpp's prompt cache do.
+Pages are reference-counted (each sequence holding a page, and the index, count one); a page only the
+index holds is evictable: it counts as free, and `reserve` takes the least recently used of them when
+the free list runs out. Only full pages are shared, and a sequence writes only positions past the pages
+it attached, so a shared page is never written.
 
 Legend: L layers, P cache rows (pages * page size), W values per row.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -55,6 +66,11 @@ class PagedKVCache:
         self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out the lowest page first
         self._pages: dict[object, list[int]] = {}
         self._length: dict[object, int] = {}
+        self._ref = [0] * n_pages  # holders of each page: sequences, plus one while it is indexed
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # prefix digest -> page, least recently used first
+        self._page_key: dict[int, bytes] = {}  # indexed page -> its digest
+        self._committed: dict[object, tuple[int, bytes]] = {}  # seq -> (its pages looked at by commit, last digest)
+        self._evictable = 0  # indexed pages no sequence holds
 
     @classmethod
     def for_bytes(cls, n_layer: int, width: int, budget_bytes: int, max_seq_len: int,
@@ -81,11 +97,18 @@ class PagedKVCache:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages a reservation can take: the free list and the indexed pages no sequence holds."""
+        return len(self._free) + self._evictable
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages the prefix index holds."""
+        return len(self._index)
 
     @property
     def used_pages(self) -> int:
-        return self.n_pages - len(self._free)
+        """Pages sequences hold."""
+        return self.n_pages - self.free_pages
 
     def pages_for(self, n_positions: int) -> int:
         return -(-n_positions // self.page)
@@ -109,17 +132,100 @@ class PagedKVCache:
                                      "tokens; raise n_ctx or shorten the input.")
         pages = self._pages.setdefault(seq, [])
         extra = self.pages_for(n_positions) - len(pages)
-        if extra > len(self._free):
-            raise KVPoolFullError(f"the KV pool has {len(self._free)} free pages of {self.page} positions but "
+        if extra > self.free_pages:
+            raise KVPoolFullError(f"the KV pool has {self.free_pages} free pages of {self.page} positions but "
                                   f"{extra} more are needed; wait for other sequences or raise the KV budget.")
         for _ in range(extra):
-            pages.append(self._free.pop())
+            if not self._free:
+                self._evict_one()
+            page = self._free.pop()
+            self._ref[page] = 1
+            pages.append(page)
         self._length[seq] = max(self._length.get(seq, 0), n_positions)
 
     def free(self, seq: object) -> None:
-        """Give `seq`'s pages back to the pool (a sequence it does not know is ignored)."""
-        self._free.extend(reversed(self._pages.pop(seq, [])))
+        """Give `seq`'s pages back to the pool (a sequence it does not know is ignored); the indexed ones stay
+        in the prefix index until evicted."""
+        for page in reversed(self._pages.pop(seq, [])):
+            if page in self._page_key:  # its last page first: the root of the prefix is evicted last
+                self._index.move_to_end(self._page_key[page])
+            self._release(page)
         self._length.pop(seq, None)
+        self._committed.pop(seq, None)
+
+    # -- prefix cache ----------------------------------------------------------------------------------------
+    def commit(self, seq: object, tokens: Sequence[int], n_computed: int) -> None:
+        """Index `seq`'s full pages whose rows are computed (positions < n_computed, holding `tokens`), so later
+        sequences starting with the same tokens can attach them. Pages looked at before are skipped."""
+        pages = self._pages.get(seq)
+        if pages is None:
+            return
+        done, digest = self._committed.get(seq, (0, b""))
+        full = min(n_computed // self.page, len(pages))
+        for i in range(done, full):
+            digest = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
+            if digest in self._index:  # the same rows already live in another page: keep that one
+                self._index.move_to_end(digest)
+                continue
+            page = pages[i]
+            self._index[digest] = page
+            self._page_key[page] = digest
+            self._ref[page] += 1
+        if full > done:
+            self._committed[seq] = (full, digest)
+
+    def attach(self, seq: object, tokens: Sequence[int]) -> int:
+        """Start a new `seq` with the indexed pages that hold the longest run of full pages of `tokens`; returns
+        the positions they cover (0: none; the sequence is then unknown, as before)."""
+        if seq in self._pages:
+            raise ValueError(f"sequence {seq!r} already holds pages; attach starts a new one")
+        found: list[int] = []
+        digest = b""
+        for i in range(len(tokens) // self.page):
+            nxt = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
+            page = self._index.get(nxt)
+            if page is None:
+                break
+            found.append(page)
+            digest = nxt
+        if not found:
+            return 0
+        for page in reversed(found):  # the first page ends up most recent: leaves are evicted before their roots
+            self._index.move_to_end(self._page_key[page])
+        for page in found:
+            self._hold(page)
+        self._pages[seq] = found
+        self._length[seq] = len(found) * self.page
+        self._committed[seq] = (len(found), digest)
+        return len(found) * self.page
+
+    @staticmethod
+    def _digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+        """The digest of a prefix: its last page's tokens chained onto the digest of the prefix before it."""
+        return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+    def _hold(self, page: int) -> None:
+        if self._ref[page] == 1 and page in self._page_key:
+            self._evictable -= 1
+        self._ref[page] += 1
+
+    def _release(self, page: int) -> None:
+        self._ref[page] -= 1
+        if self._ref[page] == 0:
+            self._free.append(page)
+        elif self._ref[page] == 1 and page in self._page_key:
+            self._evictable += 1
+
+    def _evict_one(self) -> None:
+        """Drop the least recently used indexed page that no sequence holds; it goes to the free list."""
+        for digest, page in self._index.items():
+            if self._ref[page] == 1:
+                del self._index[digest]
+                del self._page_key[page]
+                self._evictable -= 1
+                self._release(page)
+                return
+        raise AssertionError("no evictable page although free_pages counted one")
 
     def rows(self, seq: object, start: int, n: int) -> np.ndarray:
         """int32 [n]: cache rows of positions start..start+n-1 of `seq` (reserved beforehand)."""

@@ -52,6 +52,7 @@ class NativeOps(NativeDeepSeek4Ops):
     absorbs_legacy_mla = True  # attn_kv_b is split into float32 k_b / v_b at load (attention in latent space)
     dense_cache_roles = (Role.ATTENTION,)  # only fallbacks (types without a kernel) dequantize
     replay = True  # run recorded steps in one call (see run); False: always op by op
+    chunk_invariant = True  # the kernels' result for a row never depends on the rows computed beside it
 
     def __init__(self, tile_rows: int | None = 8) -> None:
         super().__init__(tile_rows)

@@ -72,6 +72,9 @@ class ReferenceOps(DeepSeek4Ops, ReferenceBackend):
     # weights whose dequantized float32 copy is worth keeping (within the runner's budget)
     dense_cache_roles: tuple[Role, ...] = (Role.ATTENTION, Role.DENSE_FFN, Role.SHARED_EXPERT, Role.ROUTER)
     detail = "torch reference"
+    # Whether a KV row (and every result) is bitwise the same however a prompt is cut into chunks: torch's matmul
+    # may round differently with the number of rows, so a prefix-cached row can differ in its last bits.
+    chunk_invariant = False
 
     def __init__(self, tile_rows: int | None = 8) -> None:
         super().__init__(tile_rows)

@@ -56,6 +56,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting before new ones get 503")
     p.add_argument("--max-body-mib", type=float, default=16.0, help="largest request body, MiB (larger: 413)")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per step, over all sequences")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV rows of a prompt's start that an earlier request computed (a chat's earlier "
+                   "turns, a shared system prompt) (default: on with the native CPU kernels, whose rows are bitwise "
+                   "the same however a prompt is chunked; off with the torch reference and CUDA ops, whose rows "
+                   "can differ in the last bits)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -154,8 +159,8 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     runner = ModelRunner(bundle, cfg, on_tensor=on_tensor)
     bar.update(bar.total - bar.n)
     bar.close()
-    engine = Engine(runner, tok, EngineConfig(args.max_num_seqs, args.max_queue, args.chunk_size, max_len),
-                    state.metrics)
+    engine = Engine(runner, tok, EngineConfig(args.max_num_seqs, args.max_queue, args.chunk_size, max_len,
+                                              args.enable_prefix_caching), state.metrics)
     state.metrics.kv_pages.set(runner.cache.n_pages)
     state.metrics.kv_bytes.set(runner.cache.nbytes)
     state.metrics.watch_experts(runner)
@@ -170,7 +175,8 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     kv = runner.cache
     print(f"ready on http://{host}:{port} (model {state.model_name}, {bundle.architecture}, kernels {runner.describe}, "
           f"max-model-len {max_len}, KV pool {kv.nbytes / 2**30:.2f} GiB = {kv.n_pages * kv.page} positions, "
-          f"max-num-seqs {args.max_num_seqs}, placement {runner.plan.mode})", flush=True)
+          f"max-num-seqs {args.max_num_seqs}, placement {runner.plan.mode}, prefix caching "
+          f"{'on' if engine.prefix_caching else 'off'})", flush=True)
 
 
 LOST_GRACE_S = 2.0  # rank 0 keeps answering 503 this long after a rank is lost, then exits 1

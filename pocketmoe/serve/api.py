@@ -172,6 +172,7 @@ class _Choice:
         self.prompt_logprobs: list[TokenLogprob | None] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.cached_tokens = 0
 
     def add(self, d: Delta) -> None:
         self.text += d.text
@@ -180,6 +181,7 @@ class _Choice:
         self.prompt_logprobs += d.prompt_logprobs or []
         self.finish_reason = d.finish_reason or self.finish_reason
         self.error = d.error or self.error
+        self.cached_tokens = d.cached_tokens if d.cached_tokens is not None else self.cached_tokens
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -333,7 +335,7 @@ def create_app(state: ServerState) -> FastAPI:
         if req.stream:
             return _sse(_completion_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name,
                                            prompts, prompt_text, usage))
-        out = []
+        out, cached = [], {}
         for i, c in enumerate(await collect(request, q, reqs, n_choices)):
             echo = prompt_text[i // req.n] if req.echo else ""
             lp = None
@@ -342,6 +344,7 @@ def create_app(state: ServerState) -> FastAPI:
                                           prompts[i // req.n] if req.echo else [], 0)
             out.append({"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
             usage["completion_tokens"] += len(c.token_ids)
+            _count_cached(usage, cached, i // req.n, c.cached_tokens)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                              "choices": out, "usage": usage, "system_fingerprint": None})
@@ -366,7 +369,7 @@ def create_app(state: ServerState) -> FastAPI:
         if req.stream:
             return _sse(_chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage,
                                      fmt, tools))
-        out = []
+        out, cached = [], {}
         for i, c in enumerate(await collect(request, q, reqs, req.n)):
             lp = {"content": [_chat_logprob(tok, x) for x in c.logprobs]} if req.logprobs else None
             content, calls = parse_tool_calls(fmt, c.text, tools) if fmt else (c.text, [])
@@ -376,6 +379,7 @@ def create_app(state: ServerState) -> FastAPI:
             out.append({"index": i, "message": message, "logprobs": lp,
                         "finish_reason": "tool_calls" if calls else c.finish_reason})
             usage["completion_tokens"] += len(c.token_ids)
+            _count_cached(usage, cached, 0, c.cached_tokens)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
                              "choices": out, "usage": usage, "system_fingerprint": None})
@@ -388,8 +392,18 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _usage(n_prompt: int) -> dict[str, int]:
-    return {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+def _usage(n_prompt: int) -> dict[str, Any]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt,
+            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _count_cached(usage: dict[str, Any], per_prompt: dict[int, int], prompt: int, cached: int | None) -> None:
+    """usage.prompt_tokens_details.cached_tokens: per prompt (per_prompt keeps them), the most any of its choices
+    took from the prefix cache, as each prompt counts once in prompt_tokens whatever n is."""
+    if cached is None:
+        return
+    per_prompt[prompt] = max(per_prompt.get(prompt, 0), cached)
+    usage["prompt_tokens_details"]["cached_tokens"] = sum(per_prompt.values())
 
 
 def _piece(tok: Tokenizer, t: int) -> tuple[str, list[int]]:
@@ -434,7 +448,7 @@ def _error_event(message: str) -> dict[str, Any]:
 
 async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: AsyncIterator[Delta], rid: str,
                              created: int, model: str, prompts: list[list[int]], prompt_text: list[str],
-                             usage: dict[str, int]) -> AsyncIterator[dict[str, Any]]:
+                             usage: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(index: int, text: str, lp: Any, finish: str | None) -> dict[str, Any]:
@@ -445,6 +459,7 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
         return c
 
     offsets: dict[int, int] = {}  # characters sent per choice (text_offset)
+    cached: dict[int, int] = {}  # prefix-cached tokens per prompt
     prompt_lps: dict[int, list[TokenLogprob | None]] = {}
     async for d in deltas:
         if d.error:
@@ -468,6 +483,7 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
             lp = _completion_logprobs(tok, list(d.logprobs), [], offsets[i] + len(text) - len(d.text))
         offsets[i] += len(text)
         usage["completion_tokens"] += len(d.token_ids)
+        _count_cached(usage, cached, p, d.cached_tokens)
         if text or d.finish_reason or d.token_ids:  # one chunk per token, as OpenAI streams
             yield chunk(i, text, lp, d.finish_reason)
     if include_usage:
@@ -477,12 +493,13 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
 
 
 async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: AsyncIterator[Delta], rid: str,
-                       created: int, model: str, usage: dict[str, int], fmt: ToolFormat | None,
+                       created: int, model: str, usage: dict[str, Any], fmt: ToolFormat | None,
                        tools: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
     """Chat chunks; with tools, text from the start of a tool call on is held and sent as tool_calls at the end
     (or as content, when it does not parse)."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     held = [ToolStream(fmt, tools) for _ in range(req.n)] if fmt else None
+    cached: dict[int, int] = {}
 
     def chunk(index: int, delta: dict[str, Any], lp: Any, finish: str | None) -> dict[str, Any]:
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -499,6 +516,7 @@ async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: Async
             yield _error_event(d.error)
             return
         usage["completion_tokens"] += len(d.token_ids)
+        _count_cached(usage, cached, 0, d.cached_tokens)
         lp = {"content": [_chat_logprob(tok, x) for x in d.logprobs]} if req.logprobs and d.logprobs else None
         text = held[d.index].push(d.text) if held else d.text
         if text or d.token_ids:  # one chunk per token, as OpenAI streams

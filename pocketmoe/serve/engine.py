@@ -10,6 +10,16 @@ no free page, the newest running sequence is preempted: its pages go back to the
 recomputed from its prompt and the tokens it already produced when pages free up (its stream just
 pauses). An abort (client gone) frees the sequence's pages before the next step.
 
+Prefix caching (EngineConfig.prefix_caching): after each step a sequence's full pages of computed rows
+are indexed by their tokens (PagedKVCache.commit); an admitted sequence attaches the indexed pages that
+match the start of its tokens and computes only the rest (at least its last token, whose logits it
+samples from). A multi-turn chat then prefills only the new turn, a repeated system prompt is computed
+once, and a preempted sequence gets its pages back while they are not evicted. A row depends only on
+the tokens up to it; where the ops' results also do not depend on how a prompt is chunked (the native
+kernels: `ops.chunk_invariant`) a cached row is bitwise the row a prefill would write and the tokens
+are the same with the cache as without, so that is where it is on by default. Sequences that want
+prompt logprobs compute their whole prompt.
+
 Legend: V vocab.
 """
 
@@ -49,6 +59,8 @@ class EngineConfig:
     max_queue: int = 256        # requests waiting for admission before new ones get a 503
     chunk_size: int = 256       # prefill tokens per step, over all sequences
     max_model_len: int = 4096   # prompt + generated tokens of one sequence
+    # reuse the KV pages of a prompt's start that earlier sequences computed; None: where the ops are chunk-invariant
+    prefix_caching: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,7 @@ class Delta:
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo: one per prompt token (the first None)
     error: str | None = None
+    cached_tokens: int | None = None  # on the last delta: prompt tokens whose KV rows the prefix cache gave
 
 
 @dataclass
@@ -92,6 +105,8 @@ class Seq:
     prompt_lp_sent: int = 0  # prompt logprob entries sent (a preempted sequence does not send them twice)
     last_token_at: float = 0.0
     finished: bool = False
+    admitted: bool = False
+    cached: int = 0  # prompt positions the prefix cache gave at its first admission
 
     @property
     def decoding(self) -> bool:
@@ -129,6 +144,8 @@ class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, cfg: EngineConfig, metrics: Metrics) -> None:
         self.runner, self.tok, self.cfg, self.metrics = runner, tokenizer, cfg, metrics
         self.cache = runner.cache
+        self.prefix_caching = cfg.prefix_caching if cfg.prefix_caching is not None else \
+            bool(getattr(runner.ops, "chunk_invariant", False))
         self._inbox: queue.SimpleQueue[tuple[str, Request | None]] = queue.SimpleQueue()
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
@@ -263,15 +280,31 @@ class Engine:
         stays free for its next decode token."""
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             s = self.waiting[0]
-            pages = self.cache.pages_for(len(s.tokens))
+            reused = self._attach_prefix(s)
+            pages = self.cache.pages_for(len(s.tokens)) - self.cache.pages_for(reused)
             if self.running and self.cache.free_pages - pages < len(self.running):
+                self.cache.free(s.key)
                 return
             try:
                 self.cache.reserve(s.key, len(s.tokens))
             except KVPoolFullError:
+                self.cache.free(s.key)
                 return
+            s.computed = reused
+            if not s.admitted:
+                s.admitted, s.cached = True, reused
+                if self.prefix_caching:
+                    self.metrics.prefix_cache_queries.inc(len(s.tokens))
+                    self.metrics.prefix_cache_hits.inc(reused)
             self.running.append(self.waiting.popleft())
             self._dequeue(s.request)
+
+    def _attach_prefix(self, s: Seq) -> int:
+        """Positions of s's tokens the prefix cache gives it (its pages attached); its last token is always
+        computed, since its logits are sampled."""
+        if not self.prefix_caching or s.want_prompt_logprobs:
+            return 0
+        return self.cache.attach(s.key, s.tokens[:-1])
 
     def _preempt(self) -> Seq:
         """Give the newest running sequence's pages back; it waits at the head of the queue to be recomputed."""
@@ -329,6 +362,8 @@ class Engine:
             rows = logits[row:row + n]
             row += n
             s.computed += len(c.tokens)
+            if self.prefix_caching:
+                self.cache.commit(s.key, s.tokens, s.computed)
             if c.logits == "all":
                 self._prompt_logprobs(s, c, rows)
             if s.computed == len(s.tokens) and not s.finished:
@@ -385,7 +420,7 @@ class Engine:
         self._drop(s)
         d = delta or Delta(s.index)
         d.text += s.stop.end(s.decoder.flush())
-        d.finish_reason, d.error = reason, error
+        d.finish_reason, d.error, d.cached_tokens = reason, error, s.cached
         req = s.request
         req.put(d)
         req.open -= 1
@@ -397,3 +432,4 @@ class Engine:
         m.running.set(len(self.running))
         m.waiting.set(len(self.waiting))
         m.kv_used.set(self.cache.used_pages / self.cache.n_pages)
+        m.kv_cached_pages.set(self.cache.cached_pages)

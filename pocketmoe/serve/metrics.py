@@ -17,6 +17,12 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.prefix_cache_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                            "cache at admission", registry=r)
+        self.prefix_cache_hits = Counter(p + "prefix_cache_hits", "Prompt tokens whose KV rows came from the prefix "
+                                         "cache instead of a prefill", registry=r)
+        self.kv_cached_pages = Gauge(p + "kv_cache_prefix_pages", "KV pages the prefix cache holds (those no "
+                                     "sequence uses count as free)", registry=r)
         self.preemptions = Counter(p + "preemptions", "Sequences preempted (recomputed later) for KV pages",
                                    registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first generated token",
