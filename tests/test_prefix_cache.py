@@ -108,3 +108,39 @@ def test_commit_indexes_pages_as_they_fill() -> None:
     assert c.cached_pages == 2
     c.free("b")
     assert c.used_pages == 3
+
+
+def test_random_traffic_keeps_counts_and_rows_consistent() -> None:
+    """Sequences of a few shared prefixes come and go at random over a small pool: every page is held by the
+    sequences listing it plus the index, free and evictable pages add up, and an attached page always holds the
+    rows of the tokens it was matched by."""
+    rng = np.random.default_rng(5)
+    c = pool(12)
+    stems = [list(rng.integers(0, 5, 12)) for _ in range(3)]
+    live: dict[int, list[int]] = {}
+    for step in range(400):
+        if live and (rng.random() < 0.4 or c.free_pages < 5):
+            seq = int(rng.choice(list(live)))
+            c.free(seq)
+            del live[seq]
+        else:
+            toks = stems[rng.integers(3)][:int(rng.integers(0, 13))] + list(rng.integers(0, 5, int(rng.integers(1, 8))))
+            got = c.attach(step, toks[:-1])
+            assert got % PAGE == 0 and got <= len(toks) - 1
+            rows = torch.from_numpy(c.rows(step, 0, got).astype(np.int64)) if got else None
+            if got:  # the attached rows hold these tokens at these positions
+                assert c.layer_rows(0)[rows][:, :2].tolist() == [[t, p] for p, t in enumerate(toks[:got])]
+            c.reserve(step, len(toks))
+            new = torch.from_numpy(c.rows(step, got, len(toks) - got).astype(np.int64))
+            c.layer_rows(0)[new] = torch.tensor([[t, got + p, 0] for p, t in enumerate(toks[got:])], dtype=torch.float32)
+            c.commit(step, toks, len(toks))
+            live[step] = toks
+        holders = [0] * c.n_pages
+        for seq in live:
+            for page in c._pages[seq]:
+                holders[page] += 1
+        for page in c._index.values():
+            holders[page] += 1
+        assert holders == c._ref
+        assert sorted(c._free) == [p for p in range(c.n_pages) if holders[p] == 0]
+        assert c.used_pages == sum(1 for p in range(c.n_pages) if any(p in c._pages[s] for s in live))

@@ -67,10 +67,10 @@ class PagedKVCache:
         self._pages: dict[object, list[int]] = {}
         self._length: dict[object, int] = {}
         self._ref = [0] * n_pages  # holders of each page: sequences, plus one while it is indexed
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # prefix digest -> page, least recently used first
+        self._index: dict[bytes, int] = {}  # prefix digest -> page
         self._page_key: dict[int, bytes] = {}  # indexed page -> its digest
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed pages no sequence holds, oldest first
         self._committed: dict[object, tuple[int, bytes]] = {}  # seq -> (its pages looked at by commit, last digest)
-        self._evictable = 0  # indexed pages no sequence holds
 
     @classmethod
     def for_bytes(cls, n_layer: int, width: int, budget_bytes: int, max_seq_len: int,
@@ -98,7 +98,7 @@ class PagedKVCache:
     @property
     def free_pages(self) -> int:
         """Pages a reservation can take: the free list and the indexed pages no sequence holds."""
-        return len(self._free) + self._evictable
+        return len(self._free) + len(self._evictable)
 
     @property
     def cached_pages(self) -> int:
@@ -146,9 +146,7 @@ class PagedKVCache:
     def free(self, seq: object) -> None:
         """Give `seq`'s pages back to the pool (a sequence it does not know is ignored); the indexed ones stay
         in the prefix index until evicted."""
-        for page in reversed(self._pages.pop(seq, [])):
-            if page in self._page_key:  # its last page first: the root of the prefix is evicted last
-                self._index.move_to_end(self._page_key[page])
+        for page in reversed(self._pages.pop(seq, [])):  # its last page first: the prefix's root is evicted last
             self._release(page)
         self._length.pop(seq, None)
         self._committed.pop(seq, None)
@@ -165,7 +163,8 @@ class PagedKVCache:
         for i in range(done, full):
             digest = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
             if digest in self._index:  # the same rows already live in another page: keep that one
-                self._index.move_to_end(digest)
+                if self._index[digest] in self._evictable:
+                    self._evictable.move_to_end(self._index[digest])
                 continue
             page = pages[i]
             self._index[digest] = page
@@ -190,8 +189,6 @@ class PagedKVCache:
             digest = nxt
         if not found:
             return 0
-        for page in reversed(found):  # the first page ends up most recent: leaves are evicted before their roots
-            self._index.move_to_end(self._page_key[page])
         for page in found:
             self._hold(page)
         self._pages[seq] = found
@@ -205,27 +202,21 @@ class PagedKVCache:
         return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
     def _hold(self, page: int) -> None:
-        if self._ref[page] == 1 and page in self._page_key:
-            self._evictable -= 1
+        self._evictable.pop(page, None)
         self._ref[page] += 1
 
     def _release(self, page: int) -> None:
         self._ref[page] -= 1
         if self._ref[page] == 0:
             self._free.append(page)
-        elif self._ref[page] == 1 and page in self._page_key:
-            self._evictable += 1
+        elif self._ref[page] == 1 and page in self._page_key:  # only the index holds it now
+            self._evictable[page] = None
 
     def _evict_one(self) -> None:
-        """Drop the least recently used indexed page that no sequence holds; it goes to the free list."""
-        for digest, page in self._index.items():
-            if self._ref[page] == 1:
-                del self._index[digest]
-                del self._page_key[page]
-                self._evictable -= 1
-                self._release(page)
-                return
-        raise AssertionError("no evictable page although free_pages counted one")
+        """Drop the indexed page no sequence has held for the longest; it goes to the free list."""
+        page, _ = self._evictable.popitem(last=False)
+        del self._index[self._page_key.pop(page)]
+        self._release(page)
 
     def rows(self, seq: object, start: int, n: int) -> np.ndarray:
         """int32 [n]: cache rows of positions start..start+n-1 of `seq` (reserved beforehand)."""
