@@ -250,3 +250,27 @@ def test_prompt_logprobs_compute_the_whole_prompt_even_when_cached(model: Path) 
     off.stop()
     assert got[2] == 0 and len(got[3]) == len(p)
     assert got == want
+
+
+@NATIVE_ONLY
+def test_the_choices_of_a_request_compute_their_prompt_once(model: Path) -> None:
+    eng, steps = make_engine(model, n_ctx=128, chunk=16)
+    eng.start()
+    p = [(3 * i) % 200 + 5 for i in range(45)]
+    alone = run(tokens(eng, list(p), 6))
+    eng.stop()
+    on, steps = make_engine(model, n_ctx=128, chunk=16)
+    on.start()
+
+    async def three() -> list[list[int]]:
+        req = on.submit(p, [greedy(6)] * 3)
+        out: list[list[int]] = [[], [], []]
+        async for d in req.deltas():
+            out[d.index] += d.token_ids
+        return out
+
+    assert run(three()) == [alone] * 3
+    on.stop()
+    # the first choice computes all 45 positions, the other two only the last page's 13
+    assert on.metrics.prefix_cache_hits._value.get() == 2 * 32
+    assert sum(len(c.tokens) for s in steps for c in s.chunks if len(c.tokens) > 1) == 45 + 2 * 13

@@ -14,7 +14,8 @@ Prefix caching (EngineConfig.prefix_caching): after each step a sequence's full 
 are indexed by their tokens (PagedKVCache.commit); an admitted sequence attaches the indexed pages that
 match the start of its tokens and computes only the rest (at least its last token, whose logits it
 samples from). A multi-turn chat then prefills only the new turn, a repeated system prompt is computed
-once, and a preempted sequence gets its pages back while they are not evicted. A row depends only on
+once, the n choices of a request compute their prompt once (the others wait for its pages), and a
+preempted sequence gets its pages back while they are not evicted. A row depends only on
 the tokens up to it; where the ops' results also do not depend on how a prompt is chunked (the native
 kernels: `ops.chunk_invariant`) a cached row is bitwise the row a prefill would write and the tokens
 are the same with the cache as without, so that is where it is on by default. Sequences that want
@@ -280,6 +281,8 @@ class Engine:
         stays free for its next decode token."""
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             s = self.waiting[0]
+            if self._sibling_prefilling(s):
+                return
             reused = self._attach_prefix(s)
             pages = self.cache.pages_for(len(s.tokens)) - self.cache.pages_for(reused)
             if self.running and self.cache.free_pages - pages < len(self.running):
@@ -298,6 +301,13 @@ class Engine:
                     self.metrics.prefix_cache_hits.inc(reused)
             self.running.append(self.waiting.popleft())
             self._dequeue(s.request)
+
+    def _sibling_prefilling(self, s: Seq) -> bool:
+        """Whether another choice of s's request is computing the same prompt now: with prefix caching s then
+        waits for its pages (the queue behind it too, FIFO) instead of computing the prompt again."""
+        if not self.prefix_caching or s.admitted or s.want_prompt_logprobs or s.prompt_len <= self.cache.page:
+            return False
+        return any(o is not s and o.computed < o.prompt_len and o in self.running for o in s.request.seqs)
 
     def _attach_prefix(self, s: Seq) -> int:
         """Positions of s's tokens the prefix cache gives it (its pages attached); its last token is always
