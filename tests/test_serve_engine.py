@@ -59,24 +59,35 @@ def run(coro):  # noqa: ANN001, ANN201
     return asyncio.run(coro)
 
 
+async def together(eng: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt's greedy tokens, all submitted at once."""
+    return list(await asyncio.gather(*(tokens(eng, p, n) for p in prompts)))
+
+
+def one_at_a_time(model: Path, prompts: list[list[int]], n: int, **engine_kw: object) -> tuple[list[list[int]], Engine]:
+    """Each prompt's greedy tokens from a fresh engine, one request after the other (and the stopped engine)."""
+    eng, _ = make_engine(model, **engine_kw)  # type: ignore[arg-type]
+    eng.start()
+    out = [run(tokens(eng, p, n)) for p in prompts]
+    eng.stop()
+    return out, eng
+
+
+def kv_bytes_of(eng: Engine, pages: int) -> int:
+    """The float32 KV budget of `pages` pages of 16 positions for eng's model."""
+    return pages * 16 * eng.runner.model.n_layer * eng.runner.spec.kv_values_per_token() * 4
+
+
 PROMPTS = [[5 + i + 3 * j for j in range(10)] for i in range(3)]
 
 
 def test_preempted_sequences_resume_with_their_solo_tokens(model: Path) -> None:
-    eng, _ = make_engine(model, n_ctx=48, kv_bytes=None, seqs=3)
-    eng.start()
-    alone = [run(tokens(eng, p, 30)) for p in PROMPTS]
-    eng.stop()
+    alone, eng = one_at_a_time(model, PROMPTS, 30, n_ctx=48, seqs=3)
     # 5 pages of 16 positions for three sequences of 40: the newest is preempted and recomputed
-    width = eng.runner.spec.kv_values_per_token()
-    small, steps = make_engine(model, n_ctx=48, kv_bytes=5 * 16 * eng.runner.model.n_layer * width * 4, seqs=3)
+    small, steps = make_engine(model, n_ctx=48, kv_bytes=kv_bytes_of(eng, 5), seqs=3)
     assert small.cache.n_pages == 5
     small.start()
-
-    async def together() -> list[list[int]]:
-        return list(await asyncio.gather(*(tokens(small, p, 30) for p in PROMPTS)))
-
-    assert run(together()) == alone
+    assert run(together(small, PROMPTS, 30)) == alone
     small.stop()
     assert small.metrics.preemptions._value.get() > 0
     assert small.cache.used_pages == 0
@@ -216,20 +227,12 @@ def test_prefix_cache_with_evictions_and_preemption_gives_the_solo_tokens(model:
     preempted, and each request still gets its tokens from an engine without the cache."""
     system = list(range(3, 35))  # two pages
     prompts = [system + [40 + i, 41 + i, 42 + i] for i in range(4)]
-    off, _ = make_engine(model, n_ctx=64, prefix_caching=False)
-    off.start()
-    alone = [run(tokens(off, p, 20)) for p in prompts]
-    off.stop()
-    width = off.runner.spec.kv_values_per_token()
-    small, _ = make_engine(model, n_ctx=64, kv_bytes=7 * 16 * off.runner.model.n_layer * width * 4, seqs=4)
+    alone, off = one_at_a_time(model, prompts, 20, n_ctx=64, prefix_caching=False)
+    small, _ = make_engine(model, n_ctx=64, kv_bytes=kv_bytes_of(off, 7), seqs=4)
     assert small.cache.n_pages == 7
     small.start()
     assert [run(tokens(small, p, 20)) for p in prompts] == alone  # one at a time: the system pages are shared
-
-    async def together() -> list[list[int]]:
-        return list(await asyncio.gather(*(tokens(small, p, 20) for p in prompts)))
-
-    assert run(together()) == alone
+    assert run(together(small, prompts, 20)) == alone
     small.stop()
     assert small.metrics.prefix_cache_hits._value.get() >= 3 * 32
     assert small.metrics.preemptions._value.get() > 0
