@@ -291,6 +291,9 @@ def test_api_key_and_full_queue(model: Path) -> None:
         assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.post(srv.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+        assert httpx.post(srv.url + "/detokenize", json={"tokens": [1]},
+                          headers={"Authorization": "Bearer sekrit"}).status_code == 200
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekrit", max_retries=0)
         assert c.completions.create(model=NAME, prompt="x", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
@@ -381,6 +384,34 @@ def test_schema_fuzz_never_500s(server: LiveServer) -> None:
             elif body.get("stream") is True:
                 assert text.rstrip().endswith("data: [DONE]"), (body, text[-300:])
         assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_tokenize_and_detokenize(server: LiveServer, client: openai.OpenAI, llm: LLM) -> None:
+    """vLLM's /tokenize and /detokenize: the ids the completion routes count, with the file's BOS or without, of a
+    prompt or of chat messages; bad input is a 400 naming the field."""
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(server.url + path, json=body, timeout=60)
+
+    want = llm.tokenizer.encode("hello world")
+    r = post("/tokenize", {"model": NAME, "prompt": "hello world"}).json()
+    assert r == {"count": len(want), "max_model_len": 256, "tokens": want}
+    assert client.completions.create(model=NAME, prompt="hello world", max_tokens=1).usage.prompt_tokens == len(want)
+    bare = post("/tokenize", {"prompt": "hello world", "add_special_tokens": False}).json()["tokens"]
+    assert bare == llm.tokenizer.encode("hello world", add_bos=False)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    assert chat["tokens"] == llm.encode_chat(messages)
+    assert chat["count"] == client.chat.completions.create(model=NAME, messages=messages, max_tokens=1).usage.prompt_tokens
+    opened = post("/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert opened == llm.encode_chat(messages, add_generation_prompt=False)
+    assert post("/detokenize", {"model": NAME, "tokens": want}).json() == {"prompt": llm.tokenizer.decode(want)}
+    assert "hello world" in llm.tokenizer.decode(want)
+    for path, body, param in [("/tokenize", {}, "messages"), ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens.0"), ("/detokenize", {}, "tokens")]:
+        e = post(path, body)
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, (path, body, e.text)
+    assert post("/tokenize", {"model": "nope", "prompt": "a"}).status_code == 404
 
 
 def test_prefix_caching_flag() -> None:

@@ -29,16 +29,21 @@ from pocketmoe.serve.metrics import Metrics
 from pocketmoe.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     RequestError,
     SamplingFields,
+    TokenizeRequest,
     pydantic_error,
+    template_messages,
 )
 from pocketmoe.serve.tools import ToolFormat, ToolStream, tool_format
 from pocketmoe.serve.tools import parse as parse_tool_calls
 from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pocketmoe.serve")
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health",
+             "/metrics")
+GATED = ("/v1", "/tokenize", "/detokenize")  # the routes --api-key guards
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
@@ -71,7 +76,8 @@ def _endpoint(path: str) -> str:
 
 
 class GateMiddleware:
-    """Before routing: the body cap (413), the API key on /v1 (401), and the request counter."""
+    """Before routing: the body cap (413), the API key on /v1, /tokenize and /detokenize (401), and the request
+    counter."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], state: ServerState) -> None:
         self.app, self.state = app, state
@@ -97,7 +103,7 @@ class GateMiddleware:
                     send: Callable[..., Awaitable[None]]) -> None:
         st = self.state
         headers = dict(scope["headers"])
-        if st.api_key is not None and scope["path"].startswith("/v1"):
+        if st.api_key is not None and scope["path"].startswith(GATED):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), st.api_key.encode()):
@@ -136,7 +142,7 @@ class GateMiddleware:
         await self.app(scope, replay, send)
 
 
-def _parse(model: type[SamplingFields], body: bytes) -> Any:
+def _parse(model: type[SamplingFields] | type[TokenizeRequest] | type[DetokenizeRequest], body: bytes) -> Any:
     try:
         req = model.model_validate_json(body or b"null")
     except ValidationError as e:
@@ -200,7 +206,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
             return error_response(404, f"there is no route {request.method} {request.url.path}; the API is under /v1 "
-                                       "(models, completions, chat/completions).", code="not_found")
+                                       "(models, completions, chat/completions), with /tokenize and /detokenize.",
+                                  code="not_found")
         if e.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on {request.url.path}.",
                                   code="method_not_allowed")
@@ -383,6 +390,34 @@ def create_app(state: ServerState) -> FastAPI:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
                              "choices": out, "usage": usage, "system_fingerprint": None})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's /tokenize: the token ids of a prompt (add_special_tokens) or of chat messages (the template, as
+        /v1/chat/completions renders them without tools)."""
+        req = _parse(TokenizeRequest, await request.body())
+        check_model(req.model)
+        tok = engine().tok
+        try:
+            if req.messages is not None:
+                ids = await asyncio.to_thread(tok.encode_chat, template_messages(req.messages),
+                                              req.add_generation_prompt)
+            else:
+                ids = await asyncio.to_thread(tok.encode, req.prompt, None if req.add_special_tokens else False)
+        except ChatTemplateError as e:
+            raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        """vLLM's /detokenize: the text of token ids."""
+        req = _parse(DetokenizeRequest, await request.body())
+        check_model(req.model)
+        tok = engine().tok
+        bad = [t for t in req.tokens if t >= len(tok.tokens)]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary of {len(tok.tokens)} tokens.", "tokens")
+        return JSONResponse({"prompt": await asyncio.to_thread(tok.decode, req.tokens)})
 
     return GateMiddleware(app, state)  # type: ignore[return-value]
 

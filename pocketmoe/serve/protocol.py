@@ -179,14 +179,43 @@ class ChatCompletionRequest(SamplingFields):
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template reads them: role, text content (parts joined), and the rest
-        of each message as sent (tool_calls, tool_call_id, name)."""
-        out = []
-        for i, m in enumerate(self.messages):
-            d = m.model_dump(exclude_none=True)
-            d["content"] = m.text(i)
-            out.append(d)
-        return out
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them: role, text content (parts joined), and the rest
+    of each message as sent (tool_calls, tool_call_id, name)."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        d["content"] = m.text(i)
+        out.append(d)
+    return out
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's route): a prompt's token ids, or those of chat messages the template renders."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True     # prompt: BOS (and EOS) as the file asks; false: none
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opening, as a chat request does
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("give either prompt (text) or messages (a chat), not both or neither.",
+                               "prompt" if self.prompt is not None else "messages")
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's route): the text of token ids."""
+
+    model: StrictStr | None = None
+    tokens: list[NonNegInt]
+
+    def check(self) -> None:
+        pass
 
 
 def pydantic_error(errors: list[dict[str, Any]]) -> RequestError:
