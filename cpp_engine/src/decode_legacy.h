@@ -17,6 +17,16 @@ PM_INLINE __m256i expand_bits(const uint8_t* p) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
 }
 
+// Byte i of the result is `value` when bit i of the 32 bits at p is set, else 0. AVX-512 builds move the bits
+// into a mask register and select with it: two micro-ops instead of expand_bits' five and an AND.
+PM_INLINE __m256i bits_to_bytes(const uint8_t* p, char value) {
+#if PM_AVX512 && !defined(PM_AVX512_EMULATED)
+  return _mm256_maskz_mov_epi8(_cvtu32_mask32(load_u32(p)), _mm256_set1_epi8(value));
+#else
+  return _mm256_and_si256(expand_bits(p), _mm256_set1_epi8(value));
+#endif
+}
+
 // The fp16 at byte `at` of each of 8 blocks, as floats: 32-bit loads and an unpack tree (fewer
 // micro-ops than building the vector with 7 inserts).
 PM_INLINE __m256 fp16_scales8(const uint8_t* const* blk, int at = 0) {
@@ -65,8 +75,7 @@ struct Q5_0 : Block32 {
   static PM_INLINE float scale(const uint8_t* b) { return fp16(b); }
   static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
   static PM_INLINE __m256i quants(const uint8_t* b) {
-    const __m256i hi = _mm256_and_si256(expand_bits(b + 2), _mm256_set1_epi8(0x10));
-    return _mm256_or_si256(load_nibbles(b + 6), hi);
+    return _mm256_or_si256(load_nibbles(b + 6), bits_to_bytes(b + 2, 0x10));
   }
 };
 
@@ -91,8 +100,7 @@ struct Q5_1 : Block32 {
   static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
   static PM_INLINE __m256 mins8(const uint8_t* const* blk) { return fp16_scales8(blk, 2); }
   static PM_INLINE __m256i quants(const uint8_t* b) {
-    const __m256i hi = _mm256_and_si256(expand_bits(b + 4), _mm256_set1_epi8(0x10));
-    return _mm256_or_si256(load_nibbles(b + 8), hi);
+    return _mm256_or_si256(load_nibbles(b + 8), bits_to_bytes(b + 4, 0x10));
   }
 };
 
@@ -191,7 +199,7 @@ struct Q1_0 {
   static constexpr bool kMin = false;
   static PM_INLINE __m256 scales8(const uint8_t* const* blk) { return fp16_scales8(blk); }
   static PM_INLINE __m256i quants(const uint8_t* b, int p) {
-    return _mm256_and_si256(expand_bits(b + 2 + 4 * p), _mm256_set1_epi8(2));
+    return bits_to_bytes(b + 2 + 4 * p, 2);
   }
 };
 
