@@ -13,6 +13,7 @@ import pytest
 
 from pocketmoe import native
 from pocketmoe.engine import ModelRunner, RunnerConfig, Step
+from pocketmoe.engine.kv_cache import PAGE
 from pocketmoe.engine.sampler import SamplingParams
 from pocketmoe.gguf import open_bundle
 from pocketmoe.serve.engine import Engine, EngineConfig, QueueFullError
@@ -74,8 +75,8 @@ def one_at_a_time(model: Path, prompts: list[list[int]], n: int, **engine_kw: ob
 
 
 def kv_bytes_of(eng: Engine, pages: int) -> int:
-    """The float32 KV budget of `pages` pages of 16 positions for eng's model."""
-    return pages * 16 * eng.runner.model.n_layer * eng.runner.spec.kv_values_per_token() * 4
+    """The float32 KV budget of `pages` pages for eng's model."""
+    return pages * PAGE * eng.runner.model.n_layer * eng.runner.spec.kv_values_per_token() * 4
 
 
 PROMPTS = [[5 + i + 3 * j for j in range(10)] for i in range(3)]
@@ -262,7 +263,7 @@ def test_the_choices_of_a_request_compute_their_prompt_once(model: Path) -> None
     p = [(3 * i) % 200 + 5 for i in range(45)]
     alone = run(tokens(eng, list(p), 6))
     eng.stop()
-    on, steps = make_engine(model, n_ctx=128, chunk=16)
+    on, steps = make_engine(model, n_ctx=128, chunk=32)
     on.start()
 
     async def three() -> list[list[int]]:
@@ -277,3 +278,6 @@ def test_the_choices_of_a_request_compute_their_prompt_once(model: Path) -> None
     # the first choice computes all 45 positions, the other two only the last page's 13
     assert on.metrics.prefix_cache_hits._value.get() == 2 * 32
     assert sum(len(c.tokens) for s in steps for c in s.chunks if len(c.tokens) > 1) == 45 + 2 * 13
+    # and the second starts as soon as those two pages are in the cache: beside the first choice's last 13
+    first = steps[0].chunks[0].seq
+    assert [(c.seq == first, c.start, len(c.tokens)) for c in steps[1].chunks] == [(True, 32, 13), (False, 32, 13)]

@@ -257,10 +257,7 @@ def create_app(state: ServerState) -> FastAPI:
         ids = await asyncio.to_thread(tok.encode, p) if isinstance(p, str) else p  # off the event loop
         if not ids:
             raise RequestError("the prompt is empty; give at least one token.", "prompt")
-        vocab = engine().runner.vocab_size
-        bad = [t for t in ids if t >= vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary of {vocab} tokens.", "prompt")
+        _check_vocab(ids, engine().runner.vocab_size, "prompt", "prompt token id")
         if len(ids) >= state.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens but this server's context holds "
                                f"{state.max_model_len} (--max-model-len), and at least one must be left to generate; "
@@ -414,12 +411,16 @@ def create_app(state: ServerState) -> FastAPI:
         req = _parse(DetokenizeRequest, await request.body())
         check_model(req.model)
         tok = engine().tok
-        bad = [t for t in req.tokens if t >= len(tok.tokens)]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary of {len(tok.tokens)} tokens.", "tokens")
+        _check_vocab(req.tokens, len(tok.tokens), "tokens", "token id")
         return JSONResponse({"prompt": await asyncio.to_thread(tok.decode, req.tokens)})
 
     return GateMiddleware(app, state)  # type: ignore[return-value]
+
+
+def _check_vocab(ids: list[int], vocab: int, field: str, what: str) -> None:
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise RequestError(f"{what} {bad} is outside the vocabulary of {vocab} tokens.", field)
 
 
 async def _wait_disconnect(request: Request) -> None:

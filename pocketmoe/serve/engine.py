@@ -304,10 +304,12 @@ class Engine:
 
     def _sibling_prefilling(self, s: Seq) -> bool:
         """Whether another choice of s's request is computing the same prompt now: with prefix caching s then
-        waits for its pages (the queue behind it too, FIFO) instead of computing the prompt again."""
-        if not self.prefix_caching or s.admitted or s.want_prompt_logprobs or s.prompt_len <= self.cache.page:
+        waits for its pages (the queue behind it too, FIFO) instead of computing the prompt again, until the
+        sibling has computed every full page s could attach (those of its prompt less the last token)."""
+        if not self.prefix_caching or s.admitted or s.want_prompt_logprobs:
             return False
-        return any(o is not s and o.computed < o.prompt_len and o in self.running for o in s.request.seqs)
+        shareable = (s.prompt_len - 1) // self.cache.page * self.cache.page
+        return any(o is not s and o.computed < shareable and o in self.running for o in s.request.seqs)
 
     def _attach_prefix(self, s: Seq) -> int:
         """Positions of s's tokens the prefix cache gives it (its pages attached); its last token is always
