@@ -5,11 +5,12 @@ from typing import TYPE_CHECKING
 from pocketmoe.errors import PocketMoEError
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "PocketMoEError", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Grammar", "PocketMoEError", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from pocketmoe.engine.llm import LLM
     from pocketmoe.engine.sampler import SamplingParams
+    from pocketmoe.engine.structured import Grammar
 
 
 def __getattr__(name: str):
@@ -22,4 +23,8 @@ def __getattr__(name: str):
         from pocketmoe.engine.sampler import SamplingParams
 
         return SamplingParams
+    if name == "Grammar":
+        from pocketmoe.engine.structured import Grammar
+
+        return Grammar
     raise AttributeError(f"module 'pocketmoe' has no attribute {name!r}")

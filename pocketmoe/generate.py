@@ -3,6 +3,7 @@
     python -m pocketmoe.generate [--model PATH] (--prompt TEXT | --chat TEXT | --token-ids 1,2,3)
         [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S]
         [--threads N] [--n-ctx C] [--stop STR ...] [--json] [--dump-logits FILE.npy]
+        [--json-schema SCHEMA | --json-schema-file FILE | --grammar GBNF | --grammar-file FILE | --regex RE]
         [--device auto|cpu|cuda] [--mode auto|all-device|heterogeneous|cpu] [--gpu-memory-gib G[,G...]]
         [--expert-policy auto|cache|stage|cpu] [--expert-cache-slots N]
 
@@ -17,8 +18,13 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pocketmoe.cli_util import add_placement_args, int_list, placement_from_args, run_cli
+
+if TYPE_CHECKING:
+    from pocketmoe.engine.structured import Grammar
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -40,6 +46,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    g = p.add_mutually_exclusive_group()  # structured output (llama.cpp's flags, and a regex)
+    g.add_argument("--json-schema", metavar="SCHEMA", help="the output is JSON following this JSON schema ('{}': any)")
+    g.add_argument("--json-schema-file", metavar="FILE", help="--json-schema read from a file")
+    g.add_argument("--grammar", metavar="GBNF", help="the output follows this grammar (llama.cpp's GBNF, or Lark)")
+    g.add_argument("--grammar-file", metavar="FILE", help="--grammar read from a file")
+    g.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--n-ctx", type=int, default=4096, help="context length (prompt + generated)")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per forward pass")
@@ -55,8 +67,35 @@ def parse_token_ids(text: str) -> list[int]:
     return int_list(text, "--token-ids", "token id")
 
 
+def grammar_from_args(args: argparse.Namespace) -> Grammar | None:
+    """The structured output the flags ask for (None: free text); a clear error for a file or schema that fails."""
+    from pocketmoe.engine.structured import Grammar, GrammarError
+
+    text, kind = next(((v, k) for k, v in (("json", args.json_schema), ("json", args.json_schema_file),
+                                          ("gbnf", args.grammar), ("gbnf", args.grammar_file),
+                                          ("regex", args.regex)) if v is not None), (None, ""))
+    if text is None:
+        return None
+    if args.json_schema_file is not None or args.grammar_file is not None:
+        try:
+            text = Path(text).read_text(encoding="utf-8")
+        except OSError as e:
+            raise GrammarError(f"cannot read the grammar file {text}: {e.strerror}.") from None
+    if kind == "regex":
+        return Grammar.regex(text)
+    if kind == "gbnf":
+        return Grammar("gbnf", text)
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise GrammarError(f"the JSON schema is not JSON ({e}); pass a schema such as '{{\"type\": \"object\"}}'.") \
+            from None
+    return Grammar.json_object() if schema == {} else Grammar.json_schema(schema)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    grammar = grammar_from_args(args)
     from pocketmoe.engine.llm import LLM, CompletionOutput
     from pocketmoe.engine.sampler import SamplingParams
     from pocketmoe.memstat import MemoryWatch
@@ -65,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, seed=args.seed, max_tokens=args.max_tokens,
-        stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos, grammar=grammar)
     mem = MemoryWatch()
     t_load = time.perf_counter()
     if args.model is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,9 @@ def test_chat_uses_template(llm):
     (["--token-ids", "1,999999"], "outside the vocabulary"),
     (["--prompt", "word " * 200, "--n-ctx", "64"], "context"),
     (["--prompt", "x", "--top-p", "0"], "top_p"),
+    (["--prompt", "x", "--json-schema", "{bad"], "not JSON"),
+    (["--prompt", "x", "--regex", "(ab"], "unclosed group"),
+    (["--prompt", "x", "--grammar-file", "/nonexistent/g.gbnf"], "/nonexistent/g.gbnf"),
 ])
 def test_user_errors_are_one_line(model, args, needle):
     if "--model" not in args:
@@ -106,3 +110,26 @@ def test_user_errors_are_one_line(model, args, needle):
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_structured_output_flags(model, llm, tmp_path):
+    """--json-schema-file / --regex / --grammar: the CLI's text is the LLM API's under the same grammar, and it
+    keeps to the grammar (checked by json and re, not by the grammar engine)."""
+    from pocketmoe.engine.structured import Grammar
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    cases = [(["--json-schema-file", str(tmp_path / "s.json")], Grammar.json_schema(schema),
+              lambda t: 1 <= json.loads(t)["n"] <= 9),
+             (["--regex", "[a-c]{2}-[0-9]"], Grammar.regex("[a-c]{2}-[0-9]"),
+              lambda t: re.fullmatch("[a-c]{2}-[0-9]", t)),
+             (["--grammar", 'root ::= "x" [0-9]'], Grammar("gbnf", 'root ::= "x" [0-9]'),
+              lambda t: re.fullmatch("x[0-9]", t))]
+    for flags, grammar, keeps in cases:
+        r = run_cli("--model", str(model), "--prompt", "out:", "--max-tokens", "40", "--json", "--threads", "1",
+                    "--n-ctx", "128", *flags)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        api = llm.generate(["out:"], SamplingParams(temperature=0, max_tokens=40, grammar=grammar))[0]
+        assert out["text"] == api.text and out["finish_reason"] == "stop"
+        assert keeps(out["text"]), (flags, out["text"])

@@ -15,12 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
 
 from pocketmoe.engine.llm import LLM
 from pocketmoe.engine.sampler import SamplingParams
+from pocketmoe.engine.structured import Grammar
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.testing.live_server import LiveServer
 from pocketmoe.testing.synth import write_fixture
@@ -239,7 +241,19 @@ BAD = [
     ("empty prompt list", {"prompt": []}, 400),
     ("prompt too long", {"prompt": list(range(300))}, 400),
     ("prompt + max_tokens too long", {"prompt": [1, 2, 3], "max_tokens": 300}, 400),
-    ("json_object format", {"prompt": "x", "response_format": {"type": "json_object"}}, 400),
+    ("unknown response_format", {"prompt": "x", "response_format": {"type": "xml"}}, 400),
+    ("json_schema without its object", {"prompt": "x", "response_format": {"type": "json_schema"}}, 400),
+    ("json_schema without a name", {"prompt": "x", "response_format": {"type": "json_schema",
+                                                                       "json_schema": {"schema": {}}}}, 400),
+    ("schema that does not compile", {"prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}, "strict": True}}}, 400),
+    ("regex that does not parse", {"prompt": "x", "structured_outputs": {"regex": "(ab"}}, 400),
+    ("gbnf that does not parse", {"prompt": "x", "grammar": "root ::= ("}, 400),
+    ("two structured outputs", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400),
+    ("response_format and grammar", {"prompt": "x", "response_format": {"type": "json_object"},
+                                     "grammar": 'root ::= "a"'}, 400),
+    ("empty choice list", {"prompt": "x", "structured_outputs": {"choice": []}}, 400),
+    ("structured json not JSON", {"prompt": "x", "structured_outputs": {"json": "{nope"}}, 400),
     ("unknown model", {"prompt": "x", "model": "gpt-4"}, 404),
     ("seed float", {"prompt": "x", "seed": 1.5}, 400),
     ("stream string", {"prompt": "x", "stream": "yes"}, 400),
@@ -354,7 +368,7 @@ def _fuzz_values(rng) -> list:  # noqa: ANN001
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
           "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "echo", "stream",
           "stream_options", "response_format", "user", "top_k", "min_p", "repeat_penalty", "ignore_eos", "suffix",
-          "best_of", "tools", "tool_choice"]
+          "best_of", "tools", "tool_choice", "structured_outputs", "json_schema", "grammar"]
 
 
 def test_schema_fuzz_never_500s(server: LiveServer) -> None:
@@ -384,6 +398,42 @@ def test_schema_fuzz_never_500s(server: LiveServer) -> None:
             elif body.get("stream") is True:
                 assert text.rstrip().endswith("data: [DONE]"), (body, text[-300:])
         assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_output_on_both_routes(server: LiveServer, client: openai.OpenAI, llm: LLM) -> None:
+    """OpenAI's response_format, vLLM's structured_outputs and llama.cpp's grammar: every choice keeps to its
+    grammar (checked by jsonschema and re), and the tokens are the engine's alone under the same grammar."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "who?"}], n=3, seed=4,
+                                       temperature=1.0, max_tokens=80, response_format=fmt)
+    for c in r.choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+    stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "who?"}], seed=4,
+                                            temperature=1.0, max_tokens=80, response_format=fmt, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == r.choices[0].message.content
+    want = solo(llm, "pick one:", temperature=0, max_tokens=20, grammar=Grammar.choice(["red", "green", "blue"]))
+    got = client.completions.create(model=NAME, prompt="pick one:", temperature=0, max_tokens=20,
+                                    extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert got.choices[0].text == want.text and want.text in ("red", "green", "blue")
+    pattern = r"[a-f0-9]{4}-[0-9]{2}"
+    got = client.completions.create(model=NAME, prompt=["id:", "key:"], temperature=0.9, seed=1, max_tokens=20,
+                                    extra_body={"structured_outputs": {"regex": pattern}})
+    assert all(re.fullmatch(pattern, c.text) and c.finish_reason == "stop" for c in got.choices)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "ok?", "max_tokens": 10, "temperature": 0,
+                                                          "grammar": 'root ::= ("yes" | "no") "!"'}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes!", "no!")
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=0,
+                                       max_tokens=60, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
 
 
 def test_tokenize_and_detokenize(server: LiveServer, client: openai.OpenAI, llm: LLM) -> None:

@@ -7,6 +7,7 @@ ignore_eos), which is what a client sees when the server is idle.
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from pocketmoe import native
 from pocketmoe.engine import ModelRunner, RunnerConfig, Step
 from pocketmoe.engine.kv_cache import PAGE
 from pocketmoe.engine.sampler import SamplingParams
+from pocketmoe.engine.structured import Constraint, Grammar, GrammarError
 from pocketmoe.gguf import open_bundle
 from pocketmoe.serve.engine import Engine, EngineConfig, QueueFullError
 from pocketmoe.serve.metrics import Metrics
@@ -281,3 +283,39 @@ def test_the_choices_of_a_request_compute_their_prompt_once(model: Path) -> None
     # and the second starts as soon as those two pages are in the cache: beside the first choice's last 13
     first = steps[0].chunks[0].seq
     assert [(c.seq == first, c.start, len(c.tokens)) for c in steps[1].chunks] == [(True, 32, 13), (False, 32, 13)]
+
+
+def test_a_grammar_shapes_its_own_sequence_only_and_a_dead_end_fails_it_alone(model: Path, monkeypatch) -> None:  # noqa: ANN001
+    """A constrained choice beside free ones: each gets the tokens it gets alone (the mask is per sequence), and a
+    grammar error mid-generation ends that choice with an error while the others and the engine go on."""
+    regex = SamplingParams(temperature=0, max_tokens=20, grammar=Grammar.regex(r"[0-9]{2}(, [0-9]{2}){0,3}"))
+    eng, _ = make_engine(model, n_ctx=128)
+    eng.start()
+
+    async def choices(prompt: list[int], params: list[SamplingParams]) -> list[tuple[list[int], str | None]]:
+        req = eng.submit(prompt, params)
+        out: list[list[int]] = [[] for _ in params]
+        errors: list[str | None] = [None] * len(params)
+        async for d in req.deltas():
+            out[d.index] += d.token_ids
+            errors[d.index] = errors[d.index] or d.error
+        return list(zip(out, errors, strict=True))
+
+    alone = [run(choices(p, [regex])) for p in PROMPTS] + [run(tokens(eng, p, 12)) for p in PROMPTS]
+
+    async def mixed() -> list:
+        return list(await asyncio.gather(*(choices(p, [regex]) for p in PROMPTS), *(tokens(eng, p, 12) for p in PROMPTS)))
+
+    assert run(mixed()) == alone
+    text = eng.tok.decode(alone[0][0][0])
+    assert re.fullmatch(r"[0-9]{2}(, [0-9]{2}){0,3}", text), text
+
+    def dead_end(self, token: int) -> None:  # noqa: ANN001
+        raise GrammarError("the regex grammar failed: test dead end")
+
+    monkeypatch.setattr(Constraint, "accept", dead_end)
+    got = run(choices(PROMPTS[0], [regex, greedy(12)]))
+    assert got[0] == ([], "the regex grammar failed: test dead end")
+    assert got[1] == (alone[len(PROMPTS)], None)
+    assert run(tokens(eng, PROMPTS[1], 12)) == alone[len(PROMPTS) + 1]
+    eng.stop()

@@ -107,7 +107,7 @@ class LLM:
         self._check_prompt(len(ids))
         out = output if output is not None else CompletionOutput(prompt_token_ids=ids)
         out.prompt_token_ids = ids
-        sampler, stop = Sampler(params), StopChecker(params.stop)
+        sampler, stop = Sampler(params, self.tokenizer), StopChecker(params.stop)
         decoder = self.tokenizer.stream_decoder()
         end_ids = params.end_ids(self.tokenizer.eot_ids)
         history = list(ids)
@@ -131,7 +131,7 @@ class LLM:
             out.text += text
             out.decode_s = time.perf_counter() - t_first
             yield StreamChunk(token, text)
-            if stopped:
+            if stopped or sampler.complete:
                 finish = "stop"
                 break
             if len(out.token_ids) >= params.max_tokens or pos >= self.n_ctx:

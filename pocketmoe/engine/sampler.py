@@ -1,4 +1,4 @@
-"""Next-token sampling: penalties -> temperature -> top-k -> top-p -> min-p -> draw.
+"""Next-token sampling: penalties -> logit bias -> grammar -> temperature -> top-k -> top-p -> min-p -> draw.
 
 Every request owns a `Sampler` with its own torch.Generator, so the same seed gives the same tokens.
 Sampling runs on the CPU in float32 whatever device the logits come from, so the draw does not depend
@@ -11,10 +11,15 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from pocketmoe.engine.structured import Constraint, Grammar
 from pocketmoe.errors import PocketMoEError
+
+if TYPE_CHECKING:
+    from pocketmoe.tokenizer import Tokenizer
 
 
 class SamplingParamsError(PocketMoEError, ValueError):
@@ -34,6 +39,7 @@ class SamplingParams:
     stop: strings that end the output (not included in it); stop_token_ids: ids that end it;
     ignore_eos: keep going past the model's end-of-generation tokens.
     logit_bias: (token id, bias) pairs added to the logits after the penalties (OpenAI's logit_bias).
+    grammar: structured output (engine/structured.py): only tokens that keep the output inside it are drawn.
     """
 
     temperature: float = 1.0
@@ -50,6 +56,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -140,10 +147,16 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 class Sampler:
-    """Picks the next token of one request from its logits and its token history."""
+    """Picks the next token of one sequence from its logits and its token history. With a grammar in the
+    params it needs the model's tokenizer, and each token it returns advances the sequence in the grammar."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, tokenizer: Tokenizer | None = None) -> None:
         self.params = params
+        self.constraint: Constraint | None = None
+        if params.grammar is not None:
+            if tokenizer is None:
+                raise SamplingParamsError("a sampler with a grammar needs the model's tokenizer.")
+            self.constraint = Constraint(params.grammar, tokenizer)
         self.generator = torch.Generator(device="cpu")
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -157,6 +170,8 @@ class Sampler:
         if p.logit_bias:
             ids, bias = zip(*p.logit_bias, strict=True)
             x[torch.tensor(ids)] += torch.tensor(bias, dtype=torch.float32)
+        if self.constraint is not None:
+            self.constraint.mask_(x)
         if p.greedy:
             return x
         x = x / p.temperature
@@ -166,15 +181,23 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         p = self.params
-        if p.greedy and not p.penalized and not p.logit_bias:  # argmax of the logits as they are
-            return int(torch.argmax(logits))
+        if p.greedy and not p.penalized and not p.logit_bias and self.constraint is None:
+            return int(torch.argmax(logits))  # argmax of the logits as they are
         x = self.process(logits, history)
-        if self.params.greedy:
-            return int(torch.argmax(x))
-        probs = torch.softmax(x, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        if p.greedy:
+            token = int(torch.argmax(x))
+        else:
+            token = int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=self.generator))
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
 
     sample = __call__
+
+    @property
+    def complete(self) -> bool:
+        """The sequence's grammar (if any) is satisfied and admits nothing more: the output is done."""
+        return self.constraint is not None and self.constraint.complete
 
 
 class StopChecker:

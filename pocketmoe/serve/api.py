@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError
+from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError, TokenLogprob
 from pocketmoe.serve.metrics import Metrics
 from pocketmoe.serve.protocol import (
@@ -151,7 +152,8 @@ def _parse(model: type[SamplingFields] | type[TokenizeRequest] | type[Detokenize
     return req
 
 
-def _sampling(req: SamplingFields, max_tokens: int, vocab: int, n_prompt: int, max_model_len: int) -> list[SamplingParams]:
+def _sampling(req: SamplingFields, grammar: Grammar | None, max_tokens: int, vocab: int, n_prompt: int,
+              max_model_len: int) -> list[SamplingParams]:
     if n_prompt + max_tokens > max_model_len:
         raise RequestError(f"the prompt has {n_prompt} tokens and max_tokens is {max_tokens}, {n_prompt + max_tokens} "
                            f"in all, but this server's context holds {max_model_len} (--max-model-len); shorten "
@@ -166,7 +168,7 @@ def _sampling(req: SamplingFields, max_tokens: int, vocab: int, n_prompt: int, m
         temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p or 1.0,
         top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, repetition_penalty=rep or 1.0,
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
-        max_tokens=max_tokens, stop=req.stop_list(), ignore_eos=req.ignore_eos, logit_bias=tuple(bias))
+        max_tokens=max_tokens, stop=req.stop_list(), ignore_eos=req.ignore_eos, logit_bias=tuple(bias), grammar=grammar)
     return [SamplingParams(**base, seed=None if req.seed is None else (req.seed + i) % 2**64) for i in range(req.n)]
 
 
@@ -303,12 +305,19 @@ def create_app(state: ServerState) -> FastAPI:
                 for r in reqs:
                     eng.abort(r)
 
-    async def accept(request: Request, model: type[SamplingFields]) -> tuple[Any, Engine, Tokenizer]:
-        """The validated body of a request for the served model, and the engine to run it."""
+    async def accept(request: Request, model: type[SamplingFields]) -> tuple[Any, Engine, Tokenizer, Grammar | None]:
+        """The validated body of a request for the served model, the engine to run it, and the grammar its output
+        keeps to (compiled for the model's vocabulary here, so a bad one is a 400)."""
         req = _parse(model, await request.body())
         check_model(req.model)
         eng = engine()
-        return req, eng, eng.tok
+        grammar, field_name = req.output_grammar()
+        if grammar is not None:
+            try:
+                await asyncio.to_thread(check_grammar, grammar, eng.tok)
+            except GrammarError as e:
+                raise RequestError(str(e), field_name) from None
+        return req, eng, eng.tok, grammar
 
     async def collect(request: Request, q: asyncio.Queue, reqs: list, n: int) -> list[_Choice]:
         choices = [_Choice() for _ in range(n)]
@@ -323,13 +332,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req, eng, tok = await accept(request, CompletionRequest)
+        req, eng, tok, grammar = await accept(request, CompletionRequest)
         if len(req.prompts()) * req.n > MAX_COMPLETION_CHOICES:
             raise RequestError(f"{len(req.prompts())} prompts x n={req.n} is over {MAX_COMPLETION_CHOICES} choices in "
                                "one request; send fewer prompts or a smaller n.", "n")
         prompts = [await encode_prompt(tok, p) for p in req.prompts()]
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        params = [_sampling(req, max_tokens, eng.runner.vocab_size, len(p), state.max_model_len) for p in prompts]
+        params = [_sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(p), state.max_model_len)
+                  for p in prompts]
         echo_lp = req.echo and req.logprobs is not None
         q, reqs = run(prompts, params, req.logprobs, echo_lp)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -355,7 +365,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req, eng, tok = await accept(request, ChatCompletionRequest)
+        req, eng, tok, grammar = await accept(request, ChatCompletionRequest)
         tools = req.tool_dicts
         fmt = tool_format(tok.chat_template, eng.runner.bundle.architecture) if tools and req.tool_choice != "none" \
             else None
@@ -365,7 +375,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
         ids = await encode_prompt(tok, ids)
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
-        params = _sampling(req, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len)
+        params = _sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len)
         k = (req.top_logprobs or 0) if req.logprobs else None
         q, reqs = run([ids], [params], k, False)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

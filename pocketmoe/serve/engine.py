@@ -42,6 +42,7 @@ from pocketmoe.engine.kv_cache import KVPoolFullError
 from pocketmoe.engine.runner import ModelRunner
 from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker
 from pocketmoe.engine.step import SeqChunk, Step
+from pocketmoe.engine.structured import GrammarError
 from pocketmoe.parallel import RankLost
 from pocketmoe.serve.metrics import Metrics
 from pocketmoe.tokenizer import Tokenizer
@@ -189,17 +190,19 @@ class Engine:
                prompt_logprobs: bool = False, loop: asyncio.AbstractEventLoop | None = None,
                out: asyncio.Queue[Delta | None] | None = None, index_base: int = 0) -> Request:
         """Queue one request of len(params) choices over `prompt` (QueueFullError past max_queue). Its deltas
-        (choice indices from index_base) go to `out` (default: its own queue), then one None."""
+        (choice indices from index_base) go to `out` (default: its own queue), then one None. A grammar in the
+        params that does not compile raises GrammarError here."""
+        samplers = [Sampler(p, self.tok) for p in params]
         with self._lock:
             if self._queued >= self.cfg.max_queue:
                 raise QueueFullError(f"the server has {self._queued} requests waiting (--max-queue "
                                      f"{self.cfg.max_queue}); retry later.")
             self._queued += 1
         req = Request(next(self._ids), len(prompt), loop or asyncio.get_running_loop(), logprobs, out)
-        for i, p in enumerate(params):
+        for i, (p, sampler) in enumerate(zip(params, samplers, strict=True)):
             req.seqs.append(Seq(
                 key=(req.id, i), request=req, index=index_base + i, prompt_len=len(prompt), tokens=list(prompt), params=p,
-                sampler=Sampler(p), end_ids=p.end_ids(self.tok.eot_ids), stop=StopChecker(p.stop),
+                sampler=sampler, end_ids=p.end_ids(self.tok.eot_ids), stop=StopChecker(p.stop),
                 decoder=self.tok.stream_decoder(), want_prompt_logprobs=prompt_logprobs))
         req.open = len(req.seqs)
         self._inbox.put(("add", req))
@@ -379,7 +382,10 @@ class Engine:
             if c.logits == "all":
                 self._prompt_logprobs(s, c, rows)
             if s.computed == len(s.tokens) and not s.finished:
-                self._sample(s, rows[-1], now)
+                try:
+                    self._sample(s, rows[-1], now)
+                except GrammarError as e:  # a grammar at a dead end fails its sequence alone
+                    self._finish(s, "length", error=str(e))
 
     def _prompt_logprobs(self, s: Seq, c: SeqChunk, rows: torch.Tensor) -> None:
         """Echo with logprobs: entry p is the logprob of prompt token p given the ones before it (from the
@@ -419,7 +425,7 @@ class Engine:
         text, stopped = s.stop.push(s.decoder.push(token))
         lps = [self._logprob(logits, token, s.request.logprobs)] if s.request.logprobs is not None else []
         delta = Delta(s.index, text, [token], lps)
-        if stopped:
+        if stopped or s.sampler.complete:
             self._finish(s, "stop", delta)
         elif s.generated >= s.params.max_tokens or len(s.tokens) >= self.cfg.max_model_len:
             self._finish(s, "length", delta)

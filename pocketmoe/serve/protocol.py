@@ -2,19 +2,26 @@
 
 Validation is strict (a string where a number belongs is a 400, as OpenAI answers), unknown fields
 are ignored, and every range OpenAI documents is checked here, so the engine only sees valid input.
-llama.cpp's `top_k`, `min_p`, `repeat_penalty` and vLLM's `ignore_eos` are accepted as extensions.
+llama.cpp's `top_k`, `min_p`, `repeat_penalty` and vLLM's `ignore_eos` are accepted as extensions, and
+structured output three ways: OpenAI's `response_format` (json_object, json_schema), vLLM's
+`structured_outputs` (json, regex, choice, grammar, json_object) and llama.cpp's `json_schema` and `grammar`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
+
+from pocketmoe.engine.structured import Grammar
 
 MAX_STOP = 16          # stop strings per request
 MAX_STOP_CHARS = 512   # characters of one stop string (matching is quadratic in it, per token)
 MAX_CHOICES = 16       # n (x prompts on /v1/completions)
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's limit); completions logprobs is capped at 5 as OpenAI does
+MAX_GRAMMAR_CHARS = 65536  # a regex or grammar's text (a JSON schema is bounded by the body cap)
+MAX_GRAMMAR_CHOICES = 1024  # structured_outputs.choice
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -42,8 +49,32 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema (OpenAI): the schema the output follows, with its name."""
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
     type: StrictStr
+    json_schema: JsonSchemaFormat | None = None
+
+
+GrammarText = Annotated[StrictStr, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: exactly one of the constraints."""
+
+    json_schema: dict[str, Any] | StrictBool | StrictStr | None = Field(default=None, alias="json")
+    regex: GrammarText | None = None
+    choice: Annotated[list[Annotated[StrictStr, Field(min_length=1)]],
+                      Field(min_length=1, max_length=MAX_GRAMMAR_CHOICES)] | None = None
+    grammar: GrammarText | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(_Body):
@@ -69,6 +100,9 @@ class SamplingFields(_Body):
     repeat_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    json_schema: dict[str, Any] | None = None  # llama.cpp
+    grammar: GrammarText | None = None  # llama.cpp (GBNF; Lark also reads)
 
     @field_validator("stop")
     @classmethod
@@ -81,10 +115,52 @@ class SamplingFields(_Body):
     def stop_list(self) -> tuple[str, ...]:
         return () if self.stop is None else ((self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
 
+    def output_grammar(self) -> tuple[Grammar | None, str]:
+        """The structured output this request asks for (None: free text) and the field that asks."""
+        asked: list[tuple[Grammar, str]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append((Grammar.json_object(), "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise RequestError("response_format type 'json_schema' needs a json_schema object (name, schema).",
+                                   "response_format.json_schema")
+            js = fmt.json_schema
+            grammar = Grammar.json_object() if js.json_schema is None else Grammar.json_schema(js.json_schema,
+                                                                                                  bool(js.strict))
+            asked.append((grammar, "response_format.json_schema"))
+        elif fmt is not None and fmt.type != "text":
+            raise RequestError(f"response_format type {fmt.type!r} is not one of text, json_object, json_schema.",
+                               "response_format.type")
+        so = self.structured_outputs
+        if so is not None:
+            schema = so.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise RequestError(f"structured_outputs.json is a string that is not JSON: {e}.",
+                                       "structured_outputs.json") from None
+            given = [(Grammar.json_schema(schema), "structured_outputs.json")] if schema is not None else []
+            given += [(Grammar.regex(so.regex), "structured_outputs.regex")] if so.regex is not None else []
+            given += [(Grammar.choice(so.choice), "structured_outputs.choice")] if so.choice is not None else []
+            given += [(Grammar("gbnf", so.grammar), "structured_outputs.grammar")] if so.grammar is not None else []
+            given += [(Grammar.json_object(), "structured_outputs.json_object")] if so.json_object else []
+            if len(given) != 1:
+                raise RequestError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object, "
+                                   f"not {len(given)}.", "structured_outputs")
+            asked += given
+        if self.json_schema is not None:
+            asked.append((Grammar.json_schema(self.json_schema), "json_schema"))
+        if self.grammar is not None:
+            asked.append((Grammar("gbnf", self.grammar), "grammar"))
+        if len(asked) > 1:
+            raise RequestError(f"{asked[0][1]} and {asked[1][1]} both constrain the output; give one of them.",
+                               asked[1][1])
+        return asked[0] if asked else (None, "")
+
     def check_common(self) -> None:
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError(f"response_format type {self.response_format.type!r} is not supported; this server "
-                               "answers in plain text (response_format type 'text').", "response_format.type")
+        self.output_grammar()
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true.", "stream_options")
 

@@ -150,12 +150,14 @@ class Tokenizer:
             return b""
         return self._pieces[token_id]
 
-    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True,
+               space_prefix: bool = True) -> list[int]:
         """Token ids of `text`, as llama.cpp's llama_tokenize.
 
         add_bos: None follows the file (add_bos_token, add_eos_token); True always starts with BOS and
         adds EOS when the file asks for it; False adds neither. parse_special: special-token texts in
-        `text` become single tokens (user-defined tokens always do).
+        `text` become single tokens (user-defined tokens always do). space_prefix=False: no leading space
+        is added where a SentencePiece file asks for one (text that continues a sequence mid-line).
         """
         text = text.encode("utf-8", "replace").decode("utf-8")
         want_bos = self.add_bos if add_bos is None else add_bos
@@ -169,7 +171,7 @@ class Tokenizer:
                 prev_special = True
                 continue
             if self.model == "llama":
-                if self.add_space_prefix and prev_special:
+                if self.add_space_prefix and prev_special and space_prefix:
                     frag = " " + frag
                 frag = frag.replace(" ", "\u2581")
             out.extend(self._impl.encode(frag))
