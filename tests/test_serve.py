@@ -436,6 +436,38 @@ def test_structured_output_on_both_routes(server: LiveServer, client: openai.Ope
         assert r.choices[0].message.content.startswith("{")
 
 
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer",
+                                                                                      "minimum": 1, "maximum": 5}},
+    "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tool_choice_required_and_named_give_calls(client: openai.OpenAI) -> None:
+    """tool_choice 'required' / a named function on a model that would not call a tool by itself: the answer is
+    tool calls, their arguments valid for the tool's schema (jsonschema), streamed as they are sent whole. (This
+    vocabulary spells DeepSeek's tool markers in many tokens, hence the room in max_tokens.)"""
+    msgs = [{"role": "user", "content": "weather in Paris for 3 days?"}]
+    r = client.chat.completions.create(model=NAME, messages=msgs, tools=WEATHER, tool_choice="required",
+                                       temperature=0, max_tokens=220)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls and not c.message.content
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER}
+    for call in c.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    stream = client.chat.completions.create(model=NAME, messages=msgs, tools=WEATHER, tool_choice="required",
+                                            temperature=0, max_tokens=220, stream=True)
+    got = [tc for ch in stream for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+    assert [(t.function.name, t.function.arguments) for t in got] == \
+        [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=NAME, messages=msgs, tools=WEATHER, tool_choice=named, temperature=0.9,
+                                       seed=2, max_tokens=220, parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert [t.function.name for t in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), schemas["get_weather"])
+
+
 def test_tokenize_and_detokenize(server: LiveServer, client: openai.OpenAI, llm: LLM) -> None:
     """vLLM's /tokenize and /detokenize: the ids the completion routes count, with the file's BOS or without, of a
     prompt or of chat messages; bad input is a 400 naming the field."""

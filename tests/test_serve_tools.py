@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from pocketmoe.gguf import open_bundle
 from pocketmoe.serve.api import ServerState, create_app
 from pocketmoe.serve.engine import Delta
-from pocketmoe.serve.tools import DEEPSEEK, MINIMAX, ToolStream, parse
+from pocketmoe.serve.tools import DEEPSEEK, MINIMAX, ToolStream, call_grammar, parse, tool_format
 from pocketmoe.testing.synth import write_fixture
 from pocketmoe.tokenizer import Tokenizer
 
@@ -73,12 +73,13 @@ class ScriptedEngine:
     alive = True
 
     def __init__(self, tok: Tokenizer, architecture: str, script: str) -> None:
-        self.tok, self.script, self.prompts = tok, script, []
+        self.tok, self.script, self.prompts, self.params = tok, script, [], []
         self.runner = type("R", (), {"vocab_size": tok.vocab_size,
                                      "bundle": type("B", (), {"architecture": architecture})()})()
 
     def submit(self, ids, params, *, logprobs=None, prompt_logprobs=False, out=None, index_base=0):  # noqa: ANN001, ANN201
         self.prompts.append(list(ids))
+        self.params.append(list(params))
         for i in range(len(params)):
             pieces = [self.script[j:j + 5] for j in range(0, len(self.script), 5)]
             for k, p in enumerate(pieces):
@@ -144,8 +145,15 @@ def test_malformed_call_and_tool_choice_none_come_back_as_text(tok: Tokenizer) -
     c, _ = client_for(tok, MM_CALL)
     r = c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, tool_choice="none", max_tokens=50)
     assert r.choices[0].message.content == MM_CALL and not r.choices[0].message.tool_calls
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, tool_choice="required")
+    for kw, needle in [(dict(tool_choice="required"), "no tools"),
+                       (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "fly"}}), "'fly'"),
+                       (dict(tools=TOOLS, tool_choice="sometimes"), "not one of"),
+                       (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "one of")]:
+        with pytest.raises(openai.BadRequestError, match=needle):
+            c.chat.completions.create(model="m", messages=MSGS, max_tokens=50, **kw)
+    c, eng = client_for(tok, MM_CALL)
+    r = c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=50)
+    assert r.choices[0].finish_reason == "tool_calls" and eng.params[-1][0].grammar.kind == "lark"
 
 
 def test_deepseek_format_by_architecture(tok: Tokenizer) -> None:
@@ -168,3 +176,58 @@ def test_template_sees_the_tools(model: Path) -> None:
     c.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=5)
     text = tok2.decode(eng.prompts[-1])
     assert "[tool get_weather][tool now]" in text and "<tool>12:00#call_1" in text
+
+
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                         "units": {"enum": ["C", "F"]}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                    "additionalProperties": False}}},
+]
+
+
+@pytest.fixture(scope="module", params=["deepseek2", "minimax-m2"])
+def arch_llm(request, tmp_path_factory):  # noqa: ANN001, ANN201
+    from pocketmoe.engine.llm import LLM
+
+    path = write_fixture(request.param, "tiny", "Q8_0", tmp_path_factory.mktemp("tc") / "m.gguf", seed=3)[0]
+    return request.param, LLM(path, n_ctx=512, threads=1)
+
+
+@pytest.mark.parametrize("only,parallel", [(None, True), (None, False), ("get_weather", True)])
+def test_forced_tool_calls_parse_and_follow_their_schemas(arch_llm, only: str | None, parallel: bool) -> None:  # noqa: ANN001
+    """tool_choice 'required' / named: whatever a (random) model draws under call_grammar, the format's own
+    parser reads calls of the allowed tools, their arguments valid for the tool's schema (jsonschema)."""
+    import jsonschema
+
+    from pocketmoe.engine.sampler import SamplingParams
+
+    arch, llm = arch_llm
+    fmt = tool_format(llm.tokenizer.chat_template, arch)
+    grammar = call_grammar(fmt, FORCED_TOOLS, llm.tokenizer, only, parallel)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+    for seed in range(4):
+        out = llm.generate(["call a tool:"], SamplingParams(temperature=1.0, seed=seed, max_tokens=400,
+                                                            grammar=grammar))[0]
+        assert out.finish_reason == "stop", out.text
+        content, calls = parse(fmt, out.text, FORCED_TOOLS)
+        assert content == "" and calls, out.text
+        assert len(calls) == 1 or (parallel and only is None)
+        for c in calls:
+            assert c.name == only or (only is None and c.name in schemas)
+            jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+
+
+def test_call_grammar_uses_a_marker_token_where_the_vocabulary_has_it() -> None:
+
+    tok = Tokenizer.from_metadata(open_bundle(write_fixture("minimax-m2", "tiny", "Q8_0", Path(
+        __import__("tempfile").mkdtemp()) / "m.gguf", seed=1)[0]).metadata)
+    whole = [t for t in ("<minimax:tool_call>", "</minimax:tool_call>") if t in tok.tokens]
+    source = call_grammar(MINIMAX, FORCED_TOOLS, tok).source
+    for t in whole:
+        assert f"<[{tok.tokens.index(t)}]>" in source
+    for t in {"<minimax:tool_call>", "</minimax:tool_call>"} - set(whole):
+        assert json.dumps(t) in source

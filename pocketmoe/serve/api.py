@@ -37,7 +37,7 @@ from pocketmoe.serve.protocol import (
     pydantic_error,
     template_messages,
 )
-from pocketmoe.serve.tools import ToolFormat, ToolStream, tool_format
+from pocketmoe.serve.tools import ToolFormat, ToolStream, call_grammar, tool_format
 from pocketmoe.serve.tools import parse as parse_tool_calls
 from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 
@@ -319,6 +319,22 @@ def create_app(state: ServerState) -> FastAPI:
                 raise RequestError(str(e), field_name) from None
         return req, eng, eng.tok, grammar
 
+    async def tool_call_grammar(fmt: ToolFormat | None, tools: list[dict[str, Any]], tok: Tokenizer, only: str | None,
+                                parallel: bool, asked: Grammar | None) -> Grammar:
+        """tool_choice 'required' or a named function: the output is held to tool calls in the model's format."""
+        if asked is not None:
+            raise RequestError("tool_choice asks for tool calls and the request also constrains the output "
+                               "(response_format or a grammar); give one of them.", "tool_choice")
+        if fmt is None:
+            raise RequestError("this model's chat template writes no tool calls, so tool_choice cannot require "
+                               "one; use 'auto' or 'none'.", "tool_choice")
+        grammar = call_grammar(fmt, tools, tok, only, parallel)
+        try:
+            await asyncio.to_thread(check_grammar, grammar, tok)
+        except GrammarError as e:
+            raise RequestError(f"the tools' parameter schemas do not compile into a grammar: {e}", "tools") from None
+        return grammar
+
     async def collect(request: Request, q: asyncio.Queue, reqs: list, n: int) -> list[_Choice]:
         choices = [_Choice() for _ in range(n)]
         async for d in deltas(request, q, reqs):
@@ -369,6 +385,9 @@ def create_app(state: ServerState) -> FastAPI:
         tools = req.tool_dicts
         fmt = tool_format(tok.chat_template, eng.runner.bundle.architecture) if tools and req.tool_choice != "none" \
             else None
+        forced, only = req.forced_tool()
+        if forced:
+            grammar = await tool_call_grammar(fmt, tools, tok, only, req.parallel_tool_calls, grammar)
         try:
             ids = await asyncio.to_thread(tok.encode_chat, req.template_messages(), True, tools=tools or None)
         except ChatTemplateError as e:

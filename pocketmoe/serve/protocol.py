@@ -245,9 +245,30 @@ class ChatCompletionRequest(SamplingFields):
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise RequestError(f"tool_choice {self.tool_choice!r} is not supported; use 'auto' (the model decides) "
-                               "or 'none'.", "tool_choice")
+        self.forced_tool()
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """Whether tool_choice makes the output tool calls ("required", or a named function), and the name."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return False, None
+        if choice != "required" and not isinstance(choice, dict):
+            raise RequestError(f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or "
+                               "{'type': 'function', 'function': {'name': ...}}.", "tool_choice")
+        if not self.tools:
+            raise RequestError("tool_choice asks for a tool call but the request has no tools; give tools or "
+                               "leave tool_choice out.", "tool_choice")
+        if choice == "required":
+            return True, None
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise RequestError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}.",
+                               "tool_choice")
+        if name not in [t.function.name for t in self.tools]:
+            raise RequestError(f"tool_choice names the function {name!r}, which is not among the request's tools.",
+                               "tool_choice")
+        return True, name
 
     @property
     def tool_dicts(self) -> list[dict[str, Any]]:

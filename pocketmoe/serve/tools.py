@@ -8,7 +8,8 @@ Two formats:
   and its JSON arguments in a ```json fence, `<｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>`.
 
 A call that does not parse (or names no tool the request gave) leaves the text as it is: content, never
-an error.
+an error. With tool_choice "required" or a named function, `call_grammar` holds the output to calls in the
+model's format (llguidance; engine/structured.py), each call's arguments to its tool's parameter schema.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pocketmoe.engine.sampler import partial_prefix
+from pocketmoe.engine.structured import JSON_WHITESPACE, Grammar
+from pocketmoe.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -140,3 +143,66 @@ class ToolStream:
             return held, []
         _, calls = parse(self.fmt, held, self.tools)
         return ("", calls) if calls else (held, [])
+
+
+def _text_value(schema: dict[str, Any]) -> str:
+    """A Lark expression for a MiniMax text parameter: its enum or const, its pattern, else text up to the next
+    tag (at most maxLength characters)."""
+    options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(options, list) and options and all(isinstance(x, str) for x in options):
+        return "(" + " | ".join(json.dumps(x, ensure_ascii=False) for x in options) + ")"
+    if isinstance(schema.get("pattern"), str):  # the whole value matches it (anchors dropped)
+        pattern = schema["pattern"].removeprefix("^")
+        pattern = pattern[:-1] if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
+        return "/" + pattern.replace("/", "\\/") + "/"
+    limit = schema.get("maxLength")
+    return f"/[^<]{{0,{limit}}}/" if isinstance(limit, int) and limit >= 0 else "/[^<]*/"
+
+
+def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], tok: Tokenizer, only: str | None = None,
+                 parallel: bool = True) -> Grammar:
+    """The output is tool calls and nothing else, as the model's template writes them: one call of `only`, or
+    one or more (one without `parallel`) of any of the tools. A marker that is one token of the vocabulary
+    (DeepSeek's tool tokens, MiniMax's tags) must be that token."""
+    fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+    many = parallel and only is None
+
+    def mark(text: str) -> str:  # the token itself where the vocabulary has it whole, else its text
+        ids = tok.encode(text, add_bos=False, space_prefix=False)
+        return f"<[{ids[0]}]>" if len(ids) == 1 and tok.tokens[ids[0]] == text else json.dumps(text)
+
+    def schema_rule(schema: dict[str, Any]) -> str:
+        options = {"whitespace_pattern": JSON_WHITESPACE, "lenient": True}  # tools' schemas vary; enforce what is known
+        return "%json " + json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
+
+    rules = []
+    if fmt is MINIMAX:
+        rules.append(f"start: {mark(MINIMAX.start)} \"\\n\" invoke{'+' if many else ''} {mark('</minimax:tool_call>')}")
+        rules.append("invoke: " + " | ".join(f"f{i}" for i in range(len(fns))))
+        for i, fn in enumerate(fns):
+            params = fn.get("parameters") or {}
+            props = params.get("properties") or {}
+            required = set(params.get("required") or [])
+            defs = {k: params[k] for k in ("$defs", "definitions") if k in params}  # for a property's $ref
+            parts = []
+            for j, (pname, pschema) in enumerate(props.items()):
+                pschema = pschema if isinstance(pschema, dict) else {}
+                text = pschema.get("type", "string") == "string"  # written as it is (as parse reads it)
+                value = f" {_text_value(pschema)} " if text else f" f{i}v{j} "
+                rules.append(f"f{i}p{j}: " + json.dumps(f'<parameter name="{pname}">', ensure_ascii=False) + value
+                             + json.dumps("</parameter>\n"))
+                if not text:
+                    rules.append(f"f{i}v{j}: {schema_rule({**defs, **pschema})}")
+                parts.append(f"f{i}p{j}" if pname in required else f"f{i}p{j}?")
+            rules.append(f"f{i}: " + json.dumps(f'<invoke name="{fn["name"]}">\n', ensure_ascii=False) + " "
+                         + " ".join(parts) + ' "</invoke>\\n"')
+    else:
+        rules.append(f"start: {mark(DEEPSEEK.start)} call{'+' if many else ''} {mark('<｜tool▁calls▁end｜>')}")
+        rules.append(f"call: {mark('<｜tool▁call▁begin｜>')} \"function\" {mark('<｜tool▁sep｜>')} fn "
+                     f"{mark('<｜tool▁call▁end｜>')}")
+        rules.append("fn: " + " | ".join(f"f{i}" for i in range(len(fns))))
+        for i, fn in enumerate(fns):
+            rules.append(f"f{i}: " + json.dumps(f"{fn['name']}\n```json\n", ensure_ascii=False) + f" f{i}a "
+                         + json.dumps("\n```"))
+            rules.append(f"f{i}a: {schema_rule(fn.get('parameters') or {'type': 'object'})}")
+    return Grammar("lark", "\n".join(rules) + "\n")
