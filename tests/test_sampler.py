@@ -148,8 +148,8 @@ def test_seed_determinism_and_distribution() -> None:
     assert Sampler(SamplingParams(seed=1))(logits.to(torch.bfloat16)) in range(8)
 
 
-def _run_stop(pieces: list[str], stop: list[str]) -> tuple[str, bool]:
-    sc = StopChecker(stop)
+def _run_stop(pieces: list[str], stop: list[str], include: bool = False) -> tuple[str, bool]:
+    sc = StopChecker(stop, include)
     out = []
     for piece in pieces:
         text, stopped = sc.push(piece)
@@ -179,3 +179,18 @@ def test_stop_strings_random_splits() -> None:
         hits = [text.find(s) for s in stops if s in text]
         expected = (text[: min(hits)], True) if hits else (text, False)
         assert _run_stop(pieces, stops) == expected, (text, stops, pieces)
+        if hits:  # include_stop_str_in_output: through the first stop string found (at a tie, the least)
+            first = min((text.find(s), s) for s in stops if s in text)
+            assert _run_stop(pieces, stops, include=True) == (text[: first[0] + len(first[1])], True)
+
+
+def test_min_tokens_holds_back_the_end_ids() -> None:
+    """The end ids cannot be drawn for min_tokens draws, whatever their logits; after that they win again."""
+    logits = _logits(5, 16)
+    logits[7] = logits[3] = 50.0
+    for temperature in (0.0, 1.0):
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=1, min_tokens=4, stop_token_ids=(7, 3)))
+        draws = [sampler(logits) for _ in range(6)]
+        assert all(d not in (3, 7) for d in draws[:4]) and all(d in (3, 7) for d in draws[4:])
+    with pytest.raises(SamplingParamsError, match="min_tokens"):
+        SamplingParams(min_tokens=9, max_tokens=8)

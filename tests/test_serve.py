@@ -368,7 +368,9 @@ def _fuzz_values(rng) -> list:  # noqa: ANN001
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
           "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "echo", "stream",
           "stream_options", "response_format", "user", "top_k", "min_p", "repeat_penalty", "ignore_eos", "suffix",
-          "best_of", "tools", "tool_choice", "structured_outputs", "json_schema", "grammar"]
+          "best_of", "tools", "tool_choice", "structured_outputs", "json_schema", "grammar", "min_tokens",
+          "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "chat_template_kwargs",
+          "add_generation_prompt", "continue_final_message"]
 
 
 def test_schema_fuzz_never_500s(server: LiveServer) -> None:
@@ -494,6 +496,54 @@ def test_tokenize_and_detokenize(server: LiveServer, client: openai.OpenAI, llm:
         e = post(path, body)
         assert e.status_code == 400 and e.json()["error"]["param"] == param, (path, body, e.text)
     assert post("/tokenize", {"model": "nope", "prompt": "a"}).status_code == 404
+
+
+def test_vllm_sampling_and_template_extras(server: LiveServer, client: openai.OpenAI, llm: LLM) -> None:
+    """vLLM's stop_token_ids, min_tokens, include_stop_str_in_output, skip_special_tokens, continue_final_message and
+    chat_template_kwargs: each against the engine alone with the same params, or against the text it must give."""
+    prompt = "the quick brown fox"
+    free = solo(llm, prompt, temperature=0, max_tokens=12)
+    k = next(i for i in range(2, 12) if free.token_ids[i] not in free.token_ids[:i])
+    stop_id = free.token_ids[k]
+    r = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=12,
+                                  extra_body={"stop_token_ids": [stop_id]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k
+    assert r.choices[0].text == solo(llm, prompt, temperature=0, max_tokens=12, stop_token_ids=(stop_id,)).text
+    eos = llm.tokenizer.eot_ids[0]
+    for min_tokens in (0, 5):
+        r = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=12,
+                                      logit_bias={str(eos): 100}, extra_body={"min_tokens": min_tokens})
+        assert r.usage.completion_tokens == min_tokens and r.choices[0].finish_reason == "stop"
+    stop = free.text[4:7]
+    cut = free.text.find(stop)
+    for include, want in ((False, free.text[:cut]), (True, free.text[:cut + len(stop)])):
+        r = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=12, stop=[stop],
+                                      extra_body={"include_stop_str_in_output": include})
+        assert r.choices[0].text == want
+    bos = llm.tokenizer.bos_id
+    for skip, want in ((False, llm.tokenizer.tokens[bos] * 3), (True, "")):
+        r = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=3,
+                                      logit_bias={str(bos): 100}, extra_body={"skip_special_tokens": skip})
+        assert r.choices[0].text == want
+    # continue_final_message: the rendered chat stops right after the assistant's text, and the answer goes on from it
+    messages = [{"role": "user", "content": "name a fruit"}, {"role": "assistant", "content": "My answer is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(server.url + "/tokenize", json=body, timeout=30).json()["tokens"]
+    text = llm.tokenizer.decode(ids)
+    assert text.endswith("My answer is") and llm.tokenizer.apply_chat_template(messages, False).startswith(text)
+    r = client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=6,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                                                   "chat_template_kwargs": {"unused_flag": True}})
+    assert r.choices[0].message.content == solo(llm, ids, temperature=0, max_tokens=6).text
+    for extra, param in [({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                         ({"add_generation_prompt": False, "continue_final_message": True,
+                           "messages": [{"role": "user", "content": "hi"}]}, "messages"),
+                         ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+                         ({"stop_token_ids": [10**9]}, "stop_token_ids")]:
+        e = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 4, **extra},
+                       timeout=30)
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, (extra, e.text)
 
 
 def test_prefix_caching_flag() -> None:

@@ -107,8 +107,8 @@ class LLM:
         self._check_prompt(len(ids))
         out = output if output is not None else CompletionOutput(prompt_token_ids=ids)
         out.prompt_token_ids = ids
-        sampler, stop = Sampler(params, self.tokenizer), StopChecker(params.stop)
-        decoder = self.tokenizer.stream_decoder()
+        sampler, stop = Sampler(params, self.tokenizer), StopChecker(params.stop, params.include_stop_str_in_output)
+        decoder = self.tokenizer.stream_decoder(params.skip_special_tokens)
         end_ids = params.end_ids(self.tokenizer.eot_ids)
         history = list(ids)
 

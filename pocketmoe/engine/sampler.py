@@ -36,8 +36,10 @@ class SamplingParams:
     negative ones multiplied). frequency_penalty and presence_penalty in [-2, 2] (OpenAI: subtract
     count * frequency + presence from a seen token's logit). All three penalties look at the last
     `penalty_last_n` tokens of prompt + output (0 = all of them).
-    stop: strings that end the output (not included in it); stop_token_ids: ids that end it;
-    ignore_eos: keep going past the model's end-of-generation tokens.
+    stop: strings that end the output (not included in it unless include_stop_str_in_output); stop_token_ids:
+    ids that end it; ignore_eos: keep going past the model's end-of-generation tokens. min_tokens: the ids that
+    end the output cannot be drawn before this many tokens (vLLM's; not where a grammar decides the end).
+    skip_special_tokens: control tokens add no text to the output (vLLM's default is true, llama.cpp's false).
     logit_bias: (token id, bias) pairs added to the logits after the penalties (OpenAI's logit_bias).
     grammar: structured output (engine/structured.py): only tokens that keep the output inside it are drawn.
     """
@@ -57,6 +59,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     grammar: Grammar | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -73,6 +78,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
             (self.penalty_last_n >= 0, "penalty_last_n", ">= 0 (0 means the whole history)"),
             (self.max_tokens >= 1, "max_tokens", ">= 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings"),
         ]
         for ok, name, rule in checks:
@@ -153,6 +159,9 @@ class Sampler:
     def __init__(self, params: SamplingParams, tokenizer: Tokenizer | None = None) -> None:
         self.params = params
         self.constraint: Constraint | None = None
+        self.drawn = 0  # tokens this sampler has returned (min_tokens counts them)
+        eot = tokenizer.eot_ids if tokenizer is not None else ()
+        self._end_ids = torch.tensor(sorted(params.end_ids(eot)), dtype=torch.long)
         if params.grammar is not None:
             if tokenizer is None:
                 raise SamplingParamsError("a sampler with a grammar needs the model's tokenizer.")
@@ -172,6 +181,8 @@ class Sampler:
             x[torch.tensor(ids)] += torch.tensor(bias, dtype=torch.float32)
         if self.constraint is not None:
             self.constraint.mask_(x)
+        elif self.drawn < p.min_tokens and len(self._end_ids):
+            x[self._end_ids[self._end_ids < x.numel()]] = -math.inf
         if p.greedy:
             return x
         x = x / p.temperature
@@ -181,15 +192,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         p = self.params
-        if p.greedy and not p.penalized and not p.logit_bias and self.constraint is None:
-            return int(torch.argmax(logits))  # argmax of the logits as they are
-        x = self.process(logits, history)
-        if p.greedy:
-            token = int(torch.argmax(x))
+        if p.greedy and not p.penalized and not p.logit_bias and self.constraint is None and self.drawn >= p.min_tokens:
+            token = int(torch.argmax(logits))  # argmax of the logits as they are
         else:
-            token = int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=self.generator))
-        if self.constraint is not None:
-            self.constraint.accept(token)
+            x = self.process(logits, history)
+            if p.greedy:
+                token = int(torch.argmax(x))
+            else:
+                token = int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=self.generator))
+            if self.constraint is not None:
+                self.constraint.accept(token)
+        self.drawn += 1
         return token
 
     sample = __call__
@@ -208,8 +221,9 @@ class StopChecker:
     and the rest is dropped. `flush()` releases what is held when the stream ends without a stop.
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include: bool = False) -> None:
         self.stop = tuple(s for s in stop if s)
+        self.include = include  # the stop string itself ends the shown text
         self._held = ""
         self.stopped = False
         self.matched: str | None = None
@@ -222,7 +236,7 @@ class StopChecker:
         if hits:
             i, s = min(hits)
             self._held, self.stopped, self.matched = "", True, s
-            return buf[:i], True
+            return buf[:i + len(s) if self.include else i], True
         keep = max(partial_prefix(buf, s) for s in self.stop) if self.stop else 0
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], False

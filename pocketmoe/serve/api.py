@@ -163,12 +163,16 @@ def _sampling(req: SamplingFields, grammar: Grammar | None, max_tokens: int, voc
         if not k.lstrip("-").isdigit() or not 0 <= int(k) < vocab:
             raise RequestError(f"logit_bias key {k!r} is not a token id of this model (0..{vocab - 1}).", "logit_bias")
         bias.append((int(k), v))
+    stop_ids = req.stop_token_ids or []
+    _check_vocab(stop_ids, vocab, "stop_token_ids", "stop token id")
     rep = req.repetition_penalty if req.repetition_penalty is not None else req.repeat_penalty
     base = dict(
         temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p or 1.0,
         top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, repetition_penalty=rep or 1.0,
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
-        max_tokens=max_tokens, stop=req.stop_list(), ignore_eos=req.ignore_eos, logit_bias=tuple(bias), grammar=grammar)
+        max_tokens=max_tokens, stop=req.stop_list(), ignore_eos=req.ignore_eos, logit_bias=tuple(bias), grammar=grammar,
+        stop_token_ids=tuple(stop_ids), min_tokens=min(req.min_tokens, max_tokens),
+        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens)
     return [SamplingParams(**base, seed=None if req.seed is None else (req.seed + i) % 2**64) for i in range(req.n)]
 
 
@@ -389,7 +393,9 @@ def create_app(state: ServerState) -> FastAPI:
         if forced:
             grammar = await tool_call_grammar(fmt, tools, tok, only, req.parallel_tool_calls, grammar)
         try:
-            ids = await asyncio.to_thread(tok.encode_chat, req.template_messages(), True, tools=tools or None)
+            ids = await asyncio.to_thread(tok.encode_chat, req.template_messages(), req.add_generation_prompt,
+                                          req.continue_final_message, tools=tools or None,
+                                          **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
         ids = await encode_prompt(tok, ids)
@@ -427,7 +433,8 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             if req.messages is not None:
                 ids = await asyncio.to_thread(tok.encode_chat, template_messages(req.messages),
-                                              req.add_generation_prompt)
+                                              req.add_generation_prompt, req.continue_final_message,
+                                              **(req.chat_template_kwargs or {}))
             else:
                 ids = await asyncio.to_thread(tok.encode, req.prompt, None if req.add_special_tokens else False)
         except ChatTemplateError as e:

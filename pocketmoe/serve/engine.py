@@ -202,8 +202,8 @@ class Engine:
         for i, (p, sampler) in enumerate(zip(params, samplers, strict=True)):
             req.seqs.append(Seq(
                 key=(req.id, i), request=req, index=index_base + i, prompt_len=len(prompt), tokens=list(prompt), params=p,
-                sampler=sampler, end_ids=p.end_ids(self.tok.eot_ids), stop=StopChecker(p.stop),
-                decoder=self.tok.stream_decoder(), want_prompt_logprobs=prompt_logprobs))
+                sampler=sampler, end_ids=p.end_ids(self.tok.eot_ids), stop=StopChecker(p.stop, p.include_stop_str_in_output),
+                decoder=self.tok.stream_decoder(p.skip_special_tokens), want_prompt_logprobs=prompt_logprobs))
         req.open = len(req.seqs)
         self._inbox.put(("add", req))
         return req

@@ -22,6 +22,8 @@ MAX_CHOICES = 16       # n (x prompts on /v1/completions)
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's limit); completions logprobs is capped at 5 as OpenAI does
 MAX_GRAMMAR_CHARS = 65536  # a regex or grammar's text (a JSON schema is bounded by the body cap)
 MAX_GRAMMAR_CHOICES = 1024  # structured_outputs.choice
+MAX_STOP_TOKEN_IDS = 64
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -100,6 +102,10 @@ class SamplingFields(_Body):
     repeat_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    stop_token_ids: Annotated[list[NonNegInt], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = False
     structured_outputs: StructuredOutputs | None = None
     json_schema: dict[str, Any] | None = None  # llama.cpp
     grammar: GrammarText | None = None  # llama.cpp (GBNF; Lark also reads)
@@ -161,6 +167,9 @@ class SamplingFields(_Body):
 
     def check_common(self) -> None:
         self.output_grammar()
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({self.max_tokens}).",
+                               "min_tokens")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true.", "stream_options")
 
@@ -240,9 +249,14 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # vLLM's chat extensions
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def check(self) -> None:
         self.check_common()
+        check_template_options(self)
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
         self.forced_tool()
@@ -279,6 +293,18 @@ class ChatCompletionRequest(SamplingFields):
         return template_messages(self.messages)
 
 
+def check_template_options(req: ChatCompletionRequest | TokenizeRequest) -> None:
+    """vLLM's chat template options: extra variables that do not replace the ones the server sets, and
+    continue_final_message (the last assistant message goes on) instead of a generation prompt."""
+    clash = sorted(RESERVED_TEMPLATE_VARIABLES & set(req.chat_template_kwargs or {}))
+    if clash:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(clash)}; the request's own fields do.",
+                           "chat_template_kwargs")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise RequestError("continue_final_message continues the last assistant message, so it needs "
+                           "add_generation_prompt set to false.", "continue_final_message")
+
+
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the chat template reads them: role, text content (parts joined), and the rest
     of each message as sent (tool_calls, tool_call_id, name)."""
@@ -298,8 +324,11 @@ class TokenizeRequest(_Body):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True     # prompt: BOS (and EOS) as the file asks; false: none
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opening, as a chat request does
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
+        check_template_options(self)
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("give either prompt (text) or messages (a chat), not both or neither.",
                                "prompt" if self.prompt is not None else "messages")

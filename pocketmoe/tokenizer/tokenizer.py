@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pocketmoe.errors import PocketMoEError
-from pocketmoe.tokenizer.chat import DEEPSEEK_V2_CHAT_TEMPLATE, render_chat
+from pocketmoe.tokenizer.chat import DEEPSEEK_V2_CHAT_TEMPLATE, ChatTemplateError, render_chat
 from pocketmoe.tokenizer.models import ByteLevelBPE, SentencePieceBPE, symbols_to_bytes
 from pocketmoe.tokenizer.pretokenize import resolve_pre
 from pocketmoe.tokenizer.specials import (
@@ -199,18 +199,31 @@ class Tokenizer:
         return StreamDecoder(self, skip_special=skip_special)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **variables: Any) -> str:
-        """Render the file's chat template (DeepSeek-V2-Chat's when it has none), as HF does."""
+                            continue_final_message: bool = False, **variables: Any) -> str:
+        """Render the file's chat template (DeepSeek-V2-Chat's when it has none), as HF does.
+        continue_final_message: the chat ends inside the last (assistant) message, right after its text, so the
+        model goes on with it (HF's and vLLM's option; no generation prompt then)."""
         names = {"bos_token": self.bos_id, "eos_token": self.eos_id, "unk_token": self.unk_id,
                  "pad_token": self.pad_id}
         for name, tid in names.items():
             variables.setdefault(name, self.tokens[tid] if tid is not None else "")
-        return render_chat(self.chat_template, messages, add_generation_prompt, **variables)
+        if not continue_final_message:
+            return render_chat(self.chat_template, messages, add_generation_prompt, **variables)
+        final = messages[-1].get("content") if messages and messages[-1].get("role") == "assistant" else None
+        if not isinstance(final, str) or not final.strip():
+            raise ChatTemplateError("continue_final_message needs the last message to be the assistant's, with text "
+                                    "to continue.")
+        text = render_chat(self.chat_template, messages, False, **variables)
+        end = text.rfind(final.strip())
+        if end < 0:
+            raise ChatTemplateError("the chat template does not write the final assistant message's text as it is, "
+                                    "so it cannot be continued.")
+        return text[:end + len(final.strip())]
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **variables: Any) -> list[int]:
+                    continue_final_message: bool = False, **variables: Any) -> list[int]:
         """Token ids of the rendered chat; no second BOS when the template writes one itself."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **variables)
         bos = self.bos_id
         starts_with_bos = bos is not None and text.startswith(self.tokens[bos])
         return self.encode(text, add_bos=None if not starts_with_bos else False)
