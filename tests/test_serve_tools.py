@@ -101,9 +101,11 @@ def tok(model: Path) -> Tokenizer:
     return Tokenizer.from_metadata(open_bundle(model).metadata)
 
 
-def client_for(tok: Tokenizer, script: str, arch: str = "minimax-m2") -> tuple[openai.OpenAI, ScriptedEngine]:
+def client_for(tok: Tokenizer, script: str, arch: str = "minimax-m2",
+               reasoning_format: str = "auto") -> tuple[openai.OpenAI, ScriptedEngine]:
     eng = ScriptedEngine(tok, arch, script)
-    state = ServerState(model_name="m", max_model_len=4096, engine=eng, tokenizer=tok)  # type: ignore[arg-type]
+    state = ServerState(model_name="m", max_model_len=4096, engine=eng, tokenizer=tok,  # type: ignore[arg-type]
+                        reasoning_format=reasoning_format)
     http = TestClient(create_app(state), base_url="http://testserver")
     return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0), eng
 
@@ -231,3 +233,65 @@ def test_call_grammar_uses_a_marker_token_where_the_vocabulary_has_it() -> None:
         assert f"<[{tok.tokens.index(t)}]>" in source
     for t in {"<minimax:tool_call>", "</minimax:tool_call>"} - set(whole):
         assert json.dumps(t) in source
+
+
+def reference_split(text: str, forced_open: bool) -> tuple[str | None, str]:
+    """The <think> block of an output, read whole: from the start (or, not forced, from a leading <think>) to the
+    first </think>; the content after it, less the newlines that follow the tag."""
+    if not forced_open:
+        if not text.lstrip().startswith("<think>"):
+            return None, text
+        text = text.lstrip()[len("<think>"):]
+    end = text.find("</think>")
+    return (text, "") if end < 0 else (text[:end], text[end + len("</think>"):].lstrip("\n"))
+
+
+def test_reasoning_splits_alike_streamed_at_any_cut() -> None:
+    from pocketmoe.serve.reasoning import ReasoningSplitter, split
+
+    rng = __import__("random").Random(0)
+    words = ["<think>", "</think>", "<thi", "nk>", "</", "think", ">", "\n", " ", "a", "b c", "<", "/"]
+    for _ in range(600):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(0, 12)))
+        forced = rng.random() < 0.5
+        want = reference_split(text, forced)
+        assert split(text, forced) == want, (text, forced)
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        s = ReasoningSplitter(forced)
+        parts = [s.push(text[i:j]) for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)] + [s.finish()]
+        assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == (want[0] or "", want[1]), (text, cuts)
+
+
+THINK_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant><think>\n{% endif %}")
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_chat_sends_the_think_block_as_reasoning(model: Path, forced: bool) -> None:
+    """A thinking model's block comes back as reasoning_content / reasoning, whole and streamed; tool calls are read
+    in what follows; --reasoning-format none leaves it all content; enable_thinking false closes the block."""
+    tok2 = Tokenizer.from_metadata(open_bundle(model).metadata)
+    if forced:  # the template opens the block (MiniMax-M2's way): the output starts inside it
+        tok2.chat_template = THINK_TEMPLATE
+    script = ("" if forced else "<think>") + "\nCheck the weather first.\n</think>\n\n" + MM_CALL
+    c, eng = client_for(tok2, script)
+    r = c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, max_tokens=50).choices[0]
+    thought = "\nCheck the weather first.\n"
+    assert r.message.model_extra["reasoning_content"] == r.message.model_extra["reasoning"] == thought
+    assert r.message.content == "Let me check." and r.finish_reason == "tool_calls"
+    assert [t.function.name for t in r.message.tool_calls] == ["get_weather", "now"]
+    chunks = list(c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, max_tokens=50, stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == "Let me check."
+    c, _ = client_for(tok2, script, reasoning_format="none")
+    r = c.chat.completions.create(model="m", messages=MSGS, max_tokens=50).choices[0]
+    assert r.message.content == script and "reasoning_content" not in (r.message.model_extra or {})
+    if forced:
+        c, eng = client_for(tok2, "Paris.")
+        r = c.chat.completions.create(model="m", messages=MSGS, max_tokens=5,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
+        assert tok2.decode(eng.prompts[-1]).endswith("<think>\n</think>\n\n") and r.message.content == "Paris."
+        c, eng = client_for(tok2, '{"a": 1}')  # a grammar decides the output: no block is left open for it
+        c.chat.completions.create(model="m", messages=MSGS, max_tokens=5, response_format={"type": "json_object"})
+        assert tok2.decode(eng.prompts[-1]).endswith("</think>\n\n")

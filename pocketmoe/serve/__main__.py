@@ -2,7 +2,7 @@
 
     python -m pocketmoe.serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
         [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
-        [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N]
+        [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N] [--reasoning-format auto|none]
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 Without --model it serves the built-in demo model. The port opens at once (GET /health answers 503
@@ -61,6 +61,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "turns, a shared system prompt) (default: on with the native CPU kernels, whose rows are bitwise "
                    "the same however a prompt is chunked; off with the torch reference and CUDA ops, whose rows "
                    "can differ in the last bits)")
+    p.add_argument("--reasoning-format", default="auto", choices=["auto", "none"],
+                   help="auto: a thinking model's <think> block comes back as the message's reasoning_content (and "
+                   "reasoning), apart from its content; none: all of it as content")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -242,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return worker(args)
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
     state = ServerState(model_name=name, max_model_len=0, api_key=args.api_key or None,
-                        max_body_bytes=int(args.max_body_mib * 2**20))
+                        max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -37,6 +37,8 @@ from pocketmoe.serve.protocol import (
     pydantic_error,
     template_messages,
 )
+from pocketmoe.serve.reasoning import CLOSE, ReasoningSplitter, opens_thinking
+from pocketmoe.serve.reasoning import split as split_reasoning
 from pocketmoe.serve.tools import ToolFormat, ToolStream, call_grammar, tool_format
 from pocketmoe.serve.tools import parse as parse_tool_calls
 from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
@@ -63,6 +65,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     load_error: str | None = None
     lost_rank: BaseException | None = None  # a tensor-parallel rank died (the server exits 1)
+    reasoning_format: str = "auto"  # "auto": <think> blocks come back as reasoning_content; "none": as content
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -393,12 +396,16 @@ def create_app(state: ServerState) -> FastAPI:
         if forced:
             grammar = await tool_call_grammar(fmt, tools, tok, only, req.parallel_tool_calls, grammar)
         try:
-            ids = await asyncio.to_thread(tok.encode_chat, req.template_messages(), req.add_generation_prompt,
-                                          req.continue_final_message, tools=tools or None,
-                                          **(req.chat_template_kwargs or {}))
+            text = await asyncio.to_thread(tok.apply_chat_template, req.template_messages(), req.add_generation_prompt,
+                                           req.continue_final_message, tools=tools or None,
+                                           **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
-        ids = await encode_prompt(tok, ids)
+        thinking = opens_thinking(text)
+        if thinking and (grammar is not None or (req.chat_template_kwargs or {}).get("enable_thinking") is False):
+            text, thinking = text + CLOSE + "\n\n", False  # no reasoning: the block closes empty (as llama.cpp does)
+        thinking = thinking if state.reasoning_format == "auto" else None
+        ids = await encode_prompt(tok, await asyncio.to_thread(tok.encode_rendered_chat, text))
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
         params = _sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len)
         k = (req.top_logprobs or 0) if req.logprobs else None
@@ -407,12 +414,15 @@ def create_app(state: ServerState) -> FastAPI:
         usage = _usage(len(ids))
         if req.stream:
             return _sse(_chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage,
-                                     fmt, tools))
+                                     fmt, tools, thinking))
         out, cached = [], {}
         for i, c in enumerate(await collect(request, q, reqs, req.n)):
             lp = {"content": [_chat_logprob(tok, x) for x in c.logprobs]} if req.logprobs else None
-            content, calls = parse_tool_calls(fmt, c.text, tools) if fmt else (c.text, [])
+            thought, answer = split_reasoning(c.text, thinking) if thinking is not None else (None, c.text)
+            content, calls = parse_tool_calls(fmt, answer, tools) if fmt else (answer, [])
             message: dict[str, Any] = {"role": "assistant", "content": (content or None) if calls else content}
+            if thought is not None:
+                message["reasoning_content"] = message["reasoning"] = thought
             if calls:
                 message["tool_calls"] = [x.to_json() for x in calls]
             out.append({"index": i, "message": message, "logprobs": lp,
@@ -566,11 +576,12 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
 
 async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: AsyncIterator[Delta], rid: str,
                        created: int, model: str, usage: dict[str, Any], fmt: ToolFormat | None,
-                       tools: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    """Chat chunks; with tools, text from the start of a tool call on is held and sent as tool_calls at the end
-    (or as content, when it does not parse)."""
+                       tools: list[dict[str, Any]], thinking: bool | None) -> AsyncIterator[dict[str, Any]]:
+    """Chat chunks; a <think> block (thinking not None) as reasoning deltas; with tools, text from the start of a
+    tool call on is held and sent as tool_calls at the end (or as content, when it does not parse)."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     held = [ToolStream(fmt, tools) for _ in range(req.n)] if fmt else None
+    minds = [ReasoningSplitter(thinking) for _ in range(req.n)] if thinking is not None else None
     cached: dict[int, int] = {}
 
     def chunk(index: int, delta: dict[str, Any], lp: Any, finish: str | None) -> dict[str, Any]:
@@ -590,9 +601,15 @@ async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: Async
         usage["completion_tokens"] += len(d.token_ids)
         _count_cached(usage, cached, 0, d.cached_tokens)
         lp = {"content": [_chat_logprob(tok, x) for x in d.logprobs]} if req.logprobs and d.logprobs else None
-        text = held[d.index].push(d.text) if held else d.text
-        if text or d.token_ids:  # one chunk per token, as OpenAI streams
-            yield chunk(d.index, {"content": text}, lp, None)
+        thought, text = minds[d.index].push(d.text) if minds else ("", d.text)
+        if d.finish_reason and minds:
+            more, tail = minds[d.index].finish()
+            thought, text = thought + more, text + tail
+        if thought:
+            yield chunk(d.index, {"reasoning_content": thought, "reasoning": thought}, lp, None)
+        text = held[d.index].push(text) if held else text
+        if text or (d.token_ids and not thought):  # one chunk per token, as OpenAI streams
+            yield chunk(d.index, {"content": text}, None if thought else lp, None)
         if d.finish_reason:
             finish = d.finish_reason
             if held:

@@ -223,7 +223,11 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **variables: Any) -> list[int]:
         """Token ids of the rendered chat; no second BOS when the template writes one itself."""
-        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **variables)
+        return self.encode_rendered_chat(
+            self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **variables))
+
+    def encode_rendered_chat(self, text: str) -> list[int]:
+        """Token ids of a chat apply_chat_template rendered (BOS as the file asks, unless the text has it)."""
         bos = self.bos_id
         starts_with_bos = bos is not None and text.startswith(self.tokens[bos])
         return self.encode(text, add_bos=None if not starts_with_bos else False)
