@@ -18,6 +18,8 @@ from pocketmoe.engine.sampler import (
     apply_penalties,
     apply_top_k,
     apply_top_p,
+    argmax,
+    draw,
 )
 from pocketmoe.errors import PocketMoEError
 
@@ -182,6 +184,20 @@ def test_stop_strings_random_splits() -> None:
         if hits:  # include_stop_str_in_output: through the first stop string found (at a tie, the least)
             first = min((text.find(s), s) for s in stops if s in text)
             assert _run_stop(pieces, stops, include=True) == (text[: first[0] + len(first[1])], True)
+
+
+def test_draw_follows_softmax_and_never_takes_an_excluded_token() -> None:
+    """The inverse-CDF draw against the distribution it samples: frequencies within 4 standard errors of
+    softmax(x) over 40000 draws, and tokens at -inf (a filter's or a grammar's) never drawn."""
+    x = _logits(11, 24)
+    x[[0, 5, 23]] = -math.inf  # the first and the last ids among them: the edges of the cumulative sum
+    gen = torch.Generator().manual_seed(3)
+    counts = np.bincount([draw(x, gen) for _ in range(40000)], minlength=24)
+    probs = torch.softmax(x.double(), -1).numpy()
+    assert counts[[0, 5, 23]].sum() == 0
+    np.testing.assert_array_less(np.abs(counts / 40000 - probs), 4 * np.sqrt(probs * (1 - probs) / 40000) + 1e-9)
+    xb = x.to(torch.bfloat16)
+    assert argmax(torch.tensor([1.0, 3.0, 3.0, -2.0])) == 1 and argmax(xb) == int(torch.argmax(xb))
 
 
 def test_min_tokens_holds_back_the_end_ids() -> None:

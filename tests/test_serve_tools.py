@@ -214,8 +214,13 @@ def test_forced_tool_calls_parse_and_follow_their_schemas(arch_llm, only: str | 
     for seed in range(4):
         out = llm.generate(["call a tool:"], SamplingParams(temperature=1.0, seed=seed, max_tokens=400,
                                                             grammar=grammar))[0]
-        assert out.finish_reason == "stop", out.text
-        content, calls = parse(fmt, out.text, FORCED_TOOLS)
+        text = out.text
+        if out.finish_reason == "length":  # only where calls may go on (a random model need not stop calling):
+            assert parallel and only is None, text  # the calls made so far, closed, must stand
+            end, close = (("</invoke>\n", "</minimax:tool_call>") if fmt is MINIMAX
+                          else ("<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"))
+            text = text[:text.rindex(end) + len(end)] + close
+        content, calls = parse(fmt, text, FORCED_TOOLS)
         assert content == "" and calls, out.text
         assert len(calls) == 1 or (parallel and only is None)
         for c in calls:
