@@ -113,6 +113,24 @@ def test_top_p_keeps_smallest_prefix() -> None:
         assert kept == _ref_top_p_keep(logits.numpy().astype(np.float64), p)
 
 
+def _sorted_top_k(logits: torch.Tensor, k: int) -> set[int]:
+    return set(torch.sort(logits, descending=True, stable=True).indices[:k].tolist())
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (top-p needs thousands of tokens) to peaked
+def test_top_k_and_top_p_on_a_vocabulary_with_ties_match_a_full_sort(scale: float) -> None:
+    """The partial selections against a full stable sort (top-k) and the float64 reference (top-p), on a
+    102400-token row whose values repeat (rounded to 1/8), so ties sit at every boundary."""
+    logits = torch.round(_logits(int(scale * 10), 102400) * scale * 8) / 8
+    logits[torch.arange(0, 102400, 97)] = -math.inf  # a grammar's or a filter's exclusions
+    for k in (1, 40, 257, 5000):
+        kept = set(torch.isfinite(apply_top_k(logits, k)).nonzero().flatten().tolist())
+        assert kept == _sorted_top_k(logits, k), k
+    for p in (0.3, 0.9, 0.95, 0.999):
+        kept = set(torch.isfinite(apply_top_p(logits, p)).nonzero().flatten().tolist())
+        assert kept == _ref_top_p_keep(logits.numpy().astype(np.float64), p), p
+
+
 def test_min_p_matches_reference() -> None:
     logits = _logits(7)
     probs = torch.softmax(logits.double(), -1).numpy()

@@ -121,25 +121,43 @@ def apply_penalties(logits: torch.Tensor, history: Sequence[int], params: Sampli
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits (ties at the boundary: lower ids first), the rest -> -inf."""
+    """Keep the k largest logits (ties at the boundary: lower ids first), the rest -> -inf. One partial
+    selection (torch.topk) for the k-th value, not a sort of the vocabulary (7 ms for 102400 tokens)."""
     if k <= 0 or k >= logits.numel():
         return logits
-    keep = torch.sort(logits, descending=True, stable=True).indices[:k]
-    out = torch.full_like(logits, -math.inf)
-    out[keep] = logits[keep]
-    return out
+    kth = torch.topk(logits, k).values[-1]
+    keep = logits > kth
+    ties = torch.nonzero(logits == kth).flatten()[:k - int(keep.sum())]  # ascending ids
+    keep[ties] = True
+    return torch.where(keep, logits, torch.full_like(logits, -math.inf))
+
+
+def _descending(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of every finite logit at least the k-th largest (ties included), largest first, ties by lower id
+    (a token at -inf has no probability: it never counts toward a top-p mass)."""
+    if k >= logits.numel():
+        ids = torch.nonzero(logits > -math.inf).flatten()
+    else:
+        ids = torch.nonzero((logits >= torch.topk(logits, k).values[-1]) & (logits > -math.inf)).flatten()
+    return ids[torch.sort(logits[ids], descending=True, stable=True).indices]
 
 
 def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest prefix of tokens sorted by probability whose mass reaches p."""
+    """Keep the smallest prefix of tokens sorted by probability whose mass reaches p (probabilities and their sums
+    in float64: in float32 a flat distribution's sum over 10^5 tokens drifts by more than a token's mass). Only
+    the head of the order is sorted: the top 256 tokens, then 2048, then all, while their mass falls short of p."""
     if p >= 1.0:
         return logits
-    order = torch.sort(logits, descending=True, stable=True).indices
-    probs = torch.softmax(logits[order], dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop = order[mass_before >= p]
-    out = logits.clone()
-    out[drop] = -math.inf
+    probs = torch.softmax(logits.double(), dim=-1)
+    for k in (256, 2048, logits.numel()):  # past 2048 a partial selection costs what the whole sort does
+        order = _descending(logits, k)
+        head = probs[order]
+        if float(head.sum()) >= p:  # every token past the head is dropped
+            break
+    mass_before = torch.cumsum(head, dim=-1) - head
+    keep = order[mass_before < p]
+    out = torch.full_like(logits, -math.inf)
+    out[keep] = logits[keep]
     return out
 
 
@@ -191,6 +209,16 @@ class Sampler:
 
     def process(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
         """The filtered, temperature-scaled logits [V] the draw is made from (-inf = excluded)."""
+        ids, x = self._candidates(logits, history)
+        if ids is None:
+            return x
+        out = torch.full((logits.numel(),), -math.inf)
+        out[ids] = x
+        return out
+
+    def _candidates(self, logits: torch.Tensor, history: Sequence[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(ids, their processed logits): after top-k (or a grammar) only the tokens still in the draw, ids ascending,
+        so top-p, min-p and the draw run on a few values instead of the vocabulary; ids None: x is [V]."""
         p = self.params
         x = apply_penalties(logits.detach().to("cpu", torch.float32).reshape(-1), history, p)
         if p.logit_bias:
@@ -201,19 +229,22 @@ class Sampler:
         elif self.drawn < p.min_tokens and len(self._end_ids):
             x[self._end_ids[self._end_ids < x.numel()]] = -math.inf
         if p.greedy:
-            return x
-        x = x / p.temperature
-        x = apply_top_k(x, p.top_k)
-        x = apply_top_p(x, p.top_p)
-        return apply_min_p(x, p.min_p)
+            return None, x
+        x = apply_top_k(x / p.temperature, p.top_k)
+        kept = None
+        if p.top_k or self.constraint is not None:  # few finite values left: go on with those alone
+            kept = torch.nonzero(x > -math.inf).flatten()
+            x = x[kept]
+        return kept, apply_min_p(apply_top_p(x, p.top_p), p.min_p)
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         p = self.params
         if p.greedy and not p.penalized and not p.logit_bias and self.constraint is None and self.drawn >= p.min_tokens:
             token = argmax(logits)  # argmax of the logits as they are
         else:
-            x = self.process(logits, history)
+            ids, x = self._candidates(logits, history)
             token = argmax(x) if p.greedy else draw(x, self.generator)
+            token = token if ids is None else int(ids[token])
             if self.constraint is not None:
                 self.constraint.accept(token)
         self.drawn += 1
