@@ -3,9 +3,10 @@
 A request may ask for JSON (any object, or one that follows a JSON schema), text matching a regular
 expression, one of a list of strings, or a context-free grammar (Lark or llama.cpp's GBNF). llguidance
 compiles it against the model's vocabulary and, before each draw, gives the tokens that keep the output
-a prefix of some sentence of the grammar; the sampler sets every other logit to -inf before penalties'
-results are filtered and drawn from. Once the grammar is complete only the end-of-generation tokens are
-allowed, so a constrained sequence ends with finish reason "stop" (or "length" when max_tokens cuts it).
+a prefix of some sentence of the grammar; the sampler sets every other logit to -inf after the penalties and
+the logit bias, ahead of temperature and the filters. Once the grammar is complete only the end-of-generation
+tokens are allowed, so the engine ends a constrained sequence there with finish reason "stop" (or "length"
+when max_tokens cuts it first).
 
 Legend: V vocab.
 """
