@@ -297,6 +297,10 @@ def test_chat_sends_the_think_block_as_reasoning(model: Path, forced: bool) -> N
         r = c.chat.completions.create(model="m", messages=MSGS, max_tokens=5,
                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
         assert tok2.decode(eng.prompts[-1]).endswith("<think>\n</think>\n\n") and r.message.content == "Paris."
+        http = TestClient(create_app(ServerState(model_name="m", max_model_len=4096, engine=eng,  # type: ignore[arg-type]
+                                                 tokenizer=tok2)))
+        body = {"messages": MSGS, "chat_template_kwargs": {"enable_thinking": False}}
+        assert http.post("/tokenize", json=body).json()["tokens"] == eng.prompts[-1]  # the count the chat route uses
         c, eng = client_for(tok2, '{"a": 1}')  # a grammar decides the output: no block is left open for it
         c.chat.completions.create(model="m", messages=MSGS, max_tokens=5, response_format={"type": "json_object"})
         assert tok2.decode(eng.prompts[-1]).endswith("</think>\n\n")

@@ -37,7 +37,7 @@ from pocketmoe.serve.protocol import (
     pydantic_error,
     template_messages,
 )
-from pocketmoe.serve.reasoning import CLOSE, ReasoningSplitter, opens_thinking
+from pocketmoe.serve.reasoning import ReasoningSplitter, thinking_prompt
 from pocketmoe.serve.reasoning import split as split_reasoning
 from pocketmoe.serve.tools import ToolFormat, ToolStream, call_grammar, tool_format
 from pocketmoe.serve.tools import parse as parse_tool_calls
@@ -401,9 +401,8 @@ def create_app(state: ServerState) -> FastAPI:
                                            **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
-        thinking = opens_thinking(text)
-        if thinking and (grammar is not None or (req.chat_template_kwargs or {}).get("enable_thinking") is False):
-            text, thinking = text + CLOSE + "\n\n", False  # no reasoning: the block closes empty (as llama.cpp does)
+        wanted = grammar is None and (req.chat_template_kwargs or {}).get("enable_thinking") is not False
+        text, thinking = thinking_prompt(text, wanted)  # a grammar decides the output from its first token
         thinking = thinking if state.reasoning_format == "auto" else None
         ids = await encode_prompt(tok, await asyncio.to_thread(tok.encode_rendered_chat, text))
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
@@ -442,9 +441,11 @@ def create_app(state: ServerState) -> FastAPI:
         tok = engine().tok
         try:
             if req.messages is not None:
-                ids = await asyncio.to_thread(tok.encode_chat, template_messages(req.messages),
-                                              req.add_generation_prompt, req.continue_final_message,
-                                              **(req.chat_template_kwargs or {}))
+                text = await asyncio.to_thread(tok.apply_chat_template, template_messages(req.messages),
+                                               req.add_generation_prompt, req.continue_final_message,
+                                               **(req.chat_template_kwargs or {}))
+                text, _ = thinking_prompt(text, (req.chat_template_kwargs or {}).get("enable_thinking") is not False)
+                ids = await asyncio.to_thread(tok.encode_rendered_chat, text)
             else:
                 ids = await asyncio.to_thread(tok.encode, req.prompt, None if req.add_special_tokens else False)
         except ChatTemplateError as e:

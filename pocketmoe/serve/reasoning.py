@@ -19,6 +19,14 @@ def opens_thinking(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(OPEN)
 
 
+def thinking_prompt(prompt_text: str, wanted: bool) -> tuple[str, bool]:
+    """The rendered prompt, with the block the template opened closed empty where no reasoning is wanted (as
+    llama.cpp does for enable_thinking false), and whether the output starts inside a block."""
+    if not opens_thinking(prompt_text):
+        return prompt_text, False
+    return (prompt_text, True) if wanted else (prompt_text + CLOSE + "\n\n", False)
+
+
 class ReasoningSplitter:
     """Streamed text split into (reasoning, content) pieces. `forced_open`: the prompt opened the block, so the
     output starts in it; otherwise a block counts only where the output starts with `<think>` (after blanks)."""
