@@ -2,10 +2,11 @@
 
     python -m pocketmoe.bench_serve --url URL [--concurrency C] [--requests N] [--prompt-tokens P]
         [--gen-tokens G] [--model NAME] [--api-key KEY] [--seed S] [--timeout SECONDS] [--json]
+        [--temperature T] [--top-p P] [--top-k K]
 
 Sends N streamed /v1/completions requests, at most C in flight, each a prompt of P pseudo-random token
-ids (in [10, 200), seeded by seed + request index) with max_tokens G, greedy and ignore_eos, so every
-request yields G tokens. The metrics are the ones vLLM's benchmark_serving.py reports: TTFT = first
+ids (in [10, 200), seeded by seed + request index) with max_tokens G and ignore_eos, so every request
+yields G tokens; greedy unless --temperature (then request i is seeded seed + i, with --top-p / --top-k). The metrics are the ones vLLM's benchmark_serving.py reports: TTFT = first
 streamed token - request start; ITL = gaps between successive streamed chunks (all requests pooled);
 TPOT = (latency - TTFT) / (tokens - 1) per request; output_throughput = completion tokens / wall time.
 The model id comes from GET /v1/models unless --model is given. Proxy settings are ignored.
@@ -57,6 +58,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1,
                    help="requests of the same shape sent first and not counted (page-in, first-call costs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
     args = p.parse_args(argv)
     if args.warmup < 0:
         raise PocketMoEError(f"--warmup must be 0 or more, got {args.warmup}.")
@@ -168,9 +172,12 @@ async def run_all(args: argparse.Namespace, base: str) -> tuple[str, list[Reques
         gate = asyncio.Semaphore(args.concurrency)
 
         def body(i: int) -> dict[str, Any]:
-            return {"model": model, "prompt": prompt_ids(args.seed, i, args.prompt_tokens),
-                    "max_tokens": args.gen_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-                    "stream_options": {"include_usage": True}}
+            out = {"model": model, "prompt": prompt_ids(args.seed, i, args.prompt_tokens),
+                   "max_tokens": args.gen_tokens, "temperature": args.temperature, "stream": True, "ignore_eos": True,
+                   "stream_options": {"include_usage": True}}
+            if args.temperature > 0:  # the server checks the ranges (a 400 names the field)
+                out.update(seed=(args.seed + i) % 2**63, top_p=args.top_p, top_k=args.top_k)
+            return out
 
         async def bounded(i: int) -> RequestResult:
             async with gate:
@@ -198,6 +205,7 @@ def summarize(args: argparse.Namespace, base: str, model: str, results: list[Req
     return {
         "url": base, "model": model, "concurrency": args.concurrency, "requests": args.requests,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": round(duration, 4),
         "request_throughput": round(len(ok) / duration, 4), "output_throughput": round(out_tokens / duration, 3),
         "total_input_tokens": args.prompt_tokens * len(ok), "total_output_tokens": out_tokens,

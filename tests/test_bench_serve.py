@@ -136,6 +136,17 @@ def test_counts_latencies_and_concurrency(server: tuple[str, Fake], capsys: pyte
     assert prompts == sorted(tuple(bench_serve.prompt_ids(0, i, p)) for i in range(n))
 
 
+def test_sampling_flags_reach_every_request_with_its_own_seed(server: tuple[str, Fake],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    url, fake = server
+    fake.reset()
+    rep = bench(capsys, "--url", url, "--requests", "3", "--gen-tokens", "2", "--temperature", "0.8", "--top-p",
+                "0.95", "--top-k", "40", "--seed", "5")
+    assert rep["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 40}
+    assert sorted(b["seed"] for b in fake.bodies) == [5, 6, 7]
+    assert all((b["temperature"], b["top_p"], b["top_k"]) == (0.8, 0.95, 40) for b in fake.bodies)
+
+
 def test_concurrency_above_requests_and_v1_suffix(server: tuple[str, Fake],
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     url, fake = server

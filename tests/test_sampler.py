@@ -14,6 +14,7 @@ from pocketmoe.engine.sampler import (
     SamplingParams,
     SamplingParamsError,
     StopChecker,
+    _descending,
     apply_min_p,
     apply_penalties,
     apply_top_k,
@@ -129,6 +130,20 @@ def test_top_k_and_top_p_on_a_vocabulary_with_ties_match_a_full_sort(scale: floa
     for p in (0.3, 0.9, 0.95, 0.999):
         kept = set(torch.isfinite(apply_top_p(logits, p)).nonzero().flatten().tolist())
         assert kept == _ref_top_p_keep(logits.numpy().astype(np.float64), p), p
+
+
+def test_the_key_sort_orders_as_torch_stable_sort() -> None:
+    """top-p's order (numpy sort of integer keys) against torch's stable descending sort: ties by lower id, -0.0
+    tying 0.0, subnormals, extremes, and -inf tokens left out."""
+    for seed in range(4):
+        y = torch.round(torch.randn(5000, generator=torch.Generator().manual_seed(seed)) * 4) / 4
+        y[::7], y[::11], y[::17], y[::19], y[::23], y[::29] = -0.0, 0.0, 3e38, -3e38, 1e-40, -1e-40
+        y[::31] = -math.inf
+        want = torch.sort(y, descending=True, stable=True).indices
+        want = want[y[want] > -math.inf]
+        assert torch.equal(_descending(y, y.numel()), want)
+        head = _descending(y, 100)  # the 100 largest and every tie of the 100th
+        assert torch.equal(head, want[:len(head)]) and len(head) >= 100
 
 
 def test_min_p_matches_reference() -> None:
