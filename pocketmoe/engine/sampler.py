@@ -8,7 +8,6 @@ on where the model ran.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -108,9 +107,8 @@ def apply_penalties(logits: torch.Tensor, history: Sequence[int], params: Sampli
     window = history[-params.penalty_last_n:] if params.penalty_last_n else history
     if not window or not params.penalized:
         return logits.clone()
-    counts = Counter(int(t) for t in window)
-    ids = torch.tensor(list(counts), dtype=torch.long)
-    n = torch.tensor(list(counts.values()), dtype=torch.float32)
+    distinct, times = np.unique(np.fromiter(window, dtype=np.int64, count=len(window)), return_counts=True)
+    ids, n = torch.from_numpy(distinct), torch.from_numpy(times.astype(np.float32))
     out = logits.clone()
     seen = out[ids]
     if params.repetition_penalty != 1.0:
