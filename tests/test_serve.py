@@ -537,6 +537,8 @@ def test_vllm_sampling_and_template_extras(server: LiveServer, client: openai.Op
     assert r.choices[0].message.content == solo(llm, ids, temperature=0, max_tokens=6).text
     for extra, param in [({"continue_final_message": True}, "continue_final_message"),
                          ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"continue_final_message": True}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"source": "{{ 1 }}"}}, "chat_template_kwargs"),
                          ({"add_generation_prompt": False, "continue_final_message": True,
                            "messages": [{"role": "user", "content": "hi"}]}, "messages"),
                          ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),

@@ -23,7 +23,9 @@ MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's limit); completions logprob
 MAX_GRAMMAR_CHARS = 65536  # a regex or grammar's text (a JSON schema is bounded by the body cap)
 MAX_GRAMMAR_CHOICES = 1024  # structured_outputs.choice
 MAX_STOP_TOKEN_IDS = 64
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
+# set by the request's own fields, or names of the rendering call's parameters
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                         "self", "source"})
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
