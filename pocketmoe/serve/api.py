@@ -29,6 +29,7 @@ from pocketmoe.serve.engine import Delta, Engine, QueueFullError, TokenLogprob
 from pocketmoe.serve.metrics import Metrics
 from pocketmoe.serve.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     RequestError,
@@ -326,6 +327,21 @@ def create_app(state: ServerState) -> FastAPI:
                 raise RequestError(str(e), field_name) from None
         return req, eng, eng.tok, grammar
 
+    async def chat_prompt(tok: Tokenizer, req: ChatCompletionRequest | TokenizeRequest, messages: list[ChatMessage],
+                          tools: list[dict[str, Any]], grammar: Grammar | None) -> tuple[list[int], bool]:
+        """The token ids of a chat as the template renders it (the chat route and /tokenize alike), with a block the
+        template opened closed empty where no reasoning is wanted (enable_thinking false, or a grammar deciding the
+        output from its first token), and whether the output starts inside a block."""
+        variables = req.chat_template_kwargs or {}
+        try:
+            text = await asyncio.to_thread(tok.apply_chat_template, template_messages(messages),
+                                           req.add_generation_prompt, req.continue_final_message, tools=tools or None,
+                                           **variables)
+        except ChatTemplateError as e:
+            raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
+        text, thinking = thinking_prompt(text, grammar is None and variables.get("enable_thinking") is not False)
+        return await asyncio.to_thread(tok.encode_rendered_chat, text), thinking
+
     async def tool_call_grammar(fmt: ToolFormat | None, tools: list[dict[str, Any]], tok: Tokenizer, only: str | None,
                                 parallel: bool, asked: Grammar | None) -> Grammar:
         """tool_choice 'required' or a named function: the output is held to tool calls in the model's format."""
@@ -395,16 +411,9 @@ def create_app(state: ServerState) -> FastAPI:
         forced, only = req.forced_tool()
         if forced:
             grammar = await tool_call_grammar(fmt, tools, tok, only, req.parallel_tool_calls, grammar)
-        try:
-            text = await asyncio.to_thread(tok.apply_chat_template, req.template_messages(), req.add_generation_prompt,
-                                           req.continue_final_message, tools=tools or None,
-                                           **(req.chat_template_kwargs or {}))
-        except ChatTemplateError as e:
-            raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
-        wanted = grammar is None and (req.chat_template_kwargs or {}).get("enable_thinking") is not False
-        text, thinking = thinking_prompt(text, wanted)  # a grammar decides the output from its first token
+        ids, thinking = await chat_prompt(tok, req, req.messages, tools, grammar)
         thinking = thinking if state.reasoning_format == "auto" else None
-        ids = await encode_prompt(tok, await asyncio.to_thread(tok.encode_rendered_chat, text))
+        ids = await encode_prompt(tok, ids)
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
         params = _sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len)
         k = (req.top_logprobs or 0) if req.logprobs else None
@@ -439,17 +448,10 @@ def create_app(state: ServerState) -> FastAPI:
         req = _parse(TokenizeRequest, await request.body())
         check_model(req.model)
         tok = engine().tok
-        try:
-            if req.messages is not None:
-                text = await asyncio.to_thread(tok.apply_chat_template, template_messages(req.messages),
-                                               req.add_generation_prompt, req.continue_final_message,
-                                               **(req.chat_template_kwargs or {}))
-                text, _ = thinking_prompt(text, (req.chat_template_kwargs or {}).get("enable_thinking") is not False)
-                ids = await asyncio.to_thread(tok.encode_rendered_chat, text)
-            else:
-                ids = await asyncio.to_thread(tok.encode, req.prompt, None if req.add_special_tokens else False)
-        except ChatTemplateError as e:
-            raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
+        if req.messages is not None:
+            ids, _ = await chat_prompt(tok, req, req.messages, [], None)
+        else:
+            ids = await asyncio.to_thread(tok.encode, req.prompt, None if req.add_special_tokens else False)
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
 
     @app.post("/detokenize")

@@ -291,9 +291,6 @@ class ChatCompletionRequest(SamplingFields):
         """The request's tools as the chat template and the parser read them ([] without tools)."""
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return template_messages(self.messages)
-
 
 def check_template_options(req: ChatCompletionRequest | TokenizeRequest) -> None:
     """vLLM's chat template options: extra variables that do not replace the ones the server sets, and
