@@ -109,7 +109,6 @@ class LLM:
         out.prompt_token_ids = ids
         sampler, stop = Sampler(params, self.tokenizer), StopChecker(params.stop, params.include_stop_str_in_output)
         decoder = self.tokenizer.stream_decoder(params.skip_special_tokens)
-        end_ids = params.end_ids(self.tokenizer.eot_ids)
         history = list(ids)
 
         t0 = time.perf_counter()
@@ -122,7 +121,7 @@ class LLM:
             if not out.token_ids:
                 t_first = time.perf_counter()
                 out.ttft_s = t_first - t0
-            if token in end_ids:
+            if token in sampler.end_ids:
                 finish = "stop"
                 break
             out.token_ids.append(token)

@@ -207,8 +207,9 @@ class Sampler:
         self.params = params
         self.constraint: Constraint | None = None
         self.drawn = 0  # tokens this sampler has returned (min_tokens counts them)
-        eot = tokenizer.eot_ids if tokenizer is not None else ()
-        self._end_ids = torch.tensor(sorted(params.end_ids(eot)), dtype=torch.long)
+        # the ids that end the output (stop_token_ids, and the tokenizer's end-of-generation ids unless ignore_eos)
+        self.end_ids = params.end_ids(tokenizer.eot_ids if tokenizer is not None else ())
+        self._end_ids = torch.tensor(sorted(self.end_ids), dtype=torch.long)
         if params.grammar is not None:
             if tokenizer is None:
                 raise SamplingParamsError("a sampler with a grammar needs the model's tokenizer.")

@@ -98,7 +98,6 @@ class Seq:
     tokens: list[int]
     params: SamplingParams
     sampler: Sampler
-    end_ids: frozenset[int]
     stop: StopChecker
     decoder: StreamDecoder
     computed: int = 0
@@ -202,7 +201,7 @@ class Engine:
         for i, (p, sampler) in enumerate(zip(params, samplers, strict=True)):
             req.seqs.append(Seq(
                 key=(req.id, i), request=req, index=index_base + i, prompt_len=len(prompt), tokens=list(prompt), params=p,
-                sampler=sampler, end_ids=p.end_ids(self.tok.eot_ids), stop=StopChecker(p.stop, p.include_stop_str_in_output),
+                sampler=sampler, stop=StopChecker(p.stop, p.include_stop_str_in_output),
                 decoder=self.tok.stream_decoder(p.skip_special_tokens), want_prompt_logprobs=prompt_logprobs))
         req.open = len(req.seqs)
         self._inbox.put(("add", req))
@@ -416,7 +415,7 @@ class Engine:
         else:
             self.metrics.itl.observe(now - s.last_token_at)
         s.last_token_at = now
-        if token in s.end_ids:
+        if token in s.sampler.end_ids:
             self._finish(s, "stop")
             return
         s.tokens.append(token)
