@@ -217,9 +217,8 @@ def test_forced_tool_calls_parse_and_follow_their_schemas(arch_llm, only: str | 
         text = out.text
         if out.finish_reason == "length":  # only where calls may go on (a random model need not stop calling):
             assert parallel and only is None, text  # the calls made so far, closed, must stand
-            end, close = (("</invoke>\n", "</minimax:tool_call>") if fmt is MINIMAX
-                          else ("<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"))
-            text = text[:text.rindex(end) + len(end)] + close
+            end = "</invoke>\n" if fmt is MINIMAX else "<｜tool▁call▁end｜>"
+            text = text[:text.rindex(end) + len(end)] + fmt.end
         content, calls = parse(fmt, text, FORCED_TOOLS)
         assert content == "" and calls, out.text
         assert len(calls) == 1 or (parallel and only is None)

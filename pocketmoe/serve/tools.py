@@ -29,10 +29,11 @@ from pocketmoe.tokenizer import Tokenizer
 class ToolFormat:
     name: str
     start: str  # the text that opens the calls; everything from it on is held until the end
+    end: str  # the text that closes them; nothing may follow it
 
 
-MINIMAX = ToolFormat("minimax", "<minimax:tool_call>")
-DEEPSEEK = ToolFormat("deepseek", "<｜tool▁calls▁begin｜>")
+MINIMAX = ToolFormat("minimax", "<minimax:tool_call>", "</minimax:tool_call>")
+DEEPSEEK = ToolFormat("deepseek", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 
 _INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.S)
 _PARAM = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.S)
@@ -82,11 +83,11 @@ def parse(fmt: ToolFormat, text: str, tools: list[dict[str, Any]]) -> tuple[str,
         return text, []
     types = _param_types(tools)
     body = text[i + len(fmt.start):]
+    end = body.find(fmt.end)
+    if end < 0 or body[end + len(fmt.end):].strip():
+        return text, []
     calls: list[ToolCall] = []
     if fmt is MINIMAX:
-        end = body.find("</minimax:tool_call>")
-        if end < 0 or body[end + len("</minimax:tool_call>"):].strip():
-            return text, []
         for name, inner in _INVOKE.findall(body[:end]):
             if name not in types:
                 return text, []
@@ -101,9 +102,6 @@ def parse(fmt: ToolFormat, text: str, tools: list[dict[str, Any]]) -> tuple[str,
                 args[pname] = value
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False), _new_id()))
     else:
-        end = body.find("<｜tool▁calls▁end｜>")
-        if end < 0 or body[end + len("<｜tool▁calls▁end｜>"):].strip():
-            return text, []
         for name, raw in _DS_CALL.findall(body[:end]):
             try:
                 args = json.loads(raw)
@@ -166,6 +164,7 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], tok: Tokenizer, o
     (DeepSeek's tool tokens, MiniMax's tags) must be that token."""
     fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     many = parallel and only is None
+    types = _param_types(tools)  # a MiniMax value is written as parse reads it: as it is where "string", else JSON
 
     def mark(text: str) -> str:  # the token itself where the vocabulary has it whole, else its text
         ids = tok.encode(text, add_bos=False, space_prefix=False)
@@ -177,7 +176,7 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], tok: Tokenizer, o
 
     rules = []
     if fmt is MINIMAX:
-        rules.append(f"start: {mark(MINIMAX.start)} \"\\n\" invoke{'+' if many else ''} {mark('</minimax:tool_call>')}")
+        rules.append(f"start: {mark(fmt.start)} \"\\n\" invoke{'+' if many else ''} {mark(fmt.end)}")
         rules.append("invoke: " + " | ".join(f"f{i}" for i in range(len(fns))))
         for i, fn in enumerate(fns):
             params = fn.get("parameters") or {}
@@ -187,7 +186,7 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], tok: Tokenizer, o
             parts = []
             for j, (pname, pschema) in enumerate(props.items()):
                 pschema = pschema if isinstance(pschema, dict) else {}
-                text = pschema.get("type", "string") == "string"  # written as it is (as parse reads it)
+                text = types[fn["name"]][pname] == "string"
                 value = f" {_text_value(pschema)} " if text else f" f{i}v{j} "
                 rules.append(f"f{i}p{j}: " + json.dumps(f'<parameter name="{pname}">', ensure_ascii=False) + value
                              + json.dumps("</parameter>\n"))
@@ -197,7 +196,7 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], tok: Tokenizer, o
             rules.append(f"f{i}: " + json.dumps(f'<invoke name="{fn["name"]}">\n', ensure_ascii=False) + " "
                          + " ".join(parts) + ' "</invoke>\\n"')
     else:
-        rules.append(f"start: {mark(DEEPSEEK.start)} call{'+' if many else ''} {mark('<｜tool▁calls▁end｜>')}")
+        rules.append(f"start: {mark(fmt.start)} call{'+' if many else ''} {mark(fmt.end)}")
         rules.append(f"call: {mark('<｜tool▁call▁begin｜>')} \"function\" {mark('<｜tool▁sep｜>')} fn "
                      f"{mark('<｜tool▁call▁end｜>')}")
         rules.append("fn: " + " | ".join(f"f{i}" for i in range(len(fns))))
