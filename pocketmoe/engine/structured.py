@@ -13,6 +13,7 @@ Legend: V vocab.
 
 from __future__ import annotations
 
+import functools
 import json
 import weakref
 from dataclasses import dataclass
@@ -73,17 +74,17 @@ class Grammar:
         if self.kind == "choice" and not json.loads(self.source or "[]"):
             raise GrammarError("a choice grammar needs at least one string to choose from.")
 
+    @functools.cached_property
     def compiled(self) -> str:
-        """The llguidance grammar (GrammarError where the source does not parse)."""
+        """The llguidance grammar (GrammarError where the source does not parse); built once, however many
+        sequences (the n choices of a request) and checks use it."""
         llg = _llguidance()
         try:
             if self.kind in ("json_object", "json_schema"):
                 schema = self.source if self.kind == "json_schema" else {"type": "object"}
                 options = {"lenient": not self.strict, "whitespace_pattern": JSON_WHITESPACE}
                 return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-            if self.kind == "choice":
-                return llg.grammar_from("lark", "start: " + " | ".join(json.dumps(s) for s in json.loads(self.source)))
-            return llg.grammar_from(self.kind, self.source)
+            return llg.grammar_from(self.kind, self.source)  # regex, choice (a JSON list), lark, gbnf
         except ValueError as e:
             raise GrammarError(f"the {self.kind} grammar does not parse ({_one_line(str(e))}); fix it.") from None
 
@@ -132,7 +133,7 @@ def ll_tokenizer(tok: Tokenizer) -> llguidance.LLTokenizer:
 
 def check_grammar(grammar: Grammar, tok: Tokenizer) -> None:
     """GrammarError, saying why, where the grammar does not compile for this model."""
-    err = _llguidance().LLMatcher.validate_grammar(grammar.compiled(), ll_tokenizer(tok))
+    err = _llguidance().LLMatcher.validate_grammar(grammar.compiled, ll_tokenizer(tok))
     if err:
         raise GrammarError(f"the {grammar.kind} grammar does not compile ({_one_line(err)}); fix it.")
 
@@ -149,7 +150,7 @@ class Constraint:
         llg = _llguidance()
         self.grammar = grammar
         self.n_vocab = tok.vocab_size
-        self._matcher = llg.LLMatcher(ll_tokenizer(tok), grammar.compiled(), log_level=0)
+        self._matcher = llg.LLMatcher(ll_tokenizer(tok), grammar.compiled, log_level=0)
         self._raise_if_error()
 
     def _raise_if_error(self) -> None:
