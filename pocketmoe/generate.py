@@ -71,12 +71,12 @@ def grammar_from_args(args: argparse.Namespace) -> Grammar | None:
     """The structured output the flags ask for (None: free text); a clear error for a file or schema that fails."""
     from pocketmoe.engine.structured import Grammar, GrammarError
 
-    text, kind = next(((v, k) for k, v in (("json", args.json_schema), ("json", args.json_schema_file),
-                                          ("gbnf", args.grammar), ("gbnf", args.grammar_file),
-                                          ("regex", args.regex)) if v is not None), (None, ""))
+    flags = (("json", args.json_schema, False), ("json", args.json_schema_file, True), ("gbnf", args.grammar, False),
+             ("gbnf", args.grammar_file, True), ("regex", args.regex, False))  # one at most: argparse's group
+    kind, text, from_file = next((f for f in flags if f[1] is not None), ("", None, False))
     if text is None:
         return None
-    if args.json_schema_file is not None or args.grammar_file is not None:
+    if from_file:
         try:
             text = Path(text).read_text(encoding="utf-8")
         except OSError as e:

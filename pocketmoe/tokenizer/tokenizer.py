@@ -210,15 +210,16 @@ class Tokenizer:
         if not continue_final_message:
             return render_chat(self.chat_template, messages, add_generation_prompt, **variables)
         final = messages[-1].get("content") if messages and messages[-1].get("role") == "assistant" else None
-        if not isinstance(final, str) or not final.strip():
+        final = final.strip() if isinstance(final, str) else ""
+        if not final:
             raise ChatTemplateError("continue_final_message needs the last message to be the assistant's, with text "
                                     "to continue.")
         text = render_chat(self.chat_template, messages, False, **variables)
-        end = text.rfind(final.strip())
+        end = text.rfind(final)
         if end < 0:
             raise ChatTemplateError("the chat template does not write the final assistant message's text as it is, "
                                     "so it cannot be continued.")
-        return text[:end + len(final.strip())]
+        return text[:end + len(final)]
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **variables: Any) -> list[int]:
