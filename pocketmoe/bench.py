@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pocketmoe.engine.llm import LLM
 
         llm = LLM(model, n_ctx=s.n_ctx, threads=s.threads, chunk_size=s.chunk_size, backend=args.backend,
-                  kv_dtype=s.kv_dtype, placement=placement_from_args(args))
+                  kv_dtype=s.kv_dtype, placement=placement_from_args(args), max_num_seqs=1)
         llm.runner.serve_steps()
         return 0
     report = run(model, s, args.backend, args.llama_cpp, args.bandwidth_mib, profile=args.profile,

@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model = str(demo_model_path())
     placement = placement_from_args(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, threads=args.threads, chunk_size=args.chunk_size,
-              backend=args.backend, kv_dtype=args.kv_dtype, placement=placement)
+              backend=args.backend, kv_dtype=args.kv_dtype, placement=placement, max_num_seqs=1)
     if not llm.runner.parallel.is_lead:  # torchrun: rank 0 generates, the other ranks run its steps
         llm.runner.serve_steps()
         return 0

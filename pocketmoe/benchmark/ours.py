@@ -100,7 +100,7 @@ def run_pocketmoe(model: str | Path, s: BenchSettings, backend: str = "auto", pr
     mem = MemoryWatch()
     t0 = time.perf_counter()
     llm = LLM(model, n_ctx=s.n_ctx, threads=s.threads, chunk_size=s.chunk_size, backend=backend,
-              kv_dtype=s.kv_dtype, placement=placement)
+              kv_dtype=s.kv_dtype, placement=placement, max_num_seqs=1)
     load_s = time.perf_counter() - t0
     vocab = llm.runner.vocab_size
     ids = prompt_ids(s.prompt_tokens, vocab, ordinary_token_ids(llm.tokenizer, vocab))

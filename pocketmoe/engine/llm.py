@@ -1,24 +1,29 @@
 """The Python API: `LLM(path).generate(prompts, SamplingParams(...))` and a streaming iterator.
 
-One sequence at a time owns the runner's KV cache (overwritten from position 0 per request), so a
-request's tokens never depend on what else was asked: the same prompt and seed give the same tokens.
+One prompt (and `stream`) runs as the single sequence that owns the runner's KV cache from position 0.
+Several prompts run as one continuous batch, the server's engine in the caller's thread: up to
+`max_num_seqs` sequences a step over a shared KV pool, later prompts admitted as earlier ones finish,
+and (where the ops are chunk-invariant) a prompt start that an earlier one computed is not computed
+again. Each prompt gets the tokens it gets alone: the same prompt and seed give the same tokens,
+whatever else is in the batch.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pocketmoe.engine.kv_cache import ContextLengthError
-from pocketmoe.engine.runner import ModelRunner, RunnerConfig
+from pocketmoe.engine.kv_cache import PAGE, ContextLengthError
+from pocketmoe.engine.runner import SOLO, ModelRunner, RunnerConfig, default_kv_pool_bytes, load_spec
 from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.gguf import open_bundle
+from pocketmoe.kv_dtypes import KV_DTYPE_BYTES
 from pocketmoe.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -39,9 +44,10 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"
-    prefill_s: float = 0.0            # prompt forward pass, wall time
+    prefill_s: float = 0.0            # prompt forward pass, wall time (in a batch: the time to first token)
     decode_s: float = 0.0             # tokens after the first, wall time
-    ttft_s: float = 0.0               # time to first token (prefill + first sample)
+    ttft_s: float = 0.0               # time to first token (prefill + first sample; in a batch, from its start)
+    cached_tokens: int = 0            # prompt tokens whose KV rows the prefix cache gave (batches only)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -58,8 +64,19 @@ class LLM:
     one, the built-in demo model (pocketmoe/data/demo-model.gguf)."""
 
     def __init__(self, model: str | Path | None = None, *, n_ctx: int = 4096, threads: int | None = None,
-                 chunk_size: int = 256, backend: str = "auto", kv_dtype: str = "f32", placement: Any = None) -> None:
-        """placement: a placement.run.RunPlacement (the --device/--mode/... flags); None: CPU only."""
+                 chunk_size: int = 256, backend: str = "auto", kv_dtype: str = "f32", placement: Any = None,
+                 max_num_seqs: int | None = None, kv_cache_bytes: int | None = None,
+                 enable_prefix_caching: bool | None = None) -> None:
+        """placement: a placement.run.RunPlacement (the --device/--mode/... flags); None: CPU only.
+        max_num_seqs: sequences a batch of prompts decodes at once (1: one prompt after another; default 8 on
+        the CPU, 1 with a placement, whose plan reserves device memory for every sequence's KV cache).
+        kv_cache_bytes: the KV pool (default: the server's rule for max_num_seqs sequences of n_ctx, and at
+        least one sequence). enable_prefix_caching: batches reuse computed prompt starts (None: where the
+        ops are chunk-invariant, so the tokens are the same either way)."""
+        if max_num_seqs is None:
+            max_num_seqs = 8 if placement is None else 1
+        if max_num_seqs <= 0:
+            raise PocketMoEError(f"max_num_seqs must be > 0, got {max_num_seqs}.")
         if model is None:
             from pocketmoe.demo_model import demo_model_path
 
@@ -67,10 +84,17 @@ class LLM:
         self.bundle = open_bundle(model)
         self.tokenizer = Tokenizer.from_metadata(self.bundle.metadata)
         cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, threads=threads, kv_dtype=kv_dtype, backend=backend,
-                           placement=placement)
+                           placement=placement, max_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes)
+        if kv_cache_bytes is None and max_num_seqs > 1:
+            spec = load_spec(self.bundle)
+            row = spec.config.n_layer * spec.kv_values_per_token() * KV_DTYPE_BYTES[kv_dtype]
+            cfg = replace(cfg, kv_cache_bytes=max(default_kv_pool_bytes(self.bundle, spec, n_ctx, max_num_seqs, kv_dtype),
+                                                  -(-n_ctx // PAGE) * PAGE * row))
         self.runner = ModelRunner(self.bundle, cfg)
         self.backend_name, self.backend_detail = self.runner.ops.name, self.runner.ops.detail
         self.n_ctx = n_ctx
+        self.max_num_seqs, self.chunk_size, self.enable_prefix_caching = max_num_seqs, chunk_size, enable_prefix_caching
+        self._engine: Any = None  # serve.engine.Engine, built at the first batch
 
     # -- prompts -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -142,21 +166,96 @@ class LLM:
         out.finish_reason = finish
         yield StreamChunk(None, tail, finish)
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None
-                 ) -> list[CompletionOutput]:
-        """Complete each prompt (a string, or a list of token ids); one output per prompt, in order."""
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[CompletionOutput]:
+        """Complete each prompt (a string, or a list of token ids); one output per prompt, in order. `params`
+        is one SamplingParams for all, or one per prompt. Several prompts run as one batch (module doc);
+        `use_tqdm` shows its progress on a terminal."""
         batch = [prompts] if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)) else list(prompts)
-        outputs = []
-        for prompt in batch:
+        per = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
+        if len(per) != len(batch):
+            raise PocketMoEError(f"got {len(per)} SamplingParams for {len(batch)} prompts; give one, or one per "
+                                 "prompt.")
+        if len(batch) == 1:
             out = CompletionOutput(prompt_token_ids=[])
-            for _ in self.stream(prompt, params, out):
+            for _ in self.stream(batch[0], per[0], out):
                 pass
-            outputs.append(out)
-        return outputs
+            return [out]
+        return self._generate_batch(batch, per, use_tqdm)
 
-    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> CompletionOutput:
-        return self.generate([self.encode_chat(messages)], params)[0]
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True
+             ) -> CompletionOutput | list[CompletionOutput]:
+        """Answer one conversation (a list of messages), or each of a list of conversations as one batch."""
+        if messages and isinstance(messages[0], dict):
+            return self.generate([self.encode_chat(messages)], params)[0]  # type: ignore[arg-type]
+        return self.generate([self.encode_chat(m) for m in messages], params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
+
+    # -- batches ---------------------------------------------------------------------------------
+    def _generate_batch(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool
+                        ) -> list[CompletionOutput]:
+        from tqdm import tqdm
+
+        ids, samplers = [], []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):  # all checked before any work
+            try:
+                ids.append(self.encode_prompt(prompt))
+                self._check_prompt(len(ids[-1]))
+                samplers.append(Sampler(p, self.tokenizer))  # compiles its grammar
+            except PocketMoEError as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        engine = self._batch_engine()
+        self.runner.free(SOLO)  # the single sequence's rows: their pages go to the batch
+        outs = [CompletionOutput(prompt_token_ids=list(p)) for p in ids]
+        errors: dict[int, str] = {}
+        bar = tqdm(total=len(ids), desc="generate", unit="prompt", disable=None if use_tqdm else True, leave=False)
+        t0 = time.perf_counter()
+        first: list[float | None] = [None] * len(ids)
+
+        def sink(i: int) -> Any:
+            out = outs[i]
+
+            def put(d: Any) -> None:
+                if d is None:
+                    bar.update()
+                    return
+                now = time.perf_counter()
+                if first[i] is None and (d.token_ids or d.finish_reason is not None):
+                    first[i] = now
+                    out.ttft_s = out.prefill_s = now - t0
+                out.token_ids += d.token_ids
+                out.text += d.text
+                if first[i] is not None:
+                    out.decode_s = now - first[i]
+                if d.finish_reason is not None:
+                    out.finish_reason, out.cached_tokens = d.finish_reason, d.cached_tokens or 0
+                    if d.error:
+                        errors[i] = d.error
+            return put
+
+        try:
+            for i, (p, sampler) in enumerate(zip(ids, samplers, strict=True)):
+                engine.submit(p, [params[i]], sink=sink(i), samplers=[sampler])
+            engine.run_until_done()
+        finally:
+            bar.close()
+        if errors:
+            i = min(errors)
+            raise PocketMoEError(f"prompt {i} failed: {errors[i]}")
+        return outs
+
+    def _batch_engine(self) -> Any:
+        """The continuous-batching engine over this runner, kept between batches (its prefix cache too)."""
+        if self._engine is None:
+            from pocketmoe.serve.engine import Engine, EngineConfig
+            from pocketmoe.serve.metrics import Metrics
+
+            # max_model_len: the last sampled token takes no KV position, as on the single-sequence path
+            cfg = EngineConfig(max_num_seqs=self.max_num_seqs, max_queue=2**62, chunk_size=self.chunk_size,
+                               max_model_len=self.n_ctx + 1, prefix_caching=self.enable_prefix_caching)
+            self._engine = Engine(self.runner, self.tokenizer, cfg, Metrics())
+        return self._engine
 
     def close(self) -> None:
         self.bundle.close()

@@ -104,6 +104,19 @@ def cpu_plan(spec: ModelSpec, bundle: GGUFBundle, cfg: RunnerConfig) -> Placemen
     return make_plan(spec, bundle.tensors, Devices((), host), plan_options(cfg))
 
 
+def default_kv_pool_bytes(bundle: GGUFBundle, spec: ModelSpec, ctx: int, max_num_seqs: int, kv_dtype: str) -> int:
+    """The KV pool the placement rule reserves for max_num_seqs sequences of ctx positions, within half the host
+    memory the weights leave (at least 256 MiB): the server's default, and LLM()'s for a batch."""
+    from pocketmoe.hostinfo import host_memory_bytes
+    from pocketmoe.placement import kv_reserve
+
+    want = kv_reserve(bundle.architecture, bundle.metadata, ctx, max_num_seqs, kv_dtype,
+                      spec.kv_values_per_token()).total
+    weights = sum(p.stat().st_size for p in bundle.paths)
+    headroom = max((host_memory_bytes() - weights - 2**30) // 2, 256 * 2**20)
+    return min(want, headroom)
+
+
 def runner_plan(spec: ModelSpec, bundle: GGUFBundle, cfg: RunnerConfig) -> PlacementPlan:
     """The plan cfg.placement asks for (run_plan, as inspect_gguf prints it), or the CPU-only plan."""
     if cfg.placement is None:

@@ -86,8 +86,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def kv_budget(bundle, spec, args: argparse.Namespace) -> tuple[int, int]:  # noqa: ANN001
     """(KV pool bytes, max model len): what the flags say, else the placement rule's defaults."""
     from pocketmoe.engine.kv_cache import PAGE
-    from pocketmoe.hostinfo import host_memory_bytes
-    from pocketmoe.placement import KV_DTYPE_BYTES, kv_reserve
+    from pocketmoe.engine.runner import default_kv_pool_bytes
+    from pocketmoe.placement import KV_DTYPE_BYTES
 
     c = spec.config
     file_ctx = int(c.n_ctx or 4096)
@@ -96,11 +96,7 @@ def kv_budget(bundle, spec, args: argparse.Namespace) -> tuple[int, int]:  # noq
     if args.kv_cache_gib is not None:
         budget = int(args.kv_cache_gib * 2**30)
     else:
-        want = kv_reserve(bundle.architecture, bundle.metadata, ctx, args.max_num_seqs, args.kv_dtype,
-                          spec.kv_values_per_token()).total
-        weights = sum(p.stat().st_size for p in bundle.paths)
-        headroom = max((host_memory_bytes() - weights - 2**30) // 2, 256 * 2**20)
-        budget = min(want, headroom)
+        budget = default_kv_pool_bytes(bundle, spec, ctx, args.max_num_seqs, args.kv_dtype)
     positions = budget // per_pos // PAGE * PAGE
     max_len = args.max_model_len or min(file_ctx, positions)
     if positions < max_len or max_len < 2:

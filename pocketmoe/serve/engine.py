@@ -43,6 +43,7 @@ from pocketmoe.engine.runner import ModelRunner
 from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker
 from pocketmoe.engine.step import SeqChunk, Step
 from pocketmoe.engine.structured import GrammarError
+from pocketmoe.errors import PocketMoEError
 from pocketmoe.parallel import RankLost
 from pocketmoe.serve.metrics import Metrics
 from pocketmoe.tokenizer import Tokenizer
@@ -116,27 +117,35 @@ class Seq:
 
 
 class Request:
-    """A submitted request: its choices run as sequences; deltas arrive on `queue` (None ends it)."""
+    """A submitted request: its choices run as sequences; deltas arrive on `queue` (None ends it), or go to
+    `sink` where the engine runs in the caller's thread (Engine.run_until_done)."""
 
-    def __init__(self, rid: int, n_prompt: int, loop: asyncio.AbstractEventLoop, logprobs: int | None,
-                 out: asyncio.Queue[Delta | None] | None = None) -> None:
+    def __init__(self, rid: int, n_prompt: int, loop: asyncio.AbstractEventLoop | None, logprobs: int | None,
+                 out: asyncio.Queue[Delta | None] | None = None,
+                 sink: Callable[[Delta | None], None] | None = None) -> None:
         self.id = rid
         self.n_prompt = n_prompt
         self.loop = loop
         self.logprobs = logprobs
-        self.queue: asyncio.Queue[Delta | None] = out if out is not None else asyncio.Queue()
+        self.sink = sink
+        self.queue: asyncio.Queue[Delta | None] | None = out if out is not None or sink is not None \
+            else asyncio.Queue()
         self.seqs: list[Seq] = []
         self.arrival = time.perf_counter()
         self.open = 0  # choices not finished yet
         self.queued = True  # counts against max_queue until its first choice is admitted or it ends
 
     def put(self, item: Delta | None) -> None:
+        if self.sink is not None:
+            self.sink(item)
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop has closed (server stopped)
             pass
 
     async def deltas(self) -> AsyncIterator[Delta]:
+        assert self.queue is not None, "a request with a sink has no queue"
         while (d := await self.queue.get()) is not None:
             yield d
 
@@ -187,17 +196,23 @@ class Engine:
 
     def submit(self, prompt: Sequence[int], params: Sequence[SamplingParams], *, logprobs: int | None = None,
                prompt_logprobs: bool = False, loop: asyncio.AbstractEventLoop | None = None,
-               out: asyncio.Queue[Delta | None] | None = None, index_base: int = 0) -> Request:
+               out: asyncio.Queue[Delta | None] | None = None, index_base: int = 0,
+               sink: Callable[[Delta | None], None] | None = None, samplers: Sequence[Sampler] | None = None
+               ) -> Request:
         """Queue one request of len(params) choices over `prompt` (QueueFullError past max_queue). Its deltas
-        (choice indices from index_base) go to `out` (default: its own queue), then one None. A grammar in the
-        params that does not compile raises GrammarError here."""
-        samplers = [Sampler(p, self.tok) for p in params]
+        (choice indices from index_base) go to `sink` (called in the engine's thread), else to `out` (default:
+        its own queue), then one None. A grammar in the params that does not compile raises GrammarError here
+        (`samplers`: the choices' samplers, built by the caller)."""
+        if samplers is None:
+            samplers = [Sampler(p, self.tok) for p in params]
         with self._lock:
             if self._queued >= self.cfg.max_queue:
                 raise QueueFullError(f"the server has {self._queued} requests waiting (--max-queue "
                                      f"{self.cfg.max_queue}); retry later.")
             self._queued += 1
-        req = Request(next(self._ids), len(prompt), loop or asyncio.get_running_loop(), logprobs, out)
+        if sink is None and loop is None:
+            loop = asyncio.get_running_loop()
+        req = Request(next(self._ids), len(prompt), loop, logprobs, out, sink)
         for i, (p, sampler) in enumerate(zip(params, samplers, strict=True)):
             req.seqs.append(Seq(
                 key=(req.id, i), request=req, index=index_base + i, prompt_len=len(prompt), tokens=list(prompt), params=p,
@@ -211,6 +226,34 @@ class Engine:
         """Drop the request's sequences and their KV pages before the next step (a client went away)."""
         self._inbox.put(("abort", req))
 
+    def run_until_done(self) -> None:
+        """Run the loop in the caller's thread until every submitted request has finished (LLM.generate's
+        batch: requests submitted with a sink, the engine thread never started)."""
+        if self._thread.is_alive():
+            raise RuntimeError("run_until_done drives an engine whose thread is not running")
+        try:
+            self._drain(block=False)
+            while self.running or self.waiting:
+                if not self._step() and not self.running:
+                    s = self.waiting[0]
+                    raise PocketMoEError(f"a sequence of {len(s.tokens)} tokens does not fit in the KV pool of "
+                                         f"{self.cache.n_pages * self.cache.page} positions; give the pool more "
+                                         "memory.")
+                self._drain(block=False)
+        except BaseException:  # an interrupt or a bug: nothing is left half-run for the next call
+            self._drain(block=False)
+            self._finish_all(error="the batch was interrupted")
+            raise
+
+    def _step(self) -> bool:
+        """Admit, schedule and run one step; False where nothing could run."""
+        self._admit()
+        planned = self._schedule()
+        if planned:
+            self._run(planned)
+        self._gauges()
+        return bool(planned)
+
     # -- the engine thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
@@ -218,11 +261,7 @@ class Engine:
                 idle = not self.running and not self.waiting
                 if not self._drain(block=idle):
                     break
-                self._admit()
-                planned = self._schedule()
-                if planned:
-                    self._run(planned)
-                self._gauges()
+                self._step()
         except RankLost as e:  # no step can run any more: report the engine down before ending the requests
             self.alive = False
             log.error("%s", e)

@@ -50,7 +50,7 @@ def run_case(path: Path, backend: str) -> None:
     from pocketmoe.engine.llm import LLM
     from pocketmoe.engine.sampler import SamplingParams
 
-    llm = LLM(path, n_ctx=32, threads=1, backend=backend)
+    llm = LLM(path, n_ctx=32, threads=1, backend=backend, max_num_seqs=1)
     try:
         llm.generate([llm.encode_prompt("Hello world")], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     finally:

@@ -1,0 +1,197 @@
+"""LLM.generate over several prompts: one continuous batch whose every output equals the prompt's own
+single-sequence run (LLM.stream, which never goes through the batching engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pocketmoe import LLM, Grammar, PocketMoEError, SamplingParams
+from pocketmoe.engine.llm import CompletionOutput
+from pocketmoe.testing.synth import write_fixture
+
+N_CTX = 128
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("batch") / "tiny.gguf"
+    write_fixture("deepseek2", "tiny", "Q8_0", path, seed=11)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model) -> LLM:
+    return LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=3)
+
+
+def solo(llm: LLM, prompt, params: SamplingParams) -> CompletionOutput:
+    out = CompletionOutput(prompt_token_ids=[])
+    for _ in llm.stream(prompt, params, out):
+        pass
+    return out
+
+
+def same(a: CompletionOutput, b: CompletionOutput) -> bool:
+    return (a.prompt_token_ids, a.token_ids, a.text, a.finish_reason) == \
+        (b.prompt_token_ids, b.token_ids, b.text, b.finish_reason)
+
+
+def mixed(vocab: int, n: int, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    """n prompts of 3-40 random tokens, with greedy, seeded, stop-string and short-max_tokens params in turn."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, vocab, size=int(rng.integers(3, 41))).tolist() for _ in range(n)]
+    kinds = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+             SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16),
+             SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=24, repetition_penalty=1.2),
+             SamplingParams(temperature=0, max_tokens=5)]
+    return prompts, [kinds[i % len(kinds)] for i in range(n)]
+
+
+def test_batch_equals_each_prompt_alone(llm):
+    """More prompts than max_num_seqs: later ones are admitted as earlier ones finish, and each output (tokens,
+    text, finish reason) is its solo run's."""
+    prompts, params = mixed(llm.runner.vocab_size, 8)
+    want = [solo(llm, p, q) for p, q in zip(prompts, params, strict=True)]
+    got = llm.generate(prompts, params)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert same(a, b), i
+        assert b.ttft_s > 0 and b.decode_s >= 0
+    assert {o.finish_reason for o in got} >= {"length"}
+
+
+def test_one_params_for_all_and_text_prompts(llm):
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=12, stop=["e"])
+    prompts = ["Hello world", "Once upon a time", "abc", "Hello world"]
+    got = llm.generate(prompts, params)
+    for p, b in zip(prompts, got, strict=True):
+        assert same(solo(llm, p, params), b)
+    assert got[0].token_ids == got[3].token_ids  # the same prompt and seed: the same tokens in one batch
+
+
+def test_tiny_pool_preempts_and_still_gives_solo_tokens(model):
+    """A KV pool of just over one context: sequences are preempted and recomputed, outputs unchanged."""
+    from pocketmoe.engine.kv_cache import PAGE
+
+    small = LLM(model, n_ctx=64, threads=1, max_num_seqs=4, kv_cache_bytes=None)
+    row = small.runner.cache.nbytes // (small.runner.cache.n_pages * PAGE)
+    tight = LLM(model, n_ctx=64, threads=1, max_num_seqs=4, kv_cache_bytes=(64 // PAGE + 1) * PAGE * row)
+    assert tight.runner.cache.n_pages == 64 // PAGE + 1
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, tight.runner.vocab_size, size=20).tolist() for _ in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    got = tight.generate(prompts, params)
+    assert tight._engine.metrics.preemptions._value.get() > 0
+    for p, b in zip(prompts, got, strict=True):
+        assert same(solo(small, p, params), b)
+    small.close()
+    tight.close()
+
+
+def test_prefix_cache_reuses_prompt_starts_with_the_same_tokens(model):
+    llm = LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=2)
+    assert llm.runner.ops.chunk_invariant  # the native kernels: caching is on by default
+    rng = np.random.default_rng(5)
+    system = rng.integers(3, llm.runner.vocab_size, size=50).tolist()
+    prompts = [system + rng.integers(3, llm.runner.vocab_size, size=k).tolist() for k in (3, 9, 17, 5)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = llm.generate(prompts, params)
+    again = llm.generate(prompts, params)
+    for p, a, b in zip(prompts, first, again, strict=True):
+        assert same(solo(llm, p, params), a) and same(a, b)
+        assert b.cached_tokens >= 48  # the system prompt's full pages (16 positions each) at least
+    # the first two run side by side and compute the system prompt each; the last two, admitted as those
+    # finish, attach its pages
+    assert [a.cached_tokens for a in first[:2]] == [0, 0] and min(a.cached_tokens for a in first[2:]) >= 48
+    off = LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=4, enable_prefix_caching=False)
+    assert [o.cached_tokens for o in off.generate(prompts, params)] == [0] * 4
+    llm.close()
+    off.close()
+
+
+def test_context_limit_matches_the_single_sequence_path(llm):
+    """A sequence that runs into n_ctx stops where the single-sequence path stops (the last sampled token
+    takes no KV position)."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, llm.runner.vocab_size, size=n).tolist() for n in (N_CTX - 5, N_CTX - 1, 10)]
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    got = llm.generate(prompts, params)
+    for p, b in zip(prompts, got, strict=True):
+        a = solo(llm, p, params)
+        assert same(a, b)
+    assert len(got[0].token_ids) == 6 and len(got[1].token_ids) == 2 and len(got[2].token_ids) == 50
+
+
+def test_grammar_in_a_batch(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    constrained = SamplingParams(temperature=0.8, seed=2, max_tokens=40, grammar=Grammar.json_schema(schema))
+    free = SamplingParams(temperature=0.8, seed=2, max_tokens=40)
+    prompts = ["json:", "free text", "json again:"]
+    params = [constrained, free, constrained]
+    for p, q, b in zip(prompts, params, llm.generate(prompts, params), strict=True):
+        assert same(solo(llm, p, q), b)
+
+
+def test_chat_over_several_conversations(llm):
+    convs = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "What is 2+2?"}]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    got = llm.chat(convs, params)
+    assert isinstance(got, list) and len(got) == 2
+    for c, b in zip(convs, got, strict=True):
+        assert same(llm.chat(c, params), b)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("params", "got 2 SamplingParams for 3 prompts"),
+    ("long", "prompt 1: the prompt has 200 tokens but the context holds 128"),
+    ("empty", "prompt 2: the prompt is empty"),
+    ("vocab", "prompt 0: token id 999999 is outside the vocabulary"),
+    ("grammar", "prompt 1:"),
+])
+def test_bad_batch_is_refused_before_any_work(llm, case, needle):
+    ok = [5, 6, 7]
+    prompts, params = {
+        "params": ([ok, ok, ok], [SamplingParams()] * 2),
+        "long": ([ok, [5] * 200, ok], SamplingParams(max_tokens=2)),
+        "empty": ([ok, ok, []], SamplingParams(max_tokens=2)),
+        "vocab": ([[999999], ok], SamplingParams(max_tokens=2)),
+        "grammar": ([ok, ok], [SamplingParams(), SamplingParams(grammar=Grammar.regex("(unclosed"))]),
+    }[case]
+    with pytest.raises(PocketMoEError, match=None) as e:
+        llm.generate(prompts, params)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    engine = llm._engine
+    assert engine is None or (not engine.running and not engine.waiting)
+    # nothing half-run is left behind: the next batch is as it would be
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for b in llm.generate([ok, [9, 8]], p):
+        assert same(solo(llm, b.prompt_token_ids, p), b)
+
+
+def test_failed_step_and_interrupt_leave_the_engine_clean(model, monkeypatch):
+    llm = LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=2)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [solo(llm, q, p) for q in prompts]
+    real = llm.runner.forward
+    for exc, match in ((RuntimeError("boom"), "prompt 0 failed: the step failed: boom"), (KeyboardInterrupt(), None)):
+        calls = {"n": 0}
+
+        def flaky(step, *a, exc=exc, calls=calls, **kw):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise exc
+            return real(step, *a, **kw)
+
+        monkeypatch.setattr(llm.runner, "forward", flaky)
+        with pytest.raises(type(exc) if match is None else PocketMoEError, match=match):
+            llm.generate(prompts, p)
+        monkeypatch.setattr(llm.runner, "forward", real)
+        assert not llm._engine.running and not llm._engine.waiting
+        assert llm.runner.cache.used_pages == 0  # cached prefix pages no sequence holds count as free
+        for a, b in zip(want, llm.generate(prompts, p), strict=True):
+            assert same(a, b)
+    llm.close()
