@@ -1,5 +1,6 @@
 """LLM.generate over several prompts: one continuous batch whose every output equals the prompt's own
-single-sequence run (LLM.stream, which never goes through the batching engine)."""
+single-sequence run (LLM.stream, which never goes through the batching engine); and the single sequence
+continuing from the rows its previous run left, against an LLM that computes every prompt whole."""
 
 from __future__ import annotations
 
@@ -195,3 +196,93 @@ def test_failed_step_and_interrupt_leave_the_engine_clean(model, monkeypatch):
         for a, b in zip(want, llm.generate(prompts, p), strict=True):
             assert same(a, b)
     llm.close()
+
+
+# -- the single sequence's prefix reuse --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plain(model) -> LLM:
+    return LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=1, enable_prefix_caching=False)
+
+
+def test_single_sequence_reuses_the_previous_rows(model, plain):
+    llm = LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=1)
+    assert llm.runner.ops.chunk_invariant  # on by default where the rows are bitwise the same
+    rng = np.random.default_rng(21)
+    p1 = rng.integers(3, llm.runner.vocab_size, size=30).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True)
+    first = llm.generate([p1], greedy)[0]
+    turn = p1 + first.token_ids + rng.integers(3, llm.runner.vocab_size, size=7).tolist()  # the next turn
+    other = rng.integers(3, llm.runner.vocab_size, size=20).tolist()
+    # (prompt, params, rows the previous run left that hold its start); the last sampled token is never fed
+    runs = [(turn, greedy, 30 + 12 - 1), (turn, seeded, len(turn) - 1), (p1[:10], greedy, 10 - 1),
+            (other, seeded, 0), (p1, greedy, 0), (p1 + other, seeded, 30)]
+    assert first.cached_tokens == 0
+    for prompt, params, cached in runs:
+        got, want = llm.generate([prompt], params)[0], plain.generate([prompt], params)[0]
+        assert same(want, got) and want.cached_tokens == 0
+        assert got.cached_tokens == cached
+    llm.close()
+
+
+def test_reused_rows_give_bitwise_the_same_logits(model, plain):
+    llm = LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=1, chunk_size=16)
+    rng = np.random.default_rng(22)
+    ids = rng.integers(3, llm.runner.vocab_size, size=70).tolist()
+    llm.prompt_logits(ids[:45])  # rows 0..44 in 16-token chunks from position 0
+    k = llm.runner.solo_prefix(ids)
+    assert k == 45
+    got = llm.runner.forward(ids[k:], k)  # chunks from position 45: a different cut of the same rows
+    np.testing.assert_array_equal(got.numpy(), plain.prompt_logits(ids)[k:].numpy())
+    llm.close()
+
+
+def test_rows_written_another_way_or_lost_are_not_reused(model, plain, monkeypatch):
+    llm = LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=1, chunk_size=8)
+    rng = np.random.default_rng(23)
+    p1, x = (rng.integers(3, llm.runner.vocab_size, size=30).tolist() for _ in range(2))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate([p1], params)
+    llm.runner.forward(x[:12], 0)  # the rows now hold x's start, whoever wrote them
+    assert llm.runner.solo_tokens == x[:12]
+    got = llm.generate([p1], params)[0]
+    assert got.cached_tokens == 0 and same(plain.generate([p1], params)[0], got)
+    llm.runner.decode(x[0], 3)  # overwrites row 3: rows 0..3 are p1[:3] + x[0]
+    assert llm.runner.solo_tokens == p1[:3] + [x[0]]
+    llm.runner.decode(x[1], 5)  # row 4 is not known any more
+    assert llm.runner.solo_tokens == []
+    # a forward that fails after its first chunk wrote rows leaves nothing to reuse
+    llm.generate([p1], params)
+    real, calls = llm.runner._run, {"n": 0}
+
+    def flaky(ctx):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(ctx)
+
+    monkeypatch.setattr(llm.runner, "_run", flaky)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.runner.forward(x, 5)
+    monkeypatch.setattr(llm.runner, "_run", real)
+    assert llm.runner.solo_tokens == []
+    got = llm.generate([p1], params)[0]
+    assert got.cached_tokens == 0 and same(plain.generate([p1], params)[0], got)
+    # a batch takes the single sequence's pages
+    llm2 = LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=2)
+    llm2.generate([p1], params)
+    llm2.generate([p1, x], params)
+    assert llm2.runner.solo_tokens == [] and llm2.generate([p1], params)[0].cached_tokens == 0
+    llm.close()
+    llm2.close()
+
+
+def test_reference_ops_do_not_reuse_by_default(model):
+    ref = LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=1, backend="reference")
+    assert not ref.runner.ops.chunk_invariant
+    ids = [5, 6, 7, 8, 9, 10]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ref.generate([ids], params)
+    assert ref.generate([ids], params)[0].cached_tokens == 0
+    ref.close()

@@ -196,7 +196,7 @@ def arch_llm(request, tmp_path_factory):  # noqa: ANN001, ANN201
     from pocketmoe.engine.llm import LLM
 
     path = write_fixture(request.param, "tiny", "Q8_0", tmp_path_factory.mktemp("tc") / "m.gguf", seed=3)[0]
-    return request.param, LLM(path, n_ctx=512, threads=1)
+    return request.param, LLM(path, n_ctx=512, threads=1, enable_prefix_caching=False)
 
 
 @pytest.mark.parametrize("only,parallel", [(None, True), (None, False), ("get_weather", True)])

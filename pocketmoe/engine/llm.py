@@ -1,6 +1,8 @@
 """The Python API: `LLM(path).generate(prompts, SamplingParams(...))` and a streaming iterator.
 
-One prompt (and `stream`) runs as the single sequence that owns the runner's KV cache from position 0.
+One prompt (and `stream`) runs as the single sequence that owns the runner's KV cache from position 0;
+where the ops are chunk-invariant it continues from the rows its previous run left that hold the start
+of the new prompt (llama.cpp's reuse of the previous prompt: a chat's next turn prefills the new turn only).
 Several prompts run as one continuous batch, the server's engine in the caller's thread: up to
 `max_num_seqs` sequences a step over a shared KV pool, later prompts admitted as earlier ones finish,
 and (where the ops are chunk-invariant) a prompt start that an earlier one computed is not computed
@@ -47,11 +49,13 @@ class CompletionOutput:
     prefill_s: float = 0.0            # prompt forward pass, wall time (in a batch: the time to first token)
     decode_s: float = 0.0             # tokens after the first, wall time
     ttft_s: float = 0.0               # time to first token (prefill + first sample; in a batch, from its start)
-    cached_tokens: int = 0            # prompt tokens whose KV rows the prefix cache gave (batches only)
+    cached_tokens: int = 0            # prompt tokens whose KV rows an earlier run left (not computed again)
 
     @property
     def prefill_tok_s(self) -> float:
-        return len(self.prompt_token_ids) / self.prefill_s if self.prefill_s > 0 else 0.0
+        """Prompt tokens computed per second (those the cache gave are not counted)."""
+        n = len(self.prompt_token_ids) - self.cached_tokens
+        return n / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -71,8 +75,9 @@ class LLM:
         max_num_seqs: sequences a batch of prompts decodes at once (1: one prompt after another; default 8 on
         the CPU, 1 with a placement, whose plan reserves device memory for every sequence's KV cache).
         kv_cache_bytes: the KV pool (default: the server's rule for max_num_seqs sequences of n_ctx, and at
-        least one sequence). enable_prefix_caching: batches reuse computed prompt starts (None: where the
-        ops are chunk-invariant, so the tokens are the same either way)."""
+        least one sequence). enable_prefix_caching: prompt starts computed before are not computed again,
+        in a batch and by the single sequence (None: where the ops are chunk-invariant, so that the tokens are
+        the same either way)."""
         if max_num_seqs is None:
             max_num_seqs = 8 if placement is None else 1
         if max_num_seqs <= 0:
@@ -94,6 +99,9 @@ class LLM:
         self.backend_name, self.backend_detail = self.runner.ops.name, self.runner.ops.detail
         self.n_ctx = n_ctx
         self.max_num_seqs, self.chunk_size, self.enable_prefix_caching = max_num_seqs, chunk_size, enable_prefix_caching
+        # the single sequence continues from the rows its last run left where they hold the prompt's start
+        self._reuse_prefix = enable_prefix_caching if enable_prefix_caching is not None else \
+            bool(getattr(self.runner.ops, "chunk_invariant", False))
         self._engine: Any = None  # serve.engine.Engine, built at the first batch
 
     # -- prompts -------------------------------------------------------------------------------
@@ -136,8 +144,9 @@ class LLM:
         history = list(ids)
 
         t0 = time.perf_counter()
-        logits = self.runner.forward(ids, 0, last_only=True)[0]
-        out.prefill_s = time.perf_counter() - t0
+        start = self.runner.solo_prefix(ids) if self._reuse_prefix else 0
+        logits = self.runner.forward(ids[start:], start, last_only=True)[0]
+        out.prefill_s, out.cached_tokens = time.perf_counter() - t0, start
         pos, t_first = len(ids), 0.0
         finish = "length"
         while True:

@@ -142,6 +142,7 @@ class ModelRunner:
         self._cache_roles = cfg.cache_roles if cfg.cache_roles is not None else self.ops.dense_cache_roles
         self.cached_bytes = 0  # float32 bytes promised to dequantized-weight caches so far
         self.experts: Any = None  # experts.ExpertRuntime of all-device / heterogeneous plans (stats, rates)
+        self.solo_tokens: list[int] = []  # the single sequence's tokens whose KV rows the cache holds, by position
         # the tensor-parallel group (world size 1 outside torchrun: the model is built whole, as always)
         self.parallel = init_parallel()
         self.channel: StepChannel | None = None
@@ -293,6 +294,7 @@ class ModelRunner:
                 f"{self.cfg.n_ctx} tokens; raise n_ctx or shorten the input.")
         if start_pos == 0:
             self.cache.free(SOLO)
+        known = self._solo_before(start_pos)
         out = []
         n = self.cfg.chunk_size
         for i in range(0, len(tokens), n):
@@ -302,7 +304,29 @@ class ModelRunner:
                 Step((SeqChunk(SOLO, tokens[i:i + n], start_pos + i, mode),)), self.cache, self.vocab_size))
             if mode != "none":
                 out.append(logits)
+        if known is not None:
+            known.extend(tokens)
+            self.solo_tokens = known
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _solo_before(self, pos: int) -> list[int] | None:
+        """The single sequence's tokens before pos, where its rows hold them all (None where some are unknown);
+        solo_tokens is emptied until the step now writing from pos has run."""
+        known, self.solo_tokens = self.solo_tokens, []
+        if pos > len(known):
+            return None
+        del known[pos:]
+        return known
+
+    def solo_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, from the start, the single sequence's KV rows already hold (at most all but the
+        last, whose logits a caller samples from): the position to continue it from."""
+        n = 0
+        for a, b in zip(self.solo_tokens, tokens[:-1], strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
 
     @torch.inference_mode()
     def decode(self, token: int, pos: int) -> torch.Tensor:
@@ -313,11 +337,18 @@ class ModelRunner:
                                      "raise n_ctx or shorten the input.")
         if pos == 0:
             self.cache.free(SOLO)
-        return self._run(StepContext.decode_one(SOLO, int(token), pos, self.cache, self.vocab_size))[0]
+        known = self._solo_before(pos)
+        logits = self._run(StepContext.decode_one(SOLO, int(token), pos, self.cache, self.vocab_size))[0]
+        if known is not None:
+            known.append(int(token))
+            self.solo_tokens = known
+        return logits
 
     def free(self, seq: object) -> None:
         """Drop a sequence's KV cache rows (they go back to the pool)."""
         self.cache.free(seq)
+        if seq == SOLO:
+            self.solo_tokens = []
 
     def generate_greedy(self, prompt: Sequence[int], max_tokens: int) -> list[int]:
         """Argmax continuation of `prompt` (the single sequence restarts at position 0)."""
