@@ -7,8 +7,9 @@
         [--device auto|cpu|cuda] [--mode auto|all-device|heterogeneous|cpu] [--gpu-memory-gib G[,G...]]
         [--expert-policy auto|cache|stage|cpu] [--expert-cache-slots N]
 
-Text streams to stdout; `--json` prints one object instead. prefill_tok_s = prompt tokens / prefill
-wall time; decode_tok_s = tokens after the first / their wall time; loading is excluded from both.
+Text streams to stdout; `--json` prints one object instead. prefill_tok_s = prompt tokens computed / prefill
+wall time (with --dump-logits the whole prompt was computed for the dump, and generation continues from its rows:
+cached_tokens); decode_tok_s = tokens after the first / their wall time; loading is excluded from both.
 """
 
 from __future__ import annotations
@@ -35,8 +36,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src.add_argument("--prompt", help="raw text prompt (BOS added as the file asks)")
     src.add_argument("--chat", help="one user message, rendered with the model's chat template")
     src.add_argument("--token-ids", help="comma-separated prompt token ids (no BOS added)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    add_sampling_args(p, max_tokens=128, temperature=0.0)
+    g = p.add_mutually_exclusive_group()  # structured output (llama.cpp's flags, and a regex)
+    g.add_argument("--json-schema", metavar="SCHEMA", help="the output is JSON following this JSON schema ('{}': any)")
+    g.add_argument("--json-schema-file", metavar="FILE", help="--json-schema read from a file")
+    g.add_argument("--grammar", metavar="GBNF", help="the output follows this grammar (llama.cpp's GBNF, or Lark)")
+    g.add_argument("--grammar-file", metavar="FILE", help="--grammar read from a file")
+    g.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    add_runtime_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--dump-logits", metavar="FILE.npy",
+                   help="write float32 [n_prompt_tokens, vocab] logits of every prompt position")
+    add_placement_args(p)
+    return p.parse_args(argv)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
+    """The sampling flags (generate's and chat's); sampling_params reads them."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 = greedy (default {temperature:g})")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
@@ -46,21 +65,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    g = p.add_mutually_exclusive_group()  # structured output (llama.cpp's flags, and a regex)
-    g.add_argument("--json-schema", metavar="SCHEMA", help="the output is JSON following this JSON schema ('{}': any)")
-    g.add_argument("--json-schema-file", metavar="FILE", help="--json-schema read from a file")
-    g.add_argument("--grammar", metavar="GBNF", help="the output follows this grammar (llama.cpp's GBNF, or Lark)")
-    g.add_argument("--grammar-file", metavar="FILE", help="--grammar read from a file")
-    g.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """Threads, context, prefill chunk and op backend (generate's and chat's)."""
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--n-ctx", type=int, default=4096, help="context length (prompt + generated)")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per forward pass")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    p.add_argument("--dump-logits", metavar="FILE.npy",
-                   help="write float32 [n_prompt_tokens, vocab] logits of every prompt position")
-    add_placement_args(p)
-    return p.parse_args(argv)
+
+
+def sampling_params(args: argparse.Namespace, grammar: Grammar | None = None):  # noqa: ANN201
+    """The SamplingParams add_sampling_args' flags give (SamplingParamsError, one line, where one is out of range)."""
+    from pocketmoe.engine.sampler import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos, grammar=grammar)
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -97,14 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     grammar = grammar_from_args(args)
     from pocketmoe.engine.llm import LLM, CompletionOutput
-    from pocketmoe.engine.sampler import SamplingParams
     from pocketmoe.memstat import MemoryWatch
 
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty, seed=args.seed, max_tokens=args.max_tokens,
-        stop=tuple(args.stop), ignore_eos=args.ignore_eos, grammar=grammar)
+    params = sampling_params(args, grammar)
     mem = MemoryWatch()
     t_load = time.perf_counter()
     if args.model is None:
@@ -142,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm.runner.stop_workers()  # tensor parallel: the other ranks are done
     stats = {
         "prompt_tokens": len(out.prompt_token_ids),
+        "cached_tokens": out.cached_tokens,
         "completion_tokens": len(out.token_ids),
         "prefill_tok_s": round(out.prefill_tok_s, 3),
         "decode_tok_s": round(out.decode_tok_s, 3),

@@ -1,0 +1,139 @@
+"""`python -m pocketmoe.chat`: turns read from stdin, each reply held to LLM.chat over the same conversation
+(an LLM that computes every prompt whole), the previous turn's rows reused, /reset, dropping old turns, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pocketmoe import LLM, SamplingParams
+from pocketmoe.testing.synth import write_fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+N_CTX = 256
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("chat") / "tiny.gguf"
+    write_fixture("deepseek2", "tiny", "Q8_0", path, seed=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ref(model) -> LLM:
+    return LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=1, enable_prefix_caching=False)
+
+
+def chat(model: Path, stdin: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pocketmoe.chat", "--model", str(model), "--threads", "1",
+                           "--json", *flags], input=stdin, capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+def turns(r: subprocess.CompletedProcess) -> list[dict]:
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def test_turns_follow_the_conversation(model, ref):
+    flags = ("--n-ctx", str(N_CTX), "--max-tokens", "12", "--temperature", "0.8", "--seed", "3", "--system", "Be brief.")
+    msgs = ["Hello there", "Tell me more\\", "about that", "/reset", "Hello there"]
+    got = turns(chat(model, "\n".join(msgs) + "\n", *flags))
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=12)
+    system = [{"role": "system", "content": "Be brief."}]
+    history: list[dict] = []
+    users = ["Hello there", "Tell me more\nabout that", "Hello there"]
+    assert len(got) == len(users)
+    for i, (turn, user) in enumerate(zip(got, users, strict=True)):
+        if i == 2:  # after /reset
+            history = []
+        history.append({"role": "user", "content": user})
+        want = ref.chat(system + history, params)
+        assert (turn["reply"], turn["finish_reason"]) == (want.text, want.finish_reason)
+        assert turn["prompt_tokens"] == len(ref.encode_chat(system + history))
+        assert turn["completion_tokens"] == len(want.token_ids) and turn["dropped_turns"] == 0
+        history.append({"role": "assistant", "content": turn["reply"]})
+    # the second turn continued from the first's rows: its prompt at least
+    assert got[0]["cached_tokens"] == 0 and got[1]["cached_tokens"] >= got[0]["prompt_tokens"]
+    assert got[2]["reply"] == got[0]["reply"]  # /reset: the same first turn, the same seed
+
+
+def test_old_turns_are_dropped_to_fit_the_context(model, ref):
+    n_ctx, max_tokens = 96, 16
+    users = [f"message number {i} with some words in it" for i in range(6)]
+    got = turns(chat(model, "\n".join(users) + "\n", "--n-ctx", str(n_ctx), "--max-tokens", str(max_tokens),
+                     "--temperature", "0"))
+    assert len(got) == len(users)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    history: list[dict] = []
+    dropped_any = False
+    for turn, user in zip(got, users, strict=True):
+        msgs, dropped = [*history, {"role": "user", "content": user}], 0
+        while len(ref.encode_chat(msgs)) + max_tokens > n_ctx and len(msgs) > 1:
+            msgs, dropped = msgs[2:], dropped + 1
+        assert turn["dropped_turns"] == dropped
+        dropped_any |= dropped > 0
+        want = ref.chat(msgs, params)
+        assert turn["completion_tokens"] == len(want.token_ids) and turn["finish_reason"] == want.finish_reason
+        history = [*msgs, {"role": "assistant", "content": turn["reply"]}]
+    assert dropped_any
+
+
+def test_a_message_too_long_is_one_error_and_the_chat_goes_on(model):
+    long = " ".join(["word"] * 400)
+    r = chat(model, f"{long}\nshort one\n", "--n-ctx", "128", "--max-tokens", "4", "--temperature", "0")
+    got = turns(r)
+    assert len(got) == 1 and got[0]["completion_tokens"] <= 4
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "the context holds 128" in errors[0] and "--n-ctx" in errors[0]
+
+
+def test_streamed_text_and_stats(model, ref):
+    r = subprocess.run([sys.executable, "-m", "pocketmoe.chat", "--model", str(model), "--threads", "1", "--n-ctx",
+                        str(N_CTX), "--max-tokens", "8", "--temperature", "0", "--stats"], input="Hi\n",
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    want = ref.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=8))
+    assert r.stdout == want.text + "\n"
+    assert "prompt " in r.stderr and "tok/s" in r.stderr
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--temperature", "-1"), "temperature"),
+    (("--model", "/nonexistent/model.gguf"), "/nonexistent/model.gguf"),
+])
+def test_bad_flags_are_one_line(model, flags, needle):
+    r = chat(model, "Hi\n", *flags)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0]
+
+
+def test_an_interrupted_reply_stays_in_the_conversation(model, ref):
+    from pocketmoe.chat import ChatSession
+
+    llm = LLM(model, n_ctx=N_CTX, threads=1, max_num_seqs=1)
+    session = ChatSession(llm, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    pieces: list[str] = []
+
+    def stop_after_three(text: str) -> None:
+        pieces.append(text)
+        if len(pieces) == 3:
+            raise KeyboardInterrupt
+
+    turn = session.ask("Hello there", on_text=stop_after_three)
+    assert turn.finish_reason == "interrupted" and turn.reply == "".join(pieces)
+    full = ref.chat([{"role": "user", "content": "Hello there"}],
+                    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert full.text.startswith(turn.reply) and len(turn.reply) < len(full.text)
+    assert session.history[-1] == {"role": "assistant", "content": turn.reply}
+    # the next turn runs on: the conversation holds the cut reply
+    nxt = session.ask("go on")
+    want = ref.chat([*session.history[:2], {"role": "user", "content": "go on"}],
+                    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert nxt.reply == want.text
+    llm.close()
