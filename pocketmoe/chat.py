@@ -106,6 +106,9 @@ class ChatSession:
         except KeyboardInterrupt:
             out.finish_reason = "interrupted"
         reasoning, reply = split(out.text, thinking)
+        # kept without its surrounding blanks, as chat templates expect ("Assistant: " + content): the rendered
+        # reply then tokenizes as it was generated, and the next turn reuses its rows too
+        reply = reply.strip()
         self.history += [user, {"role": "assistant", "content": reply}]
         return Turn(reply, reasoning, out.finish_reason, len(ids), out.cached_tokens, len(out.token_ids), dropped,
                     out.ttft_s, out.decode_tok_s)

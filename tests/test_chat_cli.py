@@ -53,7 +53,7 @@ def test_turns_follow_the_conversation(model, ref):
             history = []
         history.append({"role": "user", "content": user})
         want = ref.chat(system + history, params)
-        assert (turn["reply"], turn["finish_reason"]) == (want.text, want.finish_reason)
+        assert (turn["reply"], turn["finish_reason"]) == (want.text.strip(), want.finish_reason)
         assert turn["prompt_tokens"] == len(ref.encode_chat(system + history))
         assert turn["completion_tokens"] == len(want.token_ids) and turn["dropped_turns"] == 0
         history.append({"role": "assistant", "content": turn["reply"]})
@@ -126,7 +126,7 @@ def test_an_interrupted_reply_stays_in_the_conversation(model, ref):
             raise KeyboardInterrupt
 
     turn = session.ask("Hello there", on_text=stop_after_three)
-    assert turn.finish_reason == "interrupted" and turn.reply == "".join(pieces)
+    assert turn.finish_reason == "interrupted" and turn.reply == "".join(pieces).strip()
     full = ref.chat([{"role": "user", "content": "Hello there"}],
                     SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert full.text.startswith(turn.reply) and len(turn.reply) < len(full.text)
@@ -135,5 +135,5 @@ def test_an_interrupted_reply_stays_in_the_conversation(model, ref):
     nxt = session.ask("go on")
     want = ref.chat([*session.history[:2], {"role": "user", "content": "go on"}],
                     SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    assert nxt.reply == want.text
+    assert nxt.reply == want.text.strip()
     llm.close()
