@@ -5,7 +5,7 @@
 The demo model ships inside the package (pocketmoe/data/demo-model.gguf): a small DeepSeek-V2-shaped
 MoE trained on the docstrings of Python's standard library (docs/demo-model.md), so it writes
 recognisable English about Python (fluent more than correct: it is tiny), through the same code paths as a real checkpoint. At the end it
-prints the command that serves it over HTTP and a `curl` to try.
+prints the commands that chat with it in the terminal and serve it over HTTP, and a `curl` to try.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     body = json.dumps({"model": SERVED_NAME, "max_tokens": 64, "temperature": 0,
                        "messages": [{"role": "user", "content": args.chat}]})
+    print("\n== chat with it in the terminal (a line a turn; Ctrl-D ends):", flush=True)
+    print(f"   {shlex.join(['python', '-m', 'pocketmoe.chat', *model_flag])}")
     serve = ["python", "-m", "pocketmoe.serve", *model_flag, "--port", str(PORT), "--served-model-name", SERVED_NAME]
     print("\n== serve it over HTTP (OpenAI-compatible API), then try it from another terminal:", flush=True)
     print(f"   {shlex.join(serve)}")

@@ -179,6 +179,7 @@ def test_demo_runs_a_completion_and_a_chat_turn(capsys) -> None:
     out = captured.out
     assert out.count("== python -m pocketmoe.generate") == 2 and "prefill_tok_s=" in captured.err
     assert "python -m pocketmoe.serve --port 8000 --served-model-name pocketmoe-demo" in out
+    assert "\n   python -m pocketmoe.chat\n" in out
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in out
 
 
