@@ -137,3 +137,50 @@ def test_an_interrupted_reply_stays_in_the_conversation(model, ref):
                     SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert nxt.reply == want.text.strip()
     llm.close()
+
+
+THINK_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant><think>\n{% endif %}")
+
+
+class Scripted:
+    """An LLM stand-in whose every reply is `script`, streamed a few characters at a time."""
+
+    def __init__(self, tokenizer, script: str) -> None:
+        self.tokenizer, self.n_ctx, self.script, self.prompts = tokenizer, 4096, script, []
+
+    def stream(self, ids, params, out):
+        from pocketmoe.engine.llm import StreamChunk
+
+        self.prompts.append(list(ids))
+        out.prompt_token_ids = list(ids)
+        for i in range(0, len(self.script), 3):
+            piece = self.script[i:i + 3]
+            out.text += piece
+            out.token_ids.append(0)
+            yield StreamChunk(0, piece)
+        out.finish_reason = "stop"
+        yield StreamChunk(None, "", "stop")
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_reasoning_shows_and_stays_out_of_the_conversation(model, ref, think):
+    from pocketmoe.chat import ChatSession
+    from pocketmoe.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(ref.bundle.metadata)
+    tok.chat_template = THINK_TEMPLATE  # the template opens the block (MiniMax-M2's way)
+    script = "\nLet me think.\n</think>\n\nParis." if think else "Paris."
+    llm = Scripted(tok, script)
+    session = ChatSession(llm, SamplingParams(max_tokens=50), think=think)
+    shown: list[str] = []
+    turn = session.ask("Capital of France?", on_text=shown.append)
+    prompt = tok.decode(llm.prompts[-1])
+    if think:
+        assert prompt.endswith("<assistant><think>\n") and "".join(shown) == "<think>" + script
+        assert turn.reasoning == "\nLet me think.\n"
+    else:  # --no-think: the block is closed empty in the prompt, the output is all answer
+        assert prompt.endswith("<think>\n</think>\n\n") and "".join(shown) == script and turn.reasoning is None
+    assert turn.reply == "Paris."
+    session.ask("And of Spain?")
+    assert "<user>Capital of France?<assistant>Paris.<user>And of Spain?" in tok.decode(llm.prompts[-1])
