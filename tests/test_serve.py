@@ -577,3 +577,20 @@ def test_kv_pool_is_sized_by_kv_dtype(model: Path, kv: str, size: int) -> None:
                             "--max-model-len", "200", "--kv-dtype", kv])
         with pytest.raises(PocketMoEError, match=f"{per_pos} bytes each"):
             kv_budget(b, spec, tight)
+
+
+def test_stop_reason_names_what_ended_a_choice(server: LiveServer, llm: LLM) -> None:
+    """vLLM's stop_reason: the stop string, or the end token's id; null at max_tokens."""
+    full = solo(llm, "mixture of experts", temperature=0, max_tokens=20, ignore_eos=True)
+    word = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
+    body = {"model": NAME, "prompt": "mixture of experts", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    c = httpx.post(server.url + "/v1/completions", json={**body, "stop": [word]}, timeout=60).json()["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"], c["text"]) == ("stop", word, full.text[:full.text.index(word)])
+    c = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
+    end = full.token_ids[3]  # that token, named as a stop token, ends the choice where it is drawn
+    c = httpx.post(server.url + "/v1/completions", json={**body, "stop_token_ids": [end]}, timeout=60).json()["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("stop", end)
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}
+    c = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+    assert "stop_reason" in c

@@ -26,6 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError, TokenLogprob
+from pocketmoe.serve.llama_api import LlamaCompletionRequest, probabilities, stop_fields
+from pocketmoe.serve.llama_api import timings as llama_timings
 from pocketmoe.serve.metrics import Metrics
 from pocketmoe.serve.protocol import (
     ChatCompletionRequest,
@@ -45,9 +47,9 @@ from pocketmoe.serve.tools import parse as parse_tool_calls
 from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pocketmoe.serve")
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health",
-             "/metrics")
-GATED = ("/v1", "/tokenize", "/detokenize")  # the routes --api-key guards
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/completion", "/completions", "/tokenize",
+             "/detokenize", "/health", "/metrics")
+GATED = ("/v1", "/completion", "/tokenize", "/detokenize")  # the routes --api-key guards (/completions too)
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
@@ -189,6 +191,7 @@ class _Choice:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.cached_tokens = 0
+        self.stop_reason: str | int | None = None
 
     def add(self, d: Delta) -> None:
         self.text += d.text
@@ -198,6 +201,7 @@ class _Choice:
         self.finish_reason = d.finish_reason or self.finish_reason
         self.error = d.error or self.error
         self.cached_tokens = d.cached_tokens if d.cached_tokens is not None else self.cached_tokens
+        self.stop_reason = d.stop_reason if d.stop_reason is not None else self.stop_reason
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -216,7 +220,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
             return error_response(404, f"there is no route {request.method} {request.url.path}; the API is under /v1 "
-                                       "(models, completions, chat/completions), with /tokenize and /detokenize.",
+                                       "(models, completions, chat/completions), with llama.cpp's /completion, /tokenize and "
+                                       "/detokenize.",
                                   code="not_found")
         if e.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on {request.url.path}.",
@@ -358,10 +363,14 @@ def create_app(state: ServerState) -> FastAPI:
             raise RequestError(f"the tools' parameter schemas do not compile into a grammar: {e}", "tools") from None
         return grammar
 
-    async def collect(request: Request, q: asyncio.Queue, reqs: list, n: int) -> list[_Choice]:
+    async def collect(request: Request, q: asyncio.Queue, reqs: list, n: int,
+                      seen: Callable[[Delta], None] | None = None) -> list[_Choice]:
+        """Each choice's output, whole (seen: called with every delta as it comes)."""
         choices = [_Choice() for _ in range(n)]
         async for d in deltas(request, q, reqs):
             choices[d.index].add(d)
+            if seen is not None:
+                seen(d)
         for c in choices:
             if c.error:
                 if state.engine is not None and not state.engine.alive:  # e.g. a tensor-parallel rank died
@@ -395,7 +404,8 @@ def create_app(state: ServerState) -> FastAPI:
             if req.logprobs is not None:
                 lp = _completion_logprobs(tok, (c.prompt_logprobs if req.echo else []) + c.logprobs,
                                           prompts[i // req.n] if req.echo else [], 0)
-            out.append({"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+            out.append({"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason})
             usage["completion_tokens"] += len(c.token_ids)
             _count_cached(usage, cached, i // req.n, c.cached_tokens)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -434,12 +444,93 @@ def create_app(state: ServerState) -> FastAPI:
             if calls:
                 message["tool_calls"] = [x.to_json() for x in calls]
             out.append({"index": i, "message": message, "logprobs": lp,
-                        "finish_reason": "tool_calls" if calls else c.finish_reason})
+                        "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason})
             usage["completion_tokens"] += len(c.token_ids)
             _count_cached(usage, cached, 0, c.cached_tokens)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
                              "choices": out, "usage": usage, "system_fingerprint": None})
+
+    async def encode_pieces(tok: Tokenizer, pieces: list[str | int]) -> list[int]:
+        """A llama.cpp prompt of strings and token ids: the first string with the file's BOS policy, later ones
+        without a BOS, ids as they are; then the checks every prompt gets."""
+        ids: list[int] = []
+        for j, p in enumerate(pieces):
+            if isinstance(p, str):
+                ids += await asyncio.to_thread(tok.encode, p, None if j == 0 else False)
+            else:
+                ids.append(p)
+        return await encode_prompt(tok, ids)
+
+    @app.post("/completion")
+    @app.post("/completions")
+    async def llama_completion(request: Request) -> Response:
+        """llama.cpp's native completion route (serve/llama_api.py)."""
+        t0 = time.perf_counter()
+        req, eng, tok, grammar = await accept(request, LlamaCompletionRequest)
+        prompts = [await encode_pieces(tok, p) for p in req.prompts()]
+        if len(prompts) > MAX_COMPLETION_CHOICES:
+            raise RequestError(f"{len(prompts)} prompts are over {MAX_COMPLETION_CHOICES} in one request; send "
+                               "fewer.", "prompt")
+        wanted = [req.max_new_tokens(len(p), state.max_model_len) for p in prompts]
+        params = [req.sampling(grammar, max(n, 1), eng.runner.vocab_size) for n in wanted]
+        live = [i for i, n in enumerate(wanted) if n > 0]  # n_predict 0: nothing to generate
+        choices = {i: _Choice() for i in range(len(prompts))}
+        for i in set(choices) - set(live):
+            choices[i].finish_reason = "length"
+        first: dict[int, float] = {}
+        end = {i: t0 for i in choices}
+
+        def result(i: int, content: str) -> dict[str, Any]:
+            c, ids = choices[i], prompts[i]
+            out = {"index": i, "content": content, "tokens": c.token_ids if req.return_tokens else [], "id_slot": -1,
+                   "stop": True, "model": state.model_name, "tokens_predicted": len(c.token_ids),
+                   "tokens_evaluated": len(ids), "tokens_cached": c.cached_tokens,
+                   "generation_settings": {**req.settings(params[i], state.max_model_len, state.model_name),
+                                           "n_predict": wanted[i]},
+                   "prompt": tok.decode(ids), "has_new_line": "\n" in c.text,
+                   "truncated": c.finish_reason == "length" and len(ids) + len(c.token_ids) >= state.max_model_len,
+                   **stop_fields(c.finish_reason, c.stop_reason),
+                   "timings": llama_timings(len(ids), c.cached_tokens, len(c.token_ids), t0, first.get(i), end[i])}
+            if req.n_probs:
+                out["completion_probabilities"] = probabilities(lambda t: _piece(tok, t), c.logprobs)
+            return out
+
+        def seen(d: Delta, now: float) -> int:
+            i = live[d.index]
+            if d.token_ids and i not in first:
+                first[i] = now
+            end[i] = now
+            return i
+
+        q, reqs = run([prompts[i] for i in live], [[params[i]] for i in live], req.n_probs or None, False) \
+            if live else (asyncio.Queue(), [])
+        if req.stream:
+            async def events() -> AsyncIterator[dict[str, Any]]:
+                for i in set(choices) - set(live):
+                    yield result(i, "")
+                async for d in deltas(request, q, reqs):
+                    if d.error:
+                        yield _error_event(d.error)
+                        return
+                    i = seen(d, time.perf_counter())
+                    c = choices[i]
+                    c.add(d)
+                    if d.text or d.token_ids:
+                        chunk = {"index": i, "content": d.text, "tokens": d.token_ids, "stop": False, "id_slot": -1,
+                                 "tokens_predicted": len(c.token_ids), "tokens_evaluated": len(prompts[i])}
+                        if req.n_probs:
+                            chunk["completion_probabilities"] = probabilities(lambda t: _piece(tok, t), d.logprobs)
+                        yield chunk
+                    if d.finish_reason is not None:
+                        yield result(i, "")
+
+            return _sse(events(), done=False)
+        for j, c in enumerate(await collect(request, q, reqs, len(live),
+                                            seen=lambda d: seen(d, time.perf_counter()))):
+            choices[live[j]] = c
+        results = [result(i, choices[i].text) for i in range(len(prompts))]
+        return JSONResponse(results if _several(req.prompt) else results[0])
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -517,11 +608,18 @@ def _completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob | None], prompt:
     return out
 
 
-def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def _several(prompt: Any) -> bool:
+    """Whether a llama.cpp prompt is a list of prompts (answered with a list) rather than one."""
+    return isinstance(prompt, list) and not any(isinstance(x, int) for x in prompt)
+
+
+def _sse(events: AsyncIterator[dict[str, Any]], done: bool = True) -> StreamingResponse:
+    """Server-sent events, one JSON object each; OpenAI's streams end with `data: [DONE]` (done), llama.cpp's not."""
     async def body() -> AsyncIterator[bytes]:
         async for e in events:
             yield b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
+        if done:
+            yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

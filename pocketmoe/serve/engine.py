@@ -86,6 +86,7 @@ class Delta:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo: one per prompt token (the first None)
     error: str | None = None
     cached_tokens: int | None = None  # on the last delta: prompt tokens whose KV rows the prefix cache gave
+    stop_reason: str | int | None = None  # on a "stop" delta: the stop string, or the end token id (vLLM's field)
 
 
 @dataclass
@@ -455,7 +456,7 @@ class Engine:
             self.metrics.itl.observe(now - s.last_token_at)
         s.last_token_at = now
         if token in s.sampler.end_ids:
-            self._finish(s, "stop")
+            self._finish(s, "stop", Delta(s.index, stop_reason=token))
             return
         s.tokens.append(token)
         s.generated += 1
@@ -464,6 +465,7 @@ class Engine:
         lps = [self._logprob(logits, token, s.request.logprobs)] if s.request.logprobs is not None else []
         delta = Delta(s.index, text, [token], lps)
         if stopped or s.sampler.complete:
+            delta.stop_reason = s.stop.matched
             self._finish(s, "stop", delta)
         elif s.generated >= s.params.max_tokens or len(s.tokens) >= self.cfg.max_model_len:
             self._finish(s, "length", delta)

@@ -1,0 +1,164 @@
+"""llama.cpp's own completion endpoint, POST /completion (and /completions), over the same engine as /v1.
+
+llama-server's web UI, editor plugins (llama.vim) and many scripts speak this dialect rather than OpenAI's:
+its request fields and defaults (`n_predict` -1 = up to the context, temperature 0.8, top_k 40, top_p 0.95,
+min_p 0.05, `repeat_last_n` 64, seed -1 = random, `logit_bias` as [[id, bias or false], ...], `n_probs`),
+a flat response (`content`, `stop_type` eos / limit / word, `stopping_word`, `tokens_predicted`,
+`tokens_evaluated`, `tokens_cached`, `timings`, `generation_settings`) and a stream of
+`data: {"content": ..., "stop": false}` events closed by the full result with `"stop": true` and no
+`[DONE]`. A prompt is a string, token ids, or the two mixed (one prompt), or a list of those (several, answered
+as a list). Samplers this engine does not have (mirostat, typical_p, dynamic temperature, DRY, XTC,
+top-n-sigma) are accepted at their off values and refused otherwise, so no request is sampled differently
+from what it asked without saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, StrictStr
+
+from pocketmoe.engine.sampler import SamplingParams
+from pocketmoe.engine.structured import Grammar
+from pocketmoe.serve.protocol import MAX_TOP_LOGPROBS, NonNegInt, RequestError, SamplingFields
+
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
+# samplers this engine does not run, with the value that leaves each off
+OFF_VALUES = {"mirostat": 0, "typical_p": 1.0, "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+              "top_n_sigma": -1.0, "n_indent": 0}
+RANDOM_SEED = -1  # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF as an int32)
+
+Piece = StrictStr | NonNegInt
+
+
+class LlamaCompletionRequest(SamplingFields):
+    """POST /completion: llama.cpp's fields; those it shares with /v1 are validated as there."""
+
+    prompt: StrictStr | Annotated[list[Piece | list[Piece]], Field(min_length=1)]
+    n_predict: Annotated[int, Field(ge=-1)] | None = None
+    n_probs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    repeat_last_n: Annotated[int, Field(ge=-1)] = 64
+    return_tokens: bool = False
+    cache_prompt: bool = True  # the engine reuses cached prompt starts where the tokens stay the same
+    logit_bias: list[Annotated[list[Any], Field(min_length=2, max_length=2)]] | dict[StrictStr, Any] | None = None
+    mirostat: int | None = None
+    typical_p: float | None = None
+    dynatemp_range: float | None = None
+    dry_multiplier: float | None = None
+    xtc_probability: float | None = None
+    top_n_sigma: float | None = None
+    n_indent: int | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        for name, off in OFF_VALUES.items():
+            value = getattr(self, name)
+            if value is not None and value != off and not (name == "xtc_probability" and value <= 0) \
+                    and not (name == "top_n_sigma" and value < 0):
+                raise RequestError(f"{name}={value!r} asks for a sampler this server does not have; leave it out "
+                                   f"or set it to {off!r}.", name)
+        if self.n != 1:
+            raise RequestError("/completion gives one completion per prompt; send the prompt n times, or use "
+                               "/v1/completions with n.", "n")
+        if self.stream_options is not None:
+            raise RequestError("stream_options belongs to /v1/completions; /completion streams its own events.",
+                               "stream_options")
+
+    def prompts(self) -> list[list[str | int]]:
+        """Each prompt as its pieces (strings and token ids, in order): one string, or a list holding a token id
+        at its top level, is one prompt; otherwise each item of the list is one."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [[p]]
+        if any(isinstance(x, int) for x in p):
+            if any(isinstance(x, list) for x in p):
+                raise RequestError("prompt mixes token ids with lists; give one prompt (strings and token ids) or "
+                                   "a list of prompts.", "prompt")
+            return [list(p)]  # type: ignore[arg-type]
+        return [[x] if isinstance(x, str) else list(x) for x in p]  # type: ignore[list-item]
+
+    def max_new_tokens(self, n_prompt: int, max_model_len: int) -> int:
+        """n_predict (or max_tokens), -1 meaning as many as the context leaves; never past the context."""
+        n = self.n_predict if self.n_predict is not None else (self.max_tokens or -1)
+        room = max_model_len - n_prompt
+        return room if n < 0 else min(n, room)
+
+    def bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (id, bias) pairs; false bans the token (a bias of -inf)."""
+        pairs = list(self.logit_bias.items()) if isinstance(self.logit_bias, dict) else \
+            [tuple(x) for x in self.logit_bias or []]
+        out = []
+        for k, v in pairs:
+            tid = int(k) if isinstance(k, int) or (isinstance(k, str) and k.isdigit()) else None
+            if tid is None or isinstance(k, bool) or not 0 <= tid < vocab:
+                raise RequestError(f"logit_bias names {k!r}, which is not a token id of this model (0..{vocab - 1}); "
+                                   "give [[token id, bias], ...].", "logit_bias")
+            if v is False:
+                out.append((tid, float("-inf")))
+            elif isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100:
+                out.append((tid, float(v)))
+            else:
+                raise RequestError(f"logit_bias for token {tid} is {v!r}; give a number in [-100, 100] or false.",
+                                   "logit_bias")
+        return tuple(out)
+
+    def sampling(self, grammar: Grammar | None, max_tokens: int, vocab: int) -> SamplingParams:
+        """The engine's parameters for llama.cpp's fields and defaults."""
+        pick = {name: getattr(self, name) if getattr(self, name) is not None else default
+                for name, default in DEFAULTS.items()}
+        rep = self.repetition_penalty if self.repetition_penalty is not None else pick["repeat_penalty"]
+        presence, frequency = self.presence_penalty or 0.0, self.frequency_penalty or 0.0
+        if self.repeat_last_n == 0:  # llama.cpp: the penalties look at no tokens
+            rep, presence, frequency = 1.0, 0.0, 0.0
+        seed = None if self.seed is None or self.seed == RANDOM_SEED else self.seed % 2**64
+        return SamplingParams(
+            temperature=pick["temperature"], top_k=max(pick["top_k"], 0), top_p=pick["top_p"], min_p=pick["min_p"],
+            repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency,
+            penalty_last_n=max(self.repeat_last_n, 0), seed=seed, max_tokens=max_tokens, stop=self.stop_list(),
+            ignore_eos=self.ignore_eos, logit_bias=self.bias(vocab), grammar=grammar,
+            stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=min(self.min_tokens, max_tokens),
+            skip_special_tokens=self.skip_special_tokens)
+
+    def settings(self, params: SamplingParams, n_ctx: int, model: str) -> dict[str, Any]:
+        """generation_settings: what the request ran with."""
+        return {"n_ctx": n_ctx, "model": model, "n_predict": params.max_tokens, "temperature": params.temperature,
+                "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+                "repeat_penalty": params.repetition_penalty, "repeat_last_n": self.repeat_last_n,
+                "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                "seed": RANDOM_SEED if params.seed is None else params.seed, "stop": list(params.stop),
+                "ignore_eos": params.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
+                "logit_bias": [[t, b if b != float("-inf") else False] for t, b in params.logit_bias],
+                "grammar": self.grammar or "", "cache_prompt": self.cache_prompt}
+
+
+def stop_fields(finish_reason: str | None, stop_reason: str | int | None) -> dict[str, Any]:
+    """stop_type (eos / limit / word) and stopping_word of a finished completion."""
+    if finish_reason == "length":
+        return {"stop_type": "limit", "stopping_word": ""}
+    if isinstance(stop_reason, str):
+        return {"stop_type": "word", "stopping_word": stop_reason}
+    return {"stop_type": "eos", "stopping_word": ""}
+
+
+def timings(n_prompt: int, n_cached: int, n_predicted: int, t0: float, t_first: float | None, t_end: float
+            ) -> dict[str, float | int]:
+    """llama.cpp's timings: the prompt from arrival to the first token, the rest as generation (ms)."""
+    first = t_first if t_first is not None else t_end
+    prompt_ms, predicted_ms = (first - t0) * 1e3, (t_end - first) * 1e3
+    computed = max(n_prompt - n_cached, 0)
+    return {"cache_n": n_cached, "prompt_n": computed, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / computed if computed else 0.0,
+            "prompt_per_second": computed / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+            "predicted_n": n_predicted, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / n_predicted if n_predicted else 0.0,
+            "predicted_per_second": n_predicted / predicted_ms * 1e3 if predicted_ms > 0 else 0.0}
+
+
+def probabilities(piece: Any, lps: list[Any]) -> list[dict[str, Any]]:
+    """completion_probabilities: per generated token its id, text, bytes, logprob and the n_probs most likely."""
+    def one(tid: int, lp: float) -> dict[str, Any]:
+        text, b = piece(tid)
+        return {"id": tid, "token": text, "bytes": b, "logprob": lp}
+
+    return [{**one(x.token_id, x.logprob), "top_logprobs": [one(t, lp) for t, lp in x.top]} for x in lps]
+

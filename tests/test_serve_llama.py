@@ -1,0 +1,164 @@
+"""llama.cpp's POST /completion on the live server: its defaults, response fields and stream, each answer held to
+the same model run through `LLM` (one sequence, no HTTP) with the parameters llama.cpp documents."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from pocketmoe.engine.llm import LLM
+from pocketmoe.engine.sampler import SamplingParams
+from pocketmoe.testing.live_server import LiveServer
+from pocketmoe.testing.synth import write_fixture
+
+MAX_LEN = 256
+LLAMA = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "penalty_last_n": 64}  # its defaults
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_fixture("deepseek2", "tiny", "Q4_K_M", tmp_path_factory.mktemp("llama") / "m.gguf", seed=11)[0]
+
+
+@pytest.fixture(scope="module")
+def server(model: Path):
+    with LiveServer(["--model", str(model), "--served-model-name", "tiny", "--max-model-len", str(MAX_LEN),
+                     "--threads", "1"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def llm(model: Path) -> LLM:
+    return LLM(model, n_ctx=MAX_LEN, threads=1, max_num_seqs=1, enable_prefix_caching=False)
+
+
+def post(server: LiveServer, body: dict, path: str = "/completion") -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def events(server: LiveServer, body: dict) -> list[str]:
+    with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return [line for line in r.iter_lines() if line]
+
+
+def test_greedy_completion_and_its_fields(server, llm):
+    want = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    for path in ("/completion", "/completions"):
+        r = post(server, {"prompt": "hello world", "n_predict": 10, "temperature": 0, "ignore_eos": True,
+                          "return_tokens": True}, path)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["content"] == want.text and out["tokens"] == want.token_ids and out["stop"] is True
+        assert out["tokens_predicted"] == 10 and out["tokens_evaluated"] == len(want.prompt_token_ids)
+        assert (out["stop_type"], out["stopping_word"], out["truncated"]) == ("limit", "", False)
+        assert out["model"] == "tiny" and out["generation_settings"]["n_predict"] == 10
+        t = out["timings"]
+        assert t["predicted_n"] == 10 and t["prompt_n"] + t["cache_n"] == len(want.prompt_token_ids)
+        assert t["prompt_ms"] > 0 and t["predicted_per_second"] > 0
+    # without return_tokens the ids stay out, as llama.cpp leaves them
+    assert post(server, {"prompt": "hello world", "n_predict": 2, "temperature": 0}).json()["tokens"] == []
+
+
+def test_llama_defaults_are_the_sampling_used(server, llm):
+    """Only a seed given: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05 over the last 64 tokens."""
+    for seed in (1, 7):
+        want = llm.generate(["the quick brown fox"], SamplingParams(seed=seed, max_tokens=16, **LLAMA))[0]
+        out = post(server, {"prompt": "the quick brown fox", "n_predict": 16, "seed": seed}).json()
+        assert out["content"] == want.text and out["tokens_predicted"] == len(want.token_ids)
+        assert out["stop_type"] == ("eos" if want.finish_reason == "stop" else "limit")
+        s = out["generation_settings"]
+        assert (s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seed"]) == (0.8, 40, 0.95, 0.05, seed)
+
+
+def test_stop_word_and_stream(server, llm):
+    full = llm.generate(["a b c d e f g"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].text
+    word = full[len(full) // 2:len(full) // 2 + 2]
+    want = full[:full.index(word)]
+    out = post(server, {"prompt": "a b c d e f g", "n_predict": 24, "temperature": 0, "ignore_eos": True,
+                        "stop": [word]}).json()
+    assert (out["content"], out["stop_type"], out["stopping_word"]) == (want, "word", word)
+    lines = events(server, {"prompt": "a b c d e f g", "n_predict": 24, "temperature": 0, "ignore_eos": True,
+                            "stop": [word]})
+    assert all(line.startswith("data: ") for line in lines) and "[DONE]" not in lines[-1]
+    got = [json.loads(line[6:]) for line in lines]
+    assert all(not e["stop"] for e in got[:-1]) and got[-1]["stop"] is True and got[-1]["content"] == ""
+    assert "".join(e["content"] for e in got) == want
+    assert (got[-1]["stop_type"], got[-1]["stopping_word"]) == ("word", word)
+
+
+def test_n_probs_are_the_model_logprobs(server, llm):
+    ids = llm.encode_prompt("lorem ipsum dolor")
+    lp = torch.log_softmax(llm.prompt_logits(ids)[-1].double(), dim=-1)
+    out = post(server, {"prompt": "lorem ipsum dolor", "n_predict": 3, "temperature": 0, "n_probs": 4}).json()
+    first = out["completion_probabilities"][0]
+    top = torch.topk(lp, 4)
+    assert first["id"] == int(top.indices[0]) and first["logprob"] == pytest.approx(float(top.values[0]), abs=1e-4)
+    assert [t["id"] for t in first["top_logprobs"]] == top.indices.tolist()
+    assert bytes(first["bytes"]).decode("utf-8", "replace") == first["token"]
+    assert len(out["completion_probabilities"]) == 3
+
+
+def test_several_and_mixed_prompts(server, llm):
+    ids = llm.encode_prompt("zzz")
+    greedy = {"n_predict": 6, "temperature": 0, "ignore_eos": True}
+    many = post(server, {"prompt": ["tensor parallel", ids], **greedy}).json()
+    assert isinstance(many, list) and [m["index"] for m in many] == [0, 1]
+    assert many[0]["content"] == post(server, {"prompt": "tensor parallel", **greedy}).json()["content"]
+    assert many[1]["content"] == post(server, {"prompt": ids, **greedy}).json()["content"]
+    # ids then text: one prompt, the text tokenized without a BOS
+    mixed = post(server, {"prompt": [*ids, " more"], **greedy}).json()
+    tail = llm.tokenizer.encode(" more", add_bos=False)
+    want = llm.generate([ids + tail], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert isinstance(mixed, dict) and mixed["tokens_evaluated"] == len(ids) + len(tail)
+    assert mixed["content"] == want.text
+
+
+def test_logit_bias_and_penalty_window(server, llm):
+    base = {"prompt": "one two three four five", "n_predict": 8, "temperature": 0, "ignore_eos": True,
+            "return_tokens": True}
+    first = post(server, base).json()["tokens"][0]
+    banned = post(server, {**base, "logit_bias": [[first, False]]}).json()
+    assert first not in banned["tokens"] and banned["generation_settings"]["logit_bias"] == [[first, False]]
+    # repeat_last_n 0: the penalties look at nothing, so a strong one changes nothing
+    assert post(server, {**base, "repeat_penalty": 3.0, "repeat_last_n": 0}).json()["tokens"] == \
+        post(server, base).json()["tokens"]
+    # a window of 4 against the whole history: different tokens, and the server's are the window's
+    text = " ".join(f"w{i % 7}" for i in range(40))
+    ref = {k: llm.generate([text], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=3.0,
+                                                  penalty_last_n=k))[0].token_ids for k in (4, 0)}
+    assert ref[4] != ref[0]
+    body = {**base, "prompt": text, "n_predict": 16, "repeat_penalty": 3.0}
+    assert post(server, {**body, "repeat_last_n": 4}).json()["tokens"] == ref[4]
+    assert post(server, {**body, "repeat_last_n": -1}).json()["tokens"] == ref[0]
+
+
+def test_n_predict_zero_and_to_the_context(server, llm):
+    out = post(server, {"prompt": "hello", "n_predict": 0}).json()
+    assert (out["content"], out["tokens_predicted"], out["stop_type"]) == ("", 0, "limit")
+    n_prompt = len(llm.encode_prompt("hello"))
+    out = post(server, {"prompt": "hello", "n_predict": -1, "temperature": 0, "ignore_eos": True}).json()
+    assert out["tokens_predicted"] == MAX_LEN - n_prompt and out["truncated"] is True
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "mirostat": 2}, "mirostat"),
+    ({"prompt": "hi", "typical_p": 0.5}, "typical_p"),
+    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "logit_bias": [["x", 1.0]]}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": [[5, "high"]]}, "logit_bias"),
+    ({"prompt": [5, [6]]}, "prompt"),
+    ({"prompt": [999999]}, "prompt"),
+    ({"prompt": "word " * 400}, "prompt"),
+    ({"prompt": "hi", "n_predict": -2}, "n_predict"),
+])
+def test_bad_requests_are_one_sentence(server, body, param):
+    r = post(server, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "\n" not in err["message"]
+    assert post(server, {"prompt": "hi", "n_predict": 1}).status_code == 200  # the server is still up
