@@ -306,6 +306,10 @@ def test_api_key_and_full_queue(model: Path) -> None:
         assert httpx.get(url, headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert httpx.get(srv.url + "/health").status_code == 200
         assert httpx.post(srv.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+        for path in ("/completion", "/completions", "/apply-template"):  # llama.cpp's routes too
+            assert httpx.post(srv.url + path, json={"prompt": "x"}).status_code == 401
+        assert httpx.get(srv.url + "/props").status_code == 401
+        assert httpx.get(srv.url + "/props", headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert httpx.post(srv.url + "/detokenize", json={"tokens": [1]},
                           headers={"Authorization": "Bearer sekrit"}).status_code == 200
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekrit", max_retries=0)

@@ -162,3 +162,26 @@ def test_bad_requests_are_one_sentence(server, body, param):
     err = r.json()["error"]
     assert err["param"] == param and "\n" not in err["message"]
     assert post(server, {"prompt": "hi", "n_predict": 1}).status_code == 200  # the server is still up
+
+
+def test_props_and_apply_template(server, llm):
+    props = httpx.get(server.url + "/props", timeout=30).json()
+    assert props["default_generation_settings"]["n_ctx"] == MAX_LEN and props["model_alias"] == "tiny"
+    assert props["total_slots"] == 16 and props["chat_template"] == llm.tokenizer.chat_template
+    params = props["default_generation_settings"]["params"]
+    assert (params["temperature"], params["top_k"], params["top_p"], params["min_p"]) == (0.8, 40, 0.95, 0.05)
+    assert props["bos_token"] == llm.tokenizer.tokens[llm.tokenizer.bos_id]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    r = httpx.post(server.url + "/apply-template", json={"messages": msgs}, timeout=30)
+    assert r.status_code == 200, r.text
+    prompt = r.json()["prompt"]
+    assert prompt == llm.tokenizer.apply_chat_template(msgs, True)
+    assert llm.tokenizer.encode_rendered_chat(prompt) == llm.encode_chat(msgs)
+    # the rendered prompt's tokens complete as the chat route answers (as text, /completion would add a BOS in
+    # front of the template's own, as llama.cpp does)
+    chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0},
+                      timeout=60).json()["choices"][0]["message"]["content"]
+    ids = llm.tokenizer.encode_rendered_chat(prompt)
+    assert post(server, {"prompt": ids, "n_predict": 6, "temperature": 0}).json()["content"] == chat
+    bad = httpx.post(server.url + "/apply-template", json={"prompt": "x"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"

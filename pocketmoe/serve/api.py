@@ -23,13 +23,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pocketmoe import __version__
 from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError, TokenLogprob
+from pocketmoe.serve.llama_api import DEFAULTS as LLAMA_DEFAULTS
 from pocketmoe.serve.llama_api import LlamaCompletionRequest, probabilities, stop_fields
 from pocketmoe.serve.llama_api import timings as llama_timings
 from pocketmoe.serve.metrics import Metrics
 from pocketmoe.serve.protocol import (
+    ApplyTemplateRequest,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -48,8 +51,9 @@ from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pocketmoe.serve")
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/completion", "/completions", "/tokenize",
-             "/detokenize", "/health", "/metrics")
-GATED = ("/v1", "/completion", "/tokenize", "/detokenize")  # the routes --api-key guards (/completions too)
+             "/detokenize", "/apply-template", "/props", "/health", "/metrics")
+# the routes --api-key guards (/completions too)
+GATED = ("/v1", "/completion", "/tokenize", "/detokenize", "/apply-template", "/props")
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
@@ -334,9 +338,16 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def chat_prompt(tok: Tokenizer, req: ChatCompletionRequest | TokenizeRequest, messages: list[ChatMessage],
                           tools: list[dict[str, Any]], grammar: Grammar | None) -> tuple[list[int], bool]:
-        """The token ids of a chat as the template renders it (the chat route and /tokenize alike), with a block the
-        template opened closed empty where no reasoning is wanted (enable_thinking false, or a grammar deciding the
-        output from its first token), and whether the output starts inside a block."""
+        """The token ids of a chat as the template renders it (the chat route and /tokenize alike), and whether the
+        output starts inside a reasoning block (chat_text)."""
+        text, thinking = await chat_text(tok, req, messages, tools, grammar)
+        return await asyncio.to_thread(tok.encode_rendered_chat, text), thinking
+
+    async def chat_text(tok: Tokenizer, req: ChatCompletionRequest | TokenizeRequest, messages: list[ChatMessage],
+                        tools: list[dict[str, Any]], grammar: Grammar | None) -> tuple[str, bool]:
+        """A chat as the template renders it, with a block the template opened closed empty where no reasoning is
+        wanted (enable_thinking false, or a grammar deciding the output from its first token), and whether the
+        output starts inside a block."""
         variables = req.chat_template_kwargs or {}
         try:
             text = await asyncio.to_thread(tok.apply_chat_template, template_messages(messages),
@@ -344,8 +355,7 @@ def create_app(state: ServerState) -> FastAPI:
                                            **variables)
         except ChatTemplateError as e:
             raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
-        text, thinking = thinking_prompt(text, grammar is None and variables.get("enable_thinking") is not False)
-        return await asyncio.to_thread(tok.encode_rendered_chat, text), thinking
+        return thinking_prompt(text, grammar is None and variables.get("enable_thinking") is not False)
 
     async def tool_call_grammar(fmt: ToolFormat | None, tools: list[dict[str, Any]], tok: Tokenizer, only: str | None,
                                 parallel: bool, asked: Grammar | None) -> Grammar:
@@ -544,6 +554,29 @@ def create_app(state: ServerState) -> FastAPI:
         else:
             ids = await asyncio.to_thread(tok.encode, req.prompt, None if req.add_special_tokens else False)
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request) -> Response:
+        """llama.cpp's /apply-template: the prompt text a chat request's messages render to."""
+        req = _parse(ApplyTemplateRequest, await request.body())
+        check_model(req.model)
+        text, _ = await chat_text(engine().tok, req, req.messages, [], None)
+        return JSONResponse({"prompt": text})
+
+    @app.get("/props")
+    async def props() -> Response:
+        """llama.cpp's /props: what clients read at start (context, default sampling, chat template, slots)."""
+        eng = engine()
+        tok = eng.tok
+        token = (lambda t: tok.tokens[t] if t is not None else "")  # noqa: E731
+        return JSONResponse({
+            "default_generation_settings": {"n_ctx": state.max_model_len, "model": state.model_name,
+                                            "params": {**LLAMA_DEFAULTS, "repeat_last_n": 64, "n_predict": -1,
+                                                       "seed": -1, "n_probs": 0}},
+            "total_slots": eng.cfg.max_num_seqs, "model_alias": state.model_name,
+            "model_path": eng.runner.bundle.paths[0].name, "chat_template": tok.chat_template or "",
+            "bos_token": token(tok.bos_id), "eos_token": token(tok.eos_id),
+            "modalities": {"vision": False, "audio": False}, "build_info": f"pocketmoe {__version__}"})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

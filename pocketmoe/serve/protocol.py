@@ -333,6 +333,15 @@ class TokenizeRequest(_Body):
                                "prompt" if self.prompt is not None else "messages")
 
 
+class ApplyTemplateRequest(TokenizeRequest):
+    """POST /apply-template (llama.cpp's route): the text of chat messages as the template renders them."""
+
+    def check(self) -> None:
+        check_template_options(self)
+        if self.messages is None or self.prompt is not None:
+            raise RequestError("/apply-template renders messages; give messages (and no prompt).", "messages")
+
+
 class DetokenizeRequest(_Body):
     """POST /detokenize (vLLM's route): the text of token ids."""
 
