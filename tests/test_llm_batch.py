@@ -64,6 +64,20 @@ def test_batch_equals_each_prompt_alone(llm):
     assert {o.finish_reason for o in got} >= {"length"}
 
 
+def test_the_batch_pool_comes_with_the_first_batch(model):
+    from pocketmoe.engine.kv_cache import PAGE
+
+    llm = LLM(model, n_ctx=64, threads=1, max_num_seqs=4)
+    assert llm.runner.cache.n_pages == 64 // PAGE  # one sequence's until a batch runs
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = llm.generate([[5, 6, 7]], params)[0]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    got = llm.generate(prompts, params)
+    assert llm.runner.cache.n_pages >= 4 * 64 // PAGE  # the server's rule for 4 sequences of 64
+    assert same(before, got[0]) and all(same(solo(llm, p, params), b) for p, b in zip(prompts, got, strict=True))
+    llm.close()
+
+
 def test_one_params_for_all_and_text_prompts(llm):
     params = SamplingParams(temperature=0.7, seed=5, max_tokens=12, stop=["e"])
     prompts = ["Hello world", "Once upon a time", "abc", "Hello world"]

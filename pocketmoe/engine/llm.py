@@ -74,8 +74,8 @@ class LLM:
         """placement: a placement.run.RunPlacement (the --device/--mode/... flags); None: CPU only.
         max_num_seqs: sequences a batch of prompts decodes at once (1: one prompt after another; default 8 on
         the CPU, 1 with a placement, whose plan reserves device memory for every sequence's KV cache).
-        kv_cache_bytes: the KV pool (default: the server's rule for max_num_seqs sequences of n_ctx, and at
-        least one sequence). enable_prefix_caching: prompt starts computed before are not computed again,
+        kv_cache_bytes: the KV pool (default: one sequence's until the first batch, then the server's rule for
+        max_num_seqs sequences of n_ctx; with a placement, that up front). enable_prefix_caching: prompt starts computed before are not computed again,
         in a batch and by the single sequence (None: where the ops are chunk-invariant, so that the tokens are
         the same either way)."""
         if max_num_seqs is None:
@@ -88,13 +88,14 @@ class LLM:
             model = demo_model_path()
         self.bundle = open_bundle(model)
         self.tokenizer = Tokenizer.from_metadata(self.bundle.metadata)
+        # On the CPU a batch's KV pool is allocated when the first batch runs (one prompt at a time needs one
+        # sequence's); a device plan reserves it up front, as it reserves everything it places.
+        self._pool_later = placement is None and kv_cache_bytes is None and max_num_seqs > 1
         cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, threads=threads, kv_dtype=kv_dtype, backend=backend,
-                           placement=placement, max_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes)
-        if kv_cache_bytes is None and max_num_seqs > 1:
-            spec = load_spec(self.bundle)
-            row = spec.config.n_layer * spec.kv_values_per_token() * KV_DTYPE_BYTES[kv_dtype]
-            cfg = replace(cfg, kv_cache_bytes=max(default_kv_pool_bytes(self.bundle, spec, n_ctx, max_num_seqs, kv_dtype),
-                                                  -(-n_ctx // PAGE) * PAGE * row))
+                           placement=placement, max_seqs=1 if self._pool_later else max_num_seqs,
+                           kv_cache_bytes=kv_cache_bytes)
+        if kv_cache_bytes is None and max_num_seqs > 1 and not self._pool_later:
+            cfg = replace(cfg, kv_cache_bytes=self._batch_pool_bytes(n_ctx, max_num_seqs, kv_dtype))
         self.runner = ModelRunner(self.bundle, cfg)
         self.backend_name, self.backend_detail = self.runner.ops.name, self.runner.ops.detail
         self.n_ctx = n_ctx
@@ -254,9 +255,20 @@ class LLM:
             raise PocketMoEError(f"prompt {i} failed: {errors[i]}")
         return outs
 
+    def _batch_pool_bytes(self, n_ctx: int, max_num_seqs: int, kv_dtype: str) -> int:
+        """The server's rule for max_num_seqs sequences of n_ctx, and at least one sequence."""
+        spec = load_spec(self.bundle)
+        row = spec.config.n_layer * spec.kv_values_per_token() * KV_DTYPE_BYTES[kv_dtype]
+        return max(default_kv_pool_bytes(self.bundle, spec, n_ctx, max_num_seqs, kv_dtype),
+                   -(-n_ctx // PAGE) * PAGE * row)
+
     def _batch_engine(self) -> Any:
-        """The continuous-batching engine over this runner, kept between batches (its prefix cache too)."""
+        """The continuous-batching engine over this runner, kept between batches (its prefix cache too); the
+        first batch on the CPU sizes the KV pool for max_num_seqs sequences."""
         if self._engine is None:
+            if self._pool_later:
+                self.runner.resize_kv(self._batch_pool_bytes(self.n_ctx, self.max_num_seqs, self.runner.cfg.kv_dtype))
+                self._pool_later = False
             from pocketmoe.serve.engine import Engine, EngineConfig
             from pocketmoe.serve.metrics import Metrics
 

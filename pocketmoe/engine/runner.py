@@ -156,17 +156,12 @@ class ModelRunner:
         if self.parallel.world > 1:
             self.model = shard_model(self.model, self.parallel, width)
             width = self.model.kv_width
-        dtype = KV_DTYPES[cfg.kv_dtype]
         # the CUDA backend's device, or each layer's where the model spans several GPUs; the CPU otherwise
         kv_device: Any = getattr(self.ops, "device", "cpu")
         if len(set(layer_devices)) > 1 and self.parallel.world == 1:
             kv_device = layer_devices
-        if cfg.kv_cache_bytes is None:
-            pages = cfg.max_seqs * -(-cfg.n_ctx // PAGE)
-            self.cache = PagedKVCache(self.model.n_layer, width, pages, cfg.n_ctx, dtype, device=kv_device)
-        else:
-            self.cache = PagedKVCache.for_bytes(self.model.n_layer, width, cfg.kv_cache_bytes, cfg.n_ctx, dtype,
-                                                device=kv_device)
+        self._kv_layout = (self.model.n_layer, width, KV_DTYPES[cfg.kv_dtype], kv_device)
+        self.cache = self._new_cache(cfg.kv_cache_bytes)
         self.numa = self._place_host_experts()
         # Embedding rows are read one per token in no order: without this, each new token id of a large
         # model faults its page in from disk in decode (V2-Lite: ~2 ms a token).
@@ -175,6 +170,24 @@ class ModelRunner:
         if self.parallel.world > 1:
             self.channel = StepChannel(self.parallel)
             self._hello()
+
+    def _new_cache(self, kv_cache_bytes: int | None) -> PagedKVCache:
+        """A KV pool of kv_cache_bytes (None: cfg.max_seqs sequences of n_ctx)."""
+        n_layer, width, dtype, device = self._kv_layout
+        n_ctx = self.cfg.n_ctx
+        if kv_cache_bytes is None:
+            pages = self.cfg.max_seqs * -(-n_ctx // PAGE)
+            return PagedKVCache(n_layer, width, pages, n_ctx, dtype, device=device)
+        return PagedKVCache.for_bytes(n_layer, width, kv_cache_bytes, n_ctx, dtype, device=device)
+
+    def resize_kv(self, kv_cache_bytes: int) -> None:
+        """Replace the KV pool by one of kv_cache_bytes; every sequence's rows are dropped (LLM's first batch)."""
+        if self.parallel.world > 1:
+            raise PocketMoEError("the KV pool of a tensor-parallel runner is fixed at start-up (every rank holds "
+                                 "the same layout); size it with kv_cache_bytes.")
+        del self.cache  # the old pool goes before the new one is allocated
+        self.solo_tokens = []
+        self.cache = self._new_cache(kv_cache_bytes)
 
     # -- tensor parallel ---------------------------------------------------------------------------------
     def _layout(self) -> dict[str, Any]:
