@@ -595,6 +595,13 @@ def test_stop_reason_names_what_ended_a_choice(server: LiveServer, llm: LLM) -> 
     end = full.token_ids[3]  # that token, named as a stop token, ends the choice where it is drawn
     c = httpx.post(server.url + "/v1/completions", json={**body, "stop_token_ids": [end]}, timeout=60).json()["choices"][0]
     assert (c["finish_reason"], c["stop_reason"]) == ("stop", end)
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stop": [word], "stream": True},
+                      timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [word]
     chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}
     c = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
     assert "stop_reason" in c
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as r:
+        last = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")][-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == (c["finish_reason"], c["stop_reason"])

@@ -667,9 +667,11 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
                              usage: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def chunk(index: int, text: str, lp: Any, finish: str | None) -> dict[str, Any]:
+    def chunk(index: int, text: str, lp: Any, finish: str | None, stop_reason: str | int | None = None
+              ) -> dict[str, Any]:
         c = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}]}
+             "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish,
+                          "stop_reason": stop_reason}]}
         if include_usage:
             c["usage"] = None
         return c
@@ -701,7 +703,7 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
         usage["completion_tokens"] += len(d.token_ids)
         _count_cached(usage, cached, p, d.cached_tokens)
         if text or d.finish_reason or d.token_ids:  # one chunk per token, as OpenAI streams
-            yield chunk(i, text, lp, d.finish_reason)
+            yield chunk(i, text, lp, d.finish_reason, d.stop_reason)
     if include_usage:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
@@ -718,10 +720,12 @@ async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: Async
     minds = [ReasoningSplitter(thinking) for _ in range(req.n)] if thinking is not None else None
     cached: dict[int, int] = {}
 
-    def chunk(index: int, delta: dict[str, Any], lp: Any, finish: str | None) -> dict[str, Any]:
+    def chunk(index: int, delta: dict[str, Any], lp: Any, finish: str | None, stop_reason: str | int | None = None
+              ) -> dict[str, Any]:
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
              "system_fingerprint": None,
-             "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+             "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                          "stop_reason": stop_reason}]}
         if include_usage:
             c["usage"] = None
         return c
@@ -753,7 +757,7 @@ async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: Async
                 if calls:
                     yield chunk(d.index, {"tool_calls": [c.to_json(k) for k, c in enumerate(calls)]}, None, None)
                     finish = "tool_calls"
-            yield chunk(d.index, {}, None, finish)
+            yield chunk(d.index, {}, None, finish, d.stop_reason)
     if include_usage:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
