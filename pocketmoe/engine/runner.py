@@ -187,7 +187,11 @@ class ModelRunner:
                                  "the same layout); size it with kv_cache_bytes.")
         del self.cache  # the old pool goes before the new one is allocated
         self.solo_tokens = []
-        self.cache = self._new_cache(kv_cache_bytes)
+        try:
+            self.cache = self._new_cache(kv_cache_bytes)
+        except BaseException:
+            self.cache = self._new_cache(self.cfg.kv_cache_bytes)  # the start-up pool again: the runner stays usable
+            raise
 
     # -- tensor parallel ---------------------------------------------------------------------------------
     def _layout(self) -> dict[str, Any]:
