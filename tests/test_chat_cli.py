@@ -40,7 +40,8 @@ def turns(r: subprocess.CompletedProcess) -> list[dict]:
 
 
 def test_turns_follow_the_conversation(model, ref):
-    flags = ("--n-ctx", str(N_CTX), "--max-tokens", "12", "--temperature", "0.8", "--seed", "3", "--system", "Be brief.")
+    flags = ("--n-ctx", str(N_CTX), "--max-tokens", "12", "--temperature", "0.8", "--seed", "3",
+             "--system", "Be brief.")
     msgs = ["Hello there", "Tell me more\\", "about that", "/reset", "Hello there"]
     got = turns(chat(model, "\n".join(msgs) + "\n", *flags))
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=12)

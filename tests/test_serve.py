@@ -593,7 +593,8 @@ def test_stop_reason_names_what_ended_a_choice(server: LiveServer, llm: LLM) -> 
     c = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
     assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
     end = full.token_ids[3]  # that token, named as a stop token, ends the choice where it is drawn
-    c = httpx.post(server.url + "/v1/completions", json={**body, "stop_token_ids": [end]}, timeout=60).json()["choices"][0]
+    r = httpx.post(server.url + "/v1/completions", json={**body, "stop_token_ids": [end]}, timeout=60)
+    c = r.json()["choices"][0]
     assert (c["finish_reason"], c["stop_reason"]) == ("stop", end)
     with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stop": [word], "stream": True},
                       timeout=60) as r:

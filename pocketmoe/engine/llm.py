@@ -75,9 +75,9 @@ class LLM:
         max_num_seqs: sequences a batch of prompts decodes at once (1: one prompt after another; default 8 on
         the CPU, 1 with a placement, whose plan reserves device memory for every sequence's KV cache).
         kv_cache_bytes: the KV pool (default: one sequence's until the first batch, then the server's rule for
-        max_num_seqs sequences of n_ctx; with a placement, that up front). enable_prefix_caching: prompt starts computed before are not computed again,
-        in a batch and by the single sequence (None: where the ops are chunk-invariant, so that the tokens are
-        the same either way)."""
+        max_num_seqs sequences of n_ctx; with a placement, that up front).
+        enable_prefix_caching: prompt starts computed before are not computed again, in a batch and by the single
+        sequence (None: where the ops are chunk-invariant, so that the tokens are the same either way)."""
         if max_num_seqs is None:
             max_num_seqs = 8 if placement is None else 1
         if max_num_seqs <= 0:
@@ -200,7 +200,8 @@ class LLM:
         """Answer one conversation (a list of messages), or each of a list of conversations as one batch."""
         if messages and isinstance(messages[0], dict):
             return self.generate([self.encode_chat(messages)], params)[0]  # type: ignore[arg-type]
-        return self.generate([self.encode_chat(m) for m in messages], params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
+        conversations = [self.encode_chat(m) for m in messages]  # type: ignore[arg-type]
+        return self.generate(conversations, params, use_tqdm=use_tqdm)
 
     # -- batches ---------------------------------------------------------------------------------
     def _generate_batch(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool

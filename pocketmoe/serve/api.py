@@ -224,8 +224,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
             return error_response(404, f"there is no route {request.method} {request.url.path}; the API is under /v1 "
-                                       "(models, completions, chat/completions), with llama.cpp's /completion, /tokenize and "
-                                       "/detokenize.",
+                                       "(models, completions, chat/completions), with llama.cpp's /completion, "
+                                       "/tokenize and /detokenize.",
                                   code="not_found")
         if e.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on {request.url.path}.",
