@@ -26,6 +26,7 @@ from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.gguf import open_bundle
 from pocketmoe.kv_dtypes import KV_DTYPE_BYTES
+from pocketmoe.specs.base import ModelSpec
 from pocketmoe.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -95,14 +96,14 @@ class LLM:
                            placement=placement, max_seqs=1 if self._pool_later else max_num_seqs,
                            kv_cache_bytes=kv_cache_bytes)
         if kv_cache_bytes is None and max_num_seqs > 1 and not self._pool_later:
-            cfg = replace(cfg, kv_cache_bytes=self._batch_pool_bytes(n_ctx, max_num_seqs, kv_dtype))
+            cfg = replace(cfg, kv_cache_bytes=self._batch_pool_bytes(load_spec(self.bundle), n_ctx, max_num_seqs,
+                                                                     kv_dtype))
         self.runner = ModelRunner(self.bundle, cfg)
         self.backend_name, self.backend_detail = self.runner.ops.name, self.runner.ops.detail
         self.n_ctx = n_ctx
-        self.max_num_seqs, self.chunk_size, self.enable_prefix_caching = max_num_seqs, chunk_size, enable_prefix_caching
+        self.max_num_seqs, self.enable_prefix_caching = max_num_seqs, enable_prefix_caching
         # the single sequence continues from the rows its last run left where they hold the prompt's start
-        self._reuse_prefix = enable_prefix_caching if enable_prefix_caching is not None else \
-            bool(getattr(self.runner.ops, "chunk_invariant", False))
+        self._reuse_prefix = self.runner.reuses_rows(enable_prefix_caching)
         self._engine: Any = None  # serve.engine.Engine, built at the first batch
 
     # -- prompts -------------------------------------------------------------------------------
@@ -256,9 +257,8 @@ class LLM:
             raise PocketMoEError(f"prompt {i} failed: {errors[i]}")
         return outs
 
-    def _batch_pool_bytes(self, n_ctx: int, max_num_seqs: int, kv_dtype: str) -> int:
+    def _batch_pool_bytes(self, spec: ModelSpec, n_ctx: int, max_num_seqs: int, kv_dtype: str) -> int:
         """The server's rule for max_num_seqs sequences of n_ctx, and at least one sequence."""
-        spec = load_spec(self.bundle)
         row = spec.config.n_layer * spec.kv_values_per_token() * KV_DTYPE_BYTES[kv_dtype]
         return max(default_kv_pool_bytes(self.bundle, spec, n_ctx, max_num_seqs, kv_dtype),
                    -(-n_ctx // PAGE) * PAGE * row)
@@ -268,13 +268,14 @@ class LLM:
         first batch on the CPU sizes the KV pool for max_num_seqs sequences."""
         if self._engine is None:
             if self._pool_later:
-                self.runner.resize_kv(self._batch_pool_bytes(self.n_ctx, self.max_num_seqs, self.runner.cfg.kv_dtype))
+                self.runner.resize_kv(self._batch_pool_bytes(self.runner.spec, self.n_ctx, self.max_num_seqs,
+                                                             self.runner.cfg.kv_dtype))
                 self._pool_later = False
             from pocketmoe.serve.engine import Engine, EngineConfig
             from pocketmoe.serve.metrics import Metrics
 
             # max_model_len: the last sampled token takes no KV position, as on the single-sequence path
-            cfg = EngineConfig(max_num_seqs=self.max_num_seqs, max_queue=2**62, chunk_size=self.chunk_size,
+            cfg = EngineConfig(max_num_seqs=self.max_num_seqs, max_queue=2**62, chunk_size=self.runner.cfg.chunk_size,
                                max_model_len=self.n_ctx + 1, prefix_caching=self.enable_prefix_caching)
             self._engine = Engine(self.runner, self.tokenizer, cfg, Metrics())
         return self._engine

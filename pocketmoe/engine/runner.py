@@ -335,6 +335,11 @@ class ModelRunner:
         del known[pos:]
         return known
 
+    def reuses_rows(self, asked: bool | None) -> bool:
+        """Whether cached KV rows stand in for computed ones (prefix caching, the single sequence's reuse): as
+        asked, else where the ops are chunk-invariant, so a cached row is bitwise the row a prefill writes."""
+        return asked if asked is not None else bool(getattr(self.ops, "chunk_invariant", False))
+
     def solo_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens`, from the start, the single sequence's KV rows already hold (at most all but the
         last, whose logits a caller samples from): the position to continue it from."""

@@ -155,8 +155,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, cfg: EngineConfig, metrics: Metrics) -> None:
         self.runner, self.tok, self.cfg, self.metrics = runner, tokenizer, cfg, metrics
         self.cache = runner.cache
-        self.prefix_caching = cfg.prefix_caching if cfg.prefix_caching is not None else \
-            bool(getattr(runner.ops, "chunk_invariant", False))
+        self.prefix_caching = runner.reuses_rows(cfg.prefix_caching)
         self._inbox: queue.SimpleQueue[tuple[str, Request | None]] = queue.SimpleQueue()
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
