@@ -478,10 +478,11 @@ def create_app(state: ServerState) -> FastAPI:
         """llama.cpp's native completion route (serve/llama_api.py)."""
         t0 = time.perf_counter()
         req, eng, tok, grammar = await accept(request, LlamaCompletionRequest)
-        prompts = [await encode_pieces(tok, p) for p in req.prompts()]
-        if len(prompts) > MAX_COMPLETION_CHOICES:
-            raise RequestError(f"{len(prompts)} prompts are over {MAX_COMPLETION_CHOICES} in one request; send "
+        pieces = req.prompts()
+        if len(pieces) > MAX_COMPLETION_CHOICES:  # refused before any is tokenized
+            raise RequestError(f"{len(pieces)} prompts are over {MAX_COMPLETION_CHOICES} in one request; send "
                                "fewer.", "prompt")
+        prompts = [await encode_pieces(tok, p) for p in pieces]
         wanted = [req.max_new_tokens(len(p), state.max_model_len) for p in prompts]
         params = [req.sampling(grammar, max(n, 1), eng.runner.vocab_size) for n in wanted]
         live = [i for i, n in enumerate(wanted) if n > 0]  # n_predict 0: nothing to generate
@@ -490,6 +491,9 @@ def create_app(state: ServerState) -> FastAPI:
             choices[i].finish_reason = "length"
         first: dict[int, float] = {}
         end = {i: t0 for i in choices}
+
+        def piece(t: int) -> tuple[str, list[int]]:
+            return _piece(tok, t)
 
         def result(i: int, content: str) -> dict[str, Any]:
             c, ids = choices[i], prompts[i]
@@ -503,7 +507,7 @@ def create_app(state: ServerState) -> FastAPI:
                    **stop_fields(c.finish_reason, c.stop_reason),
                    "timings": llama_timings(len(ids), c.cached_tokens, len(c.token_ids), t0, first.get(i), end[i])}
             if req.n_probs:
-                out["completion_probabilities"] = probabilities(lambda t: _piece(tok, t), c.logprobs)
+                out["completion_probabilities"] = probabilities(piece, c.logprobs)
             return out
 
         def seen(d: Delta, now: float) -> int:
@@ -530,7 +534,7 @@ def create_app(state: ServerState) -> FastAPI:
                         chunk = {"index": i, "content": d.text, "tokens": d.token_ids, "stop": False, "id_slot": -1,
                                  "tokens_predicted": len(c.token_ids), "tokens_evaluated": len(prompts[i])}
                         if req.n_probs:
-                            chunk["completion_probabilities"] = probabilities(lambda t: _piece(tok, t), d.logprobs)
+                            chunk["completion_probabilities"] = probabilities(piece, d.logprobs)
                         yield chunk
                     if d.finish_reason is not None:
                         yield result(i, "")
@@ -540,7 +544,7 @@ def create_app(state: ServerState) -> FastAPI:
                                             seen=lambda d: seen(d, time.perf_counter()))):
             choices[live[j]] = c
         results = [result(i, choices[i].text) for i in range(len(prompts))]
-        return JSONResponse(results if _several(req.prompt) else results[0])
+        return JSONResponse(results if req.several() else results[0])
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -639,11 +643,6 @@ def _completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob | None], prompt:
         out["text_offset"].append(offset)
         offset += len(text)
     return out
-
-
-def _several(prompt: Any) -> bool:
-    """Whether a llama.cpp prompt is a list of prompts (answered with a list) rather than one."""
-    return isinstance(prompt, list) and not any(isinstance(x, int) for x in prompt)
 
 
 def _sse(events: AsyncIterator[dict[str, Any]], done: bool = True) -> StreamingResponse:

@@ -64,13 +64,17 @@ class LlamaCompletionRequest(SamplingFields):
             raise RequestError("stream_options belongs to /v1/completions; /completion streams its own events.",
                                "stream_options")
 
+    def several(self) -> bool:
+        """Whether the prompt is a list of prompts (answered with a list): a list with no token id at its top
+        level; one string, or a list holding a token id there, is one prompt."""
+        return isinstance(self.prompt, list) and not any(isinstance(x, int) for x in self.prompt)
+
     def prompts(self) -> list[list[str | int]]:
-        """Each prompt as its pieces (strings and token ids, in order): one string, or a list holding a token id
-        at its top level, is one prompt; otherwise each item of the list is one."""
+        """Each prompt as its pieces (strings and token ids, in order); see several."""
         p = self.prompt
         if isinstance(p, str):
             return [[p]]
-        if any(isinstance(x, int) for x in p):
+        if not self.several():
             if any(isinstance(x, list) for x in p):
                 raise RequestError("prompt mixes token ids with lists; give one prompt (strings and token ids) or "
                                    "a list of prompts.", "prompt")
