@@ -168,9 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             except KeyboardInterrupt:  # Ctrl-C at the prompt: the end
                 print(file=sys.stderr)
                 break
-            if text is None or text.strip() in ("/exit", "/quit"):
+            command = text.strip() if text is not None else "/exit"
+            if command in ("/exit", "/quit"):
                 break
-            command = text.strip()
             if not command:
                 continue
             if command == "/reset":
