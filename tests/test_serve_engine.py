@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,8 +50,8 @@ def make_engine(model: Path, n_ctx: int, kv_bytes: int | None = None, chunk: int
     return eng, steps
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+def greedy(n: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
 async def tokens(eng: Engine, prompt: list[int], n: int) -> list[int]:
@@ -170,7 +171,7 @@ def test_prompt_logprobs_across_chunks(model: Path) -> None:
     eng.start()
 
     async def go() -> list:
-        req = eng.submit(prompt, [greedy(2)], logprobs=0, prompt_logprobs=True)
+        req = eng.submit(prompt, [greedy(2, logprobs=0, prompt_logprobs=0)])
         return [e for d in [d async for d in req.deltas()] for e in (d.prompt_logprobs or [])]
 
     got = run(go())
@@ -183,7 +184,7 @@ def test_prompt_logprobs_across_chunks(model: Path) -> None:
 
 async def outputs(eng: Engine, prompt: list[int], n: int, prompt_logprobs: bool = False) -> tuple:
     """(tokens, logprobs with the top 2, cached prompt tokens, prompt logprobs) of one greedy request."""
-    req = eng.submit(prompt, [greedy(n)], logprobs=2, prompt_logprobs=prompt_logprobs)
+    req = eng.submit(prompt, [greedy(n, logprobs=2, prompt_logprobs=2 if prompt_logprobs else None)])
     toks, lps, plps, cached = [], [], [], None
     async for d in req.deltas():
         toks += d.token_ids

@@ -22,8 +22,31 @@ if TYPE_CHECKING:
     from pocketmoe.tokenizer import Tokenizer
 
 
+MAX_LOGPROBS = 20  # the most likely tokens one logprobs entry may list (vLLM's max_logprobs, OpenAI's top_logprobs)
+
+
 class SamplingParamsError(PocketMoEError, ValueError):
     """A sampling parameter is out of range."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's raw output (before penalties, bias, temperature and the filters:
+    OpenAI's and vLLM's default), its rank in the vocabulary (1 = the most likely) and the most likely tokens."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()   # (id, logprob) of the most likely tokens, best first
+    rank: int = 1
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """The logprob of `token` given the logits [V] of its position, with the k most likely tokens."""
+    lp = torch.log_softmax(logits.float().reshape(-1), dim=-1)
+    mine = lp[token]
+    top = torch.topk(lp, k) if k else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+    return TokenLogprob(token, float(mine), pairs, 1 + int((lp > mine).sum()))
 
 
 @dataclass(frozen=True)
@@ -42,6 +65,9 @@ class SamplingParams:
     skip_special_tokens: control tokens add no text to the output (vLLM's default is true, llama.cpp's false).
     logit_bias: (token id, bias) pairs added to the logits after the penalties (OpenAI's logit_bias).
     grammar: structured output (engine/structured.py): only tokens that keep the output inside it are drawn.
+    logprobs: report each generated token's logprob with this many most likely tokens' (None: none; 0: the token's
+    alone); prompt_logprobs: the same for each prompt token after the first (the whole prompt is computed: no prefix
+    reuse). Both from the model's raw output (TokenLogprob), at most MAX_LOGPROBS.
     """
 
     temperature: float = 1.0
@@ -62,6 +88,8 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -80,6 +108,9 @@ class SamplingParams:
             (self.max_tokens >= 1, "max_tokens", ">= 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"None or in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"None or in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, name, rule in checks:
             if not ok:

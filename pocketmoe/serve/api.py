@@ -24,9 +24,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketmoe import __version__
-from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError
+from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError, TokenLogprob
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
-from pocketmoe.serve.engine import Delta, Engine, QueueFullError, TokenLogprob
+from pocketmoe.serve.engine import Delta, Engine, QueueFullError
 from pocketmoe.serve.llama_api import DEFAULTS as LLAMA_DEFAULTS
 from pocketmoe.serve.llama_api import LlamaCompletionRequest, probabilities, stop_fields
 from pocketmoe.serve.llama_api import timings as llama_timings
@@ -163,7 +163,8 @@ def _parse(model: type[SamplingFields] | type[TokenizeRequest] | type[Detokenize
 
 
 def _sampling(req: SamplingFields, grammar: Grammar | None, max_tokens: int, vocab: int, n_prompt: int,
-              max_model_len: int) -> list[SamplingParams]:
+              max_model_len: int, logprobs: int | None = None, prompt_logprobs: int | None = None
+              ) -> list[SamplingParams]:
     if n_prompt + max_tokens > max_model_len:
         raise RequestError(f"the prompt has {n_prompt} tokens and max_tokens is {max_tokens}, {n_prompt + max_tokens} "
                            f"in all, but this server's context holds {max_model_len} (--max-model-len); shorten "
@@ -182,7 +183,8 @@ def _sampling(req: SamplingFields, grammar: Grammar | None, max_tokens: int, voc
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
         max_tokens=max_tokens, stop=req.stop_list(), ignore_eos=req.ignore_eos, logit_bias=tuple(bias), grammar=grammar,
         stop_token_ids=tuple(stop_ids), min_tokens=min(req.min_tokens, max_tokens),
-        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens)
+        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     return [SamplingParams(**base, seed=None if req.seed is None else (req.seed + i) % 2**64) for i in range(req.n)]
 
 
@@ -283,16 +285,14 @@ def create_app(state: ServerState) -> FastAPI:
                                "shorten the prompt.", "prompt", code="context_length_exceeded")
         return ids
 
-    def run(prompts: list[list[int]], params: list[list[SamplingParams]], logprobs: int | None,
-            echo_logprobs: bool) -> tuple[asyncio.Queue, list]:
+    def run(prompts: list[list[int]], params: list[list[SamplingParams]]) -> tuple[asyncio.Queue, list]:
         """Submit one engine request per prompt; their deltas (global choice index) share one queue."""
         eng = engine()
         q: asyncio.Queue[Delta | None] = asyncio.Queue()
         reqs = []
         try:
             for i, (ids, ps) in enumerate(zip(prompts, params, strict=True)):
-                reqs.append(eng.submit(ids, ps, logprobs=logprobs, prompt_logprobs=echo_logprobs, out=q,
-                                       index_base=i * len(ps)))
+                reqs.append(eng.submit(ids, ps, out=q, index_base=i * len(ps)))
         except QueueFullError as e:
             for r in reqs:
                 eng.abort(r)
@@ -396,10 +396,9 @@ def create_app(state: ServerState) -> FastAPI:
                                "one request; send fewer prompts or a smaller n.", "n")
         prompts = [await encode_prompt(tok, p) for p in req.prompts()]
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        params = [_sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(p), state.max_model_len)
-                  for p in prompts]
-        echo_lp = req.echo and req.logprobs is not None
-        q, reqs = run(prompts, params, req.logprobs, echo_lp)
+        params = [_sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(p), state.max_model_len,
+                            req.logprobs, req.logprobs if req.echo else None) for p in prompts]
+        q, reqs = run(prompts, params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         n_choices = len(prompts) * req.n
         prompt_text = [tok.decode(p) for p in prompts]
@@ -435,9 +434,9 @@ def create_app(state: ServerState) -> FastAPI:
         thinking = thinking if state.reasoning_format == "auto" else None
         ids = await encode_prompt(tok, ids)
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
-        params = _sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len)
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        q, reqs = run([ids], [params], k, False)
+        params = _sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len,
+                           (req.top_logprobs or 0) if req.logprobs else None)
+        q, reqs = run([ids], [params])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = _usage(len(ids))
         if req.stream:
@@ -517,7 +516,7 @@ def create_app(state: ServerState) -> FastAPI:
             end[i] = now
             return i
 
-        q, reqs = run([prompts[i] for i in live], [[params[i]] for i in live], req.n_probs or None, False) \
+        q, reqs = run([prompts[i] for i in live], [[params[i]] for i in live]) \
             if live else (asyncio.Queue(), [])
         if req.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:

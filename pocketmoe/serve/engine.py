@@ -40,7 +40,7 @@ import torch
 
 from pocketmoe.engine.kv_cache import KVPoolFullError
 from pocketmoe.engine.runner import ModelRunner
-from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker
+from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker, TokenLogprob, token_logprob
 from pocketmoe.engine.step import SeqChunk, Step
 from pocketmoe.engine.structured import GrammarError
 from pocketmoe.errors import PocketMoEError
@@ -64,13 +64,6 @@ class EngineConfig:
     max_model_len: int = 4096   # prompt + generated tokens of one sequence
     # reuse the KV pages of a prompt's start that earlier sequences computed; None: where the ops are chunk-invariant
     prefix_caching: bool | None = None
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()   # the most likely tokens, best first
 
 
 @dataclass
@@ -121,13 +114,12 @@ class Request:
     """A submitted request: its choices run as sequences; deltas arrive on `queue` (None ends it), or go to
     `sink` where the engine runs in the caller's thread (Engine.run_until_done)."""
 
-    def __init__(self, rid: int, n_prompt: int, loop: asyncio.AbstractEventLoop | None, logprobs: int | None,
+    def __init__(self, rid: int, n_prompt: int, loop: asyncio.AbstractEventLoop | None,
                  out: asyncio.Queue[Delta | None] | None = None,
                  sink: Callable[[Delta | None], None] | None = None) -> None:
         self.id = rid
         self.n_prompt = n_prompt
         self.loop = loop
-        self.logprobs = logprobs
         self.sink = sink
         self.queue: asyncio.Queue[Delta | None] | None = out if out is not None or sink is not None \
             else asyncio.Queue()
@@ -194,8 +186,8 @@ class Engine:
         if self.on_fatal is not None:
             self.on_fatal(e)
 
-    def submit(self, prompt: Sequence[int], params: Sequence[SamplingParams], *, logprobs: int | None = None,
-               prompt_logprobs: bool = False, loop: asyncio.AbstractEventLoop | None = None,
+    def submit(self, prompt: Sequence[int], params: Sequence[SamplingParams], *,
+               loop: asyncio.AbstractEventLoop | None = None,
                out: asyncio.Queue[Delta | None] | None = None, index_base: int = 0,
                sink: Callable[[Delta | None], None] | None = None, samplers: Sequence[Sampler] | None = None
                ) -> Request:
@@ -212,12 +204,12 @@ class Engine:
             self._queued += 1
         if sink is None and loop is None:
             loop = asyncio.get_running_loop()
-        req = Request(next(self._ids), len(prompt), loop, logprobs, out, sink)
+        req = Request(next(self._ids), len(prompt), loop, out, sink)
         for i, (p, sampler) in enumerate(zip(params, samplers, strict=True)):
             req.seqs.append(Seq(
                 key=(req.id, i), request=req, index=index_base + i, prompt_len=len(prompt), tokens=list(prompt), params=p,
                 sampler=sampler, stop=StopChecker(p.stop, p.include_stop_str_in_output),
-                decoder=self.tok.stream_decoder(p.skip_special_tokens), want_prompt_logprobs=prompt_logprobs))
+                decoder=self.tok.stream_decoder(p.skip_special_tokens), want_prompt_logprobs=p.prompt_logprobs is not None))
         req.open = len(req.seqs)
         self._inbox.put(("add", req))
         return req
@@ -429,23 +421,16 @@ class Engine:
         """Echo with logprobs: entry p is the logprob of prompt token p given the ones before it (from the
         logits of position p - 1; entry 0 has none). A chunk [a, b) gives entries a+1..b (0..b from 0);
         those sent before a preemption are not sent again."""
-        k = s.request.logprobs or 0
+        k = s.params.prompt_logprobs or 0
         first = c.start if c.start == 0 else c.start + 1
         last = min(c.start + len(c.tokens), s.prompt_len - 1)
-        out = [None if p == 0 else self._logprob(rows[p - 1 - c.start], s.tokens[p], k)
+        out = [None if p == 0 else token_logprob(rows[p - 1 - c.start], s.tokens[p], k)
                for p in range(max(first, s.prompt_lp_sent), last + 1)]
         s.prompt_lp_sent = max(s.prompt_lp_sent, last + 1)
         if s.prompt_lp_sent >= s.prompt_len:
             s.want_prompt_logprobs = False
         if out:
             s.request.put(Delta(s.index, prompt_logprobs=out))
-
-    @staticmethod
-    def _logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        top = torch.topk(lp, k) if k else None
-        pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
-        return TokenLogprob(token, float(lp[token]), pairs)
 
     def _sample(self, s: Seq, logits: torch.Tensor, now: float) -> None:
         token = s.sampler(logits, s.tokens)
@@ -461,7 +446,8 @@ class Engine:
         s.generated += 1
         self.metrics.generation_tokens.inc()
         text, stopped = s.stop.push(s.decoder.push(token))
-        lps = [self._logprob(logits, token, s.request.logprobs)] if s.request.logprobs is not None else []
+        k = s.params.logprobs
+        lps = [token_logprob(logits, token, k)] if k is not None else []
         delta = Delta(s.index, text, [token], lps)
         if stopped or s.sampler.complete:
             delta.stop_reason = s.stop.matched

@@ -121,7 +121,7 @@ class LlamaCompletionRequest(SamplingFields):
             penalty_last_n=max(self.repeat_last_n, 0), seed=seed, max_tokens=max_tokens, stop=self.stop_list(),
             ignore_eos=self.ignore_eos, logit_bias=self.bias(vocab), grammar=grammar,
             stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=min(self.min_tokens, max_tokens),
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logprobs=self.n_probs or None)
 
     def settings(self, params: SamplingParams, n_ctx: int, model: str) -> dict[str, Any]:
         """generation_settings: what the request ran with."""
