@@ -22,7 +22,7 @@ import torch
 
 from pocketmoe.engine.kv_cache import PAGE, ContextLengthError
 from pocketmoe.engine.runner import SOLO, ModelRunner, RunnerConfig, default_kv_pool_bytes, load_spec
-from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker
+from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker, TokenLogprob, token_logprob
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.gguf import open_bundle
 from pocketmoe.kv_dtypes import KV_DTYPE_BYTES
@@ -32,6 +32,20 @@ from pocketmoe.tokenizer import Tokenizer
 Prompt = str | Sequence[int]
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's: a token's log-probability under the model's raw output, its rank in the vocabulary (1: the most
+    likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# one token's entry: itself and the `logprobs` most likely tokens (vLLM's dict; the token first)
+LogprobEntry = dict[int, Logprob]
+
+
 @dataclass
 class StreamChunk:
     """One generated token and the text it completed (may be empty while UTF-8 or a stop is pending)."""
@@ -39,6 +53,7 @@ class StreamChunk:
     token_id: int | None
     text: str
     finish_reason: str | None = None   # "stop" | "length" on the last chunk
+    logprobs: LogprobEntry | None = None  # with SamplingParams.logprobs
 
 
 @dataclass
@@ -51,6 +66,9 @@ class CompletionOutput:
     decode_s: float = 0.0             # tokens after the first, wall time
     ttft_s: float = 0.0               # time to first token (prefill + first sample; in a batch, from its start)
     cached_tokens: int = 0            # prompt tokens whose KV rows an earlier run left (not computed again)
+    logprobs: list[LogprobEntry] | None = None  # one per generated token, with SamplingParams.logprobs
+    # with SamplingParams.prompt_logprobs: one per prompt token, the first None (nothing comes before it)
+    prompt_logprobs: list[LogprobEntry | None] | None = None
 
     @property
     def prefill_tok_s(self) -> float:
@@ -144,10 +162,14 @@ class LLM:
         sampler, stop = Sampler(params, self.tokenizer), StopChecker(params.stop, params.include_stop_str_in_output)
         decoder = self.tokenizer.stream_decoder(params.skip_special_tokens)
         history = list(ids)
+        out.logprobs = [] if params.logprobs is not None else None
 
         t0 = time.perf_counter()
-        start = self.runner.solo_prefix(ids) if self._reuse_prefix else 0
-        logits = self.runner.forward(ids[start:], start, last_only=True)[0]
+        if params.prompt_logprobs is None:
+            start = self.runner.solo_prefix(ids) if self._reuse_prefix else 0
+            logits = self.runner.forward(ids[start:], start, last_only=True)[0]
+        else:
+            start, logits, out.prompt_logprobs = 0, *self._prompt_logprobs(ids, params.prompt_logprobs)
         out.prefill_s, out.cached_tokens = time.perf_counter() - t0, start
         pos, t_first = len(ids), 0.0
         finish = "length"
@@ -163,8 +185,12 @@ class LLM:
             history.append(token)
             text, stopped = stop.push(decoder.push(token))
             out.text += text
+            entry = None
+            if out.logprobs is not None:
+                entry = self._logprob_entry(token_logprob(logits, token, params.logprobs or 0))
+                out.logprobs.append(entry)
             out.decode_s = time.perf_counter() - t_first
-            yield StreamChunk(token, text)
+            yield StreamChunk(token, text, logprobs=entry)
             if stopped or sampler.complete:
                 finish = "stop"
                 break
@@ -176,6 +202,29 @@ class LLM:
         out.text += tail
         out.finish_reason = finish
         yield StreamChunk(None, tail, finish)
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> tuple[torch.Tensor, list[LogprobEntry | None]]:
+        """Prefill the whole prompt a chunk at a time, keeping every row's logits only as long as its chunk: (the last
+        row's logits, one entry per prompt token: token p's logprob given the ones before it, the first None)."""
+        entries: list[LogprobEntry | None] = [None]
+        n = self.runner.cfg.chunk_size
+        for i in range(0, len(ids), n):
+            rows = self.runner.forward(ids[i:i + n], i)
+            entries += [self._logprob_entry(token_logprob(rows[p - 1 - i], ids[p], k))
+                        for p in range(i + 1, min(i + n + 1, len(ids)))]
+        return rows[-1], entries
+
+    def _logprob_entry(self, x: TokenLogprob | None) -> LogprobEntry | None:
+        if x is None:
+            return None
+
+        def piece(t: int) -> str:
+            return self.tokenizer.token_to_piece(t).decode("utf-8", "replace")
+
+        out = {x.token_id: Logprob(x.logprob, x.rank, piece(x.token_id))}
+        for rank, (t, lp) in enumerate(x.top, 1):
+            out.setdefault(t, Logprob(lp, rank, piece(t)))
+        return out
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[CompletionOutput]:
@@ -219,7 +268,9 @@ class LLM:
                 raise type(e)(f"prompt {i}: {e}") from None
         engine = self._batch_engine()
         self.runner.free(SOLO)  # the single sequence's rows: their pages go to the batch
-        outs = [CompletionOutput(prompt_token_ids=list(p)) for p in ids]
+        outs = [CompletionOutput(prompt_token_ids=list(p), logprobs=None if q.logprobs is None else [],
+                                 prompt_logprobs=None if q.prompt_logprobs is None else [])
+                for p, q in zip(ids, params, strict=True)]
         errors: dict[int, str] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="prompt", disable=None if use_tqdm else True, leave=False)
         t0 = time.perf_counter()
@@ -238,6 +289,10 @@ class LLM:
                     out.ttft_s = out.prefill_s = now - t0
                 out.token_ids += d.token_ids
                 out.text += d.text
+                if out.logprobs is not None:
+                    out.logprobs += [self._logprob_entry(x) for x in d.logprobs]
+                if out.prompt_logprobs is not None:
+                    out.prompt_logprobs += [self._logprob_entry(x) for x in d.prompt_logprobs or ()]
                 if first[i] is not None:
                     out.decode_s = now - first[i]
                 if d.finish_reason is not None:
