@@ -131,6 +131,46 @@ def test_logprobs_are_the_models(client: openai.OpenAI, llm: LLM) -> None:
     assert e.choices[0].text.startswith(llm.tokenizer.decode(ids))
 
 
+def test_vllm_prompt_logprobs(server: LiveServer, llm: LLM) -> None:
+    """vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}} for it and the k most likely,
+    the model's (log_softmax of the logits before it); beside echo's legacy object, each with its own top count;
+    refused with stream and on /completion."""
+    ids = llm.encode_prompt("mixture of experts")
+    full = torch.log_softmax(llm.prompt_logits(ids), -1)
+    body = {"model": NAME, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 3, "logprobs": 1,
+            "echo": True}
+    c = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    plp = c["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for j in range(1, len(ids)):
+        row, tok = full[j - 1], ids[j]
+        top = torch.topk(row, 3).indices.tolist()
+        assert set(plp[j]) == {str(t) for t in [tok, *top]}
+        for t in [tok, *top]:
+            e = plp[j][str(t)]
+            assert e["logprob"] == pytest.approx(float(row[t]), abs=1e-5)
+            assert e["rank"] == 1 + int((row > row[t]).sum())
+            assert e["decoded_token"] == llm.tokenizer.token_to_piece(t).decode("utf-8", "replace")
+    legacy = c["logprobs"]["top_logprobs"]
+    assert legacy[0] is None and all(len(x) == 1 for x in legacy[1:])  # echo's own top count, logprobs=1
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "temperature": 0, "n": 2,
+            "prompt_logprobs": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    cids = llm.encode_chat([{"role": "user", "content": "x"}])
+    want = solo(llm, cids, temperature=0, max_tokens=2, prompt_logprobs=0).prompt_logprobs
+    got = r["prompt_logprobs"]
+    assert len(got) == len(want) == len(cids) and got[0] is want[0] is None
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert [int(t) for t in g] == list(w)  # the prompt token alone (k = 0)
+        assert [v["logprob"] for v in g.values()] == pytest.approx([v.logprob for v in w.values()], abs=1e-5)
+    for url, extra in [("/v1/completions", {"stream": True}), ("/v1/chat/completions", {"stream": True}),
+                       ("/completion", {})]:
+        req = {**(chat if "chat" in url else body), **extra}
+        req.pop("echo", None) if url == "/completion" else None
+        bad = httpx.post(server.url + url, json=req, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs", (url, bad.text)
+
+
 def test_n_seed_and_stop(client: openai.OpenAI, llm: LLM) -> None:
     kw = dict(model=NAME, prompt="a b c", max_tokens=16, temperature=1.0, top_p=0.9)
     r1 = client.completions.create(n=2, seed=1234, **kw)

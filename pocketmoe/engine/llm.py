@@ -22,7 +22,16 @@ import torch
 
 from pocketmoe.engine.kv_cache import PAGE, ContextLengthError
 from pocketmoe.engine.runner import SOLO, ModelRunner, RunnerConfig, default_kv_pool_bytes, load_spec
-from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker, TokenLogprob, token_logprob
+from pocketmoe.engine.sampler import (
+    Logprob,
+    LogprobEntry,
+    Sampler,
+    SamplingParams,
+    StopChecker,
+    TokenLogprob,
+    logprob_entry,
+    token_logprob,
+)
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.gguf import open_bundle
 from pocketmoe.kv_dtypes import KV_DTYPE_BYTES
@@ -30,20 +39,7 @@ from pocketmoe.specs.base import ModelSpec
 from pocketmoe.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """vLLM's: a token's log-probability under the model's raw output, its rank in the vocabulary (1: the most
-    likely) and its text."""
-
-    logprob: float
-    rank: int
-    decoded_token: str
-
-
-# one token's entry: itself and the `logprobs` most likely tokens (vLLM's dict; the token first)
-LogprobEntry = dict[int, Logprob]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "LogprobEntry", "SamplingParams", "StreamChunk"]
 
 
 @dataclass
@@ -215,16 +211,7 @@ class LLM:
         return rows[-1], entries
 
     def _logprob_entry(self, x: TokenLogprob | None) -> LogprobEntry | None:
-        if x is None:
-            return None
-
-        def piece(t: int) -> str:
-            return self.tokenizer.token_to_piece(t).decode("utf-8", "replace")
-
-        out = {x.token_id: Logprob(x.logprob, x.rank, piece(x.token_id))}
-        for rank, (t, lp) in enumerate(x.top, 1):
-            out.setdefault(t, Logprob(lp, rank, piece(t)))
-        return out
+        return None if x is None else logprob_entry(x, self.tokenizer)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[CompletionOutput]:

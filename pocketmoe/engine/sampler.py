@@ -40,6 +40,31 @@ class TokenLogprob:
     rank: int = 1
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's: a token's log-probability under the model's raw output, its rank in the vocabulary (1: the most
+    likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# one token's entry: itself and the `logprobs` most likely tokens (vLLM's dict; the token first)
+LogprobEntry = dict[int, Logprob]
+
+
+def logprob_entry(x: TokenLogprob, tokenizer: Tokenizer, k: int | None = None) -> LogprobEntry:
+    """vLLM's entry for x: the token, then at most k (default: all) of the most likely tokens x lists."""
+    def piece(t: int) -> str:
+        return tokenizer.token_to_piece(t).decode("utf-8", "replace")
+
+    out = {x.token_id: Logprob(x.logprob, x.rank, piece(x.token_id))}
+    for rank, (t, lp) in enumerate(x.top[:k], 1):
+        out.setdefault(t, Logprob(lp, rank, piece(t)))
+    return out
+
+
 def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     """The logprob of `token` given the logits [V] of its position, with the k most likely tokens."""
     lp = torch.log_softmax(logits.float().reshape(-1), dim=-1)

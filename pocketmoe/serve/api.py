@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketmoe import __version__
-from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError, TokenLogprob
+from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError, TokenLogprob, logprob_entry
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError
 from pocketmoe.serve.llama_api import DEFAULTS as LLAMA_DEFAULTS
@@ -396,8 +396,11 @@ def create_app(state: ServerState) -> FastAPI:
                                "one request; send fewer prompts or a smaller n.", "n")
         prompts = [await encode_prompt(tok, p) for p in req.prompts()]
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        # the prompt's logprobs for echo (OpenAI's legacy object) and for vLLM's prompt_logprobs, the larger top
+        prompt_k = max((k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None),
+                       default=None)
         params = [_sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(p), state.max_model_len,
-                            req.logprobs, req.logprobs if req.echo else None) for p in prompts]
+                            req.logprobs, prompt_k) for p in prompts]
         q, reqs = run(prompts, params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         n_choices = len(prompts) * req.n
@@ -412,9 +415,11 @@ def create_app(state: ServerState) -> FastAPI:
             lp = None
             if req.logprobs is not None:
                 lp = _completion_logprobs(tok, (c.prompt_logprobs if req.echo else []) + c.logprobs,
-                                          prompts[i // req.n] if req.echo else [], 0)
+                                          prompts[i // req.n] if req.echo else [], 0, req.logprobs)
             out.append({"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason})
+            if req.prompt_logprobs is not None:
+                out[-1]["prompt_logprobs"] = _prompt_logprobs(tok, c.prompt_logprobs, req.prompt_logprobs)
             usage["completion_tokens"] += len(c.token_ids)
             _count_cached(usage, cached, i // req.n, c.cached_tokens)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -435,7 +440,7 @@ def create_app(state: ServerState) -> FastAPI:
         ids = await encode_prompt(tok, ids)
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
         params = _sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len,
-                           (req.top_logprobs or 0) if req.logprobs else None)
+                           (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs)
         q, reqs = run([ids], [params])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = _usage(len(ids))
@@ -443,7 +448,8 @@ def create_app(state: ServerState) -> FastAPI:
             return _sse(_chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage,
                                      fmt, tools, thinking))
         out, cached = [], {}
-        for i, c in enumerate(await collect(request, q, reqs, req.n)):
+        choices = await collect(request, q, reqs, req.n)
+        for i, c in enumerate(choices):
             lp = {"content": [_chat_logprob(tok, x) for x in c.logprobs]} if req.logprobs else None
             thought, answer = split_reasoning(c.text, thinking) if thinking is not None else (None, c.text)
             content, calls = parse_tool_calls(fmt, answer, tools) if fmt else (answer, [])
@@ -457,8 +463,11 @@ def create_app(state: ServerState) -> FastAPI:
             usage["completion_tokens"] += len(c.token_ids)
             _count_cached(usage, cached, 0, c.cached_tokens)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                             "choices": out, "usage": usage, "system_fingerprint": None})
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+                "choices": out, "usage": usage, "system_fingerprint": None}
+        if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
+            body["prompt_logprobs"] = _prompt_logprobs(tok, choices[0].prompt_logprobs, req.prompt_logprobs)
+        return JSONResponse(body)
 
     async def encode_pieces(tok: Tokenizer, pieces: list[str | int]) -> list[int]:
         """A llama.cpp prompt of strings and token ids: the first string with the file's BOS policy, later ones
@@ -629,19 +638,26 @@ def _chat_logprob(tok: Tokenizer, x: TokenLogprob) -> dict[str, Any]:
     return {"token": text, "logprob": x.logprob, "bytes": b, "top_logprobs": top}
 
 
-def _completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob | None], prompt: list[int], offset: int
+def _completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob | None], prompt: list[int], offset: int, k: int
                          ) -> dict[str, list[Any]]:
-    """OpenAI's legacy logprobs object; with echo the prompt tokens come first (the very first has no logprob)."""
+    """OpenAI's legacy logprobs object, k most likely tokens each; with echo the prompt tokens come first (the very
+    first has no logprob)."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     ids = list(prompt) + [x.token_id for x in lps[len(prompt):] if x is not None]
     for t, x in zip(ids, lps, strict=True):
         text = _piece(tok, t)[0]
         out["tokens"].append(text)
         out["token_logprobs"].append(None if x is None else x.logprob)
-        out["top_logprobs"].append(None if x is None else {_piece(tok, i)[0]: lp for i, lp in x.top})
+        out["top_logprobs"].append(None if x is None else {_piece(tok, i)[0]: lp for i, lp in x.top[:k]})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
+
+
+def _prompt_logprobs(tok: Tokenizer, lps: list[TokenLogprob | None], k: int) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt token (the first None) {token id: {logprob, rank, decoded_token}} for
+    it and the k most likely tokens."""
+    return [None if x is None else {str(t): asdict(v) for t, v in logprob_entry(x, tok, k).items()} for x in lps]
 
 
 def _sse(events: AsyncIterator[dict[str, Any]], done: bool = True) -> StreamingResponse:
@@ -686,7 +702,7 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
             got = prompt_lps.setdefault(i, [])
             got += d.prompt_logprobs
             if len(got) == len(prompts[p]):
-                yield chunk(i, prompt_text[p], _completion_logprobs(tok, got, prompts[p], 0), None)
+                yield chunk(i, prompt_text[p], _completion_logprobs(tok, got, prompts[p], 0, req.logprobs or 0), None)
                 offsets[i] = len(prompt_text[p])
             continue
         text = d.text
@@ -696,7 +712,7 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
                 text = prompt_text[p] + text
         lp = None
         if req.logprobs is not None:
-            lp = _completion_logprobs(tok, list(d.logprobs), [], offsets[i] + len(text) - len(d.text))
+            lp = _completion_logprobs(tok, list(d.logprobs), [], offsets[i] + len(text) - len(d.text), req.logprobs)
         offsets[i] += len(text)
         usage["completion_tokens"] += len(d.token_ids)
         _count_cached(usage, cached, p, d.cached_tokens)

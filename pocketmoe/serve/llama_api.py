@@ -63,6 +63,9 @@ class LlamaCompletionRequest(SamplingFields):
         if self.stream_options is not None:
             raise RequestError("stream_options belongs to /v1/completions; /completion streams its own events.",
                                "stream_options")
+        if self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs belongs to /v1/completions and /v1/chat/completions; /completion "
+                               "reports the generated tokens' probabilities (n_probs).", "prompt_logprobs")
 
     def several(self) -> bool:
         """Whether the prompt is a list of prompts (answered with a list): a list with no token id at its top

@@ -14,12 +14,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
 
+from pocketmoe.engine.sampler import MAX_LOGPROBS
 from pocketmoe.engine.structured import Grammar
 
 MAX_STOP = 16          # stop strings per request
 MAX_STOP_CHARS = 512   # characters of one stop string (matching is quadratic in it, per token)
 MAX_CHOICES = 16       # n (x prompts on /v1/completions)
-MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's limit); completions logprobs is capped at 5 as OpenAI does
+# chat top_logprobs, prompt_logprobs, n_probs (OpenAI's limit); completions logprobs is capped at 5 as OpenAI does
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_GRAMMAR_CHARS = 65536  # a regex or grammar's text (a JSON schema is bounded by the body cap)
 MAX_GRAMMAR_CHOICES = 1024  # structured_outputs.choice
 MAX_STOP_TOKEN_IDS = 64
@@ -111,6 +113,8 @@ class SamplingFields(_Body):
     structured_outputs: StructuredOutputs | None = None
     json_schema: dict[str, Any] | None = None  # llama.cpp
     grammar: GrammarText | None = None  # llama.cpp (GBNF; Lark also reads)
+    # vLLM's: each prompt token's logprob (the first's None) with this many most likely tokens' (not with stream)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -169,6 +173,9 @@ class SamplingFields(_Body):
 
     def check_common(self) -> None:
         self.output_grammar()
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("prompt_logprobs are not available when stream is true; leave one of them out.",
+                               "prompt_logprobs")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({self.max_tokens}).",
                                "min_tokens")
