@@ -85,11 +85,14 @@ def test_stream_chunks_carry_the_entries(llm):
 
 
 def test_batch_logprobs_equal_each_prompt_alone(llm):
-    """Three prompts in one batch (one of them without logprobs) give the entries their solo runs give."""
-    prompts = [prompt(30, 3), prompt(7, 4), prompt(19, 5)]
+    """Four prompts in one batch (one without logprobs, one with those of the distribution drawn from) give the
+    entries their solo runs give."""
+    prompts = [prompt(30, 3), prompt(7, 4), prompt(19, 5), prompt(9, 6)]
     params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=4, prompt_logprobs=1),
               SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=2, max_tokens=6, ignore_eos=True, logprobs=1)]
+              SamplingParams(temperature=1.0, seed=2, max_tokens=6, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=8, max_tokens=6, ignore_eos=True, logprobs=3,
+                             logprobs_mode="processed_logprobs")]
     got = llm.generate(prompts, params)
     assert got[1].logprobs is None and got[1].prompt_logprobs is None and got[2].prompt_logprobs is None
     for p, q, out in zip(prompts, params, got, strict=True):
@@ -97,10 +100,11 @@ def test_batch_logprobs_equal_each_prompt_alone(llm):
         assert out.token_ids == alone.token_ids
         if q.logprobs is None:
             continue
-        check_output(llm, out, q)
+        if q.logprobs_mode == "raw_logprobs":
+            check_output(llm, out, q)
         for a, b in zip(out.logprobs, alone.logprobs, strict=True):
             assert a.keys() == b.keys()
-            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) and a[t].rank == b[t].rank for t in a)
 
 
 @pytest.mark.parametrize("field,value", [("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", 99)])

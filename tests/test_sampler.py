@@ -243,3 +243,52 @@ def test_min_tokens_holds_back_the_end_ids() -> None:
         assert all(d not in (3, 7) for d in draws[:4]) and all(d in (3, 7) for d in draws[4:])
     with pytest.raises(SamplingParamsError, match="min_tokens"):
         SamplingParams(min_tokens=9, max_tokens=8)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.3, top_k=5), dict(temperature=0.7, top_p=0.8),
+                                dict(temperature=1.0, min_p=0.1, repetition_penalty=1.5)],
+                         ids=["top_k", "top_p", "min_p+penalty"])
+def test_processed_logprobs_are_the_distribution_drawn_from(kw: dict) -> None:
+    """logprobs_mode processed_logprobs: the entry's logprobs are those of softmax over the kept tokens, computed
+    here from the filters' definitions (numpy), and 8000 seeded draws land on each token at that rate."""
+    logits, history = _logits(21), [3, 3, 7]
+    x = _ref_penalties(logits.numpy(), history, kw.get("repetition_penalty", 1.0), 0, 0) / kw["temperature"]
+    if "top_k" in kw:
+        keep = set(np.argsort(-x, kind="stable")[:kw["top_k"]].tolist())
+    elif "top_p" in kw:
+        keep = _ref_top_p_keep(x, kw["top_p"])
+    else:
+        keep = {i for i in range(V) if x[i] >= x.max() + math.log(kw["min_p"])}
+    ids = sorted(keep)
+    ref = np.full(V, -np.inf)
+    ref[ids] = x[ids] - x.max() - np.log(np.exp(x[ids] - x.max()).sum())
+    counts = np.zeros(V)
+    for seed in range(8000):
+        s = Sampler(SamplingParams(**kw, seed=seed, logprobs=3, logprobs_mode="processed_logprobs"))
+        t = s(logits, history)
+        counts[t] += 1
+        if seed < 50:
+            e = s.logprob(logits, t)
+            assert e.logprob == pytest.approx(ref[t], abs=1e-5) and e.rank == 1 + int((ref > ref[t] + 1e-9).sum())
+            want = sorted(ids, key=lambda i: -ref[i])[:3]
+            assert [i for i, _ in e.top] == want and [lp for _, lp in e.top] == pytest.approx(ref[want], abs=1e-5)
+    p = np.exp(ref)
+    assert counts[p == 0].sum() == 0
+    np.testing.assert_array_less(np.abs(counts / 8000 - p), 4 * np.sqrt(p * (1 - p) / 8000) + 1e-9)
+
+
+def test_processed_logprobs_of_greedy_and_raw_mode() -> None:
+    """Greedy draws its token with probability 1 (llama.cpp's post-sampling probs); raw_logprobs ignore the
+    temperature and filters; no logprobs asked, no entry."""
+    logits = _logits(4)
+    g = Sampler(SamplingParams(temperature=0, logprobs=2, logprobs_mode="processed_logprobs"))
+    t = g(logits)
+    e = g.logprob(logits, t)
+    assert (e.token_id, e.logprob, e.rank, e.top) == (t, 0.0, 1, ((t, 0.0),))
+    raw = Sampler(SamplingParams(temperature=0.5, top_k=2, seed=1, logprobs=2))
+    t = raw(logits)
+    lp = torch.log_softmax(logits.double(), -1)
+    assert raw.logprob(logits, t).logprob == pytest.approx(float(lp[t]), abs=1e-5)
+    assert Sampler(SamplingParams()).logprob(logits, 0) is None
+    with pytest.raises(SamplingParamsError, match="logprobs_mode"):
+        SamplingParams(logprobs_mode="processed")

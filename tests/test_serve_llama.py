@@ -4,6 +4,7 @@ the same model run through `LLM` (one sequence, no HTTP) with the parameters lla
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import httpx
@@ -101,6 +102,29 @@ def test_n_probs_are_the_model_logprobs(server, llm):
     assert [t["id"] for t in first["top_logprobs"]] == top.indices.tolist()
     assert bytes(first["bytes"]).decode("utf-8", "replace") == first["token"]
     assert len(out["completion_probabilities"]) == 3
+
+
+def test_post_sampling_probs_are_the_distribution_drawn_from(server, llm):
+    """post_sampling_probs: prob / top_probs instead of logprob / top_logprobs, the probabilities of what each token
+    is drawn from after llama.cpp's default filters (the same as LLM's processed_logprobs, from one sequence); greedy
+    draws with probability 1."""
+    body = {"prompt": "lorem ipsum dolor", "n_predict": 4, "n_probs": 5, "post_sampling_probs": True, "seed": 3,
+            "temperature": 1.5, "top_k": 4, "min_p": 0.0, "top_p": 1.0}
+    out = post(server, body).json()
+    want = llm.generate(["lorem ipsum dolor"], SamplingParams(temperature=1.5, top_k=4, seed=3, max_tokens=4,
+                                                             penalty_last_n=64, logprobs=5,
+                                                             logprobs_mode="processed_logprobs"))[0]
+    got = out["completion_probabilities"]
+    assert [g["id"] for g in got] == want.token_ids and out["generation_settings"]["post_sampling_probs"] is True
+    for g, w in zip(got, want.logprobs, strict=True):
+        assert "logprob" not in g and "top_logprobs" not in g
+        assert g["prob"] == pytest.approx(math.exp(w[g["id"]].logprob), abs=1e-6)
+        top = sorted(w.items(), key=lambda t: t[1].rank)  # top_k 4: the four that can be drawn (the token among them)
+        assert len(top) == len(g["top_probs"]) == 4 and sum(t["prob"] for t in g["top_probs"]) == pytest.approx(1.0)
+        assert [t["id"] for t in g["top_probs"]] == [t for t, _ in top]
+        assert [t["prob"] for t in g["top_probs"]] == pytest.approx([math.exp(v.logprob) for _, v in top], abs=1e-6)
+    greedy = post(server, {**body, "temperature": 0}).json()["completion_probabilities"]
+    assert all(g["prob"] == 1.0 and [(t["id"], t["prob"]) for t in g["top_probs"]] == [(g["id"], 1.0)] for g in greedy)
 
 
 def test_several_and_mixed_prompts(server, llm):

@@ -181,9 +181,8 @@ class LLM:
             history.append(token)
             text, stopped = stop.push(decoder.push(token))
             out.text += text
-            entry = None
+            entry = self._logprob_entry(sampler.logprob(logits, token))
             if out.logprobs is not None:
-                entry = self._logprob_entry(token_logprob(logits, token, params.logprobs or 0))
                 out.logprobs.append(entry)
             out.decode_s = time.perf_counter() - t_first
             yield StreamChunk(token, text, logprobs=entry)

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 
 MAX_LOGPROBS = 20  # the most likely tokens one logprobs entry may list (vLLM's max_logprobs, OpenAI's top_logprobs)
+# vLLM's names: the model's own distribution, or the one a token is drawn from (llama.cpp's post_sampling_probs)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 class SamplingParamsError(PocketMoEError, ValueError):
@@ -92,7 +94,10 @@ class SamplingParams:
     grammar: structured output (engine/structured.py): only tokens that keep the output inside it are drawn.
     logprobs: report each generated token's logprob with this many most likely tokens' (None: none; 0: the token's
     alone); prompt_logprobs: the same for each prompt token after the first (the whole prompt is computed: no prefix
-    reuse). Both from the model's raw output (TokenLogprob), at most MAX_LOGPROBS.
+    reuse). At most MAX_LOGPROBS. logprobs_mode "raw_logprobs": the generated tokens' from the model's output
+    (TokenLogprob); "processed_logprobs": from the distribution each is drawn from, after penalties, bias, grammar,
+    temperature and the filters, its excluded tokens never listed (greedy: the token alone, logprob 0). Prompt
+    logprobs are always the model's.
     """
 
     temperature: float = 1.0
@@ -115,6 +120,7 @@ class SamplingParams:
     skip_special_tokens: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -136,6 +142,7 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"None or in [0, {MAX_LOGPROBS}]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
              f"None or in [0, {MAX_LOGPROBS}]"),
+            (self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"one of {', '.join(LOGPROBS_MODES)}"),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -270,6 +277,7 @@ class Sampler:
             if tokenizer is None:
                 raise SamplingParamsError("a sampler with a grammar needs the model's tokenizer.")
             self.constraint = Constraint(params.grammar, tokenizer)
+        self._drawn_from: tuple[torch.Tensor | None, torch.Tensor] | None = None  # the last draw's _candidates
         self.generator = torch.Generator(device="cpu")
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -310,8 +318,10 @@ class Sampler:
         p = self.params
         if p.greedy and not p.penalized and not p.logit_bias and self.constraint is None and self.drawn >= p.min_tokens:
             token = argmax(logits)  # argmax of the logits as they are
+            self._drawn_from = None
         else:
             ids, x = self._candidates(logits, history)
+            self._drawn_from = ids, x
             token = argmax(x) if p.greedy else draw(x, self.generator)
             token = token if ids is None else int(ids[token])
             if self.constraint is not None:
@@ -320,6 +330,23 @@ class Sampler:
         return token
 
     sample = __call__
+
+    def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob | None:
+        """The entry of `token`, just drawn from `logits`, as params.logprobs and logprobs_mode ask (None: none)."""
+        k = self.params.logprobs
+        if k is None:
+            return None
+        if self.params.logprobs_mode == "raw_logprobs":
+            return token_logprob(logits, token, k)
+        if self.params.greedy or self._drawn_from is None:  # drawn with probability 1
+            return TokenLogprob(token, 0.0, ((token, 0.0),) if k else (), 1)
+        ids, x = self._drawn_from
+        lp = torch.log_softmax(x, dim=-1)
+        at = token if ids is None else int(torch.searchsorted(ids, token))  # ids ascending
+        top = torch.topk(lp, min(k, int((lp > -math.inf).sum())))
+        names = top.indices if ids is None else ids[top.indices]
+        pairs = tuple(zip(names.tolist(), top.values.tolist(), strict=True))
+        return TokenLogprob(token, float(lp[at]), pairs, 1 + int((lp > lp[at]).sum()))
 
     @property
     def complete(self) -> bool:

@@ -515,7 +515,7 @@ def create_app(state: ServerState) -> FastAPI:
                    **stop_fields(c.finish_reason, c.stop_reason),
                    "timings": llama_timings(len(ids), c.cached_tokens, len(c.token_ids), t0, first.get(i), end[i])}
             if req.n_probs:
-                out["completion_probabilities"] = probabilities(piece, c.logprobs)
+                out["completion_probabilities"] = probabilities(piece, c.logprobs, req.post_sampling_probs)
             return out
 
         def seen(d: Delta, now: float) -> int:
@@ -542,7 +542,7 @@ def create_app(state: ServerState) -> FastAPI:
                         chunk = {"index": i, "content": d.text, "tokens": d.token_ids, "stop": False, "id_slot": -1,
                                  "tokens_predicted": len(c.token_ids), "tokens_evaluated": len(prompts[i])}
                         if req.n_probs:
-                            chunk["completion_probabilities"] = probabilities(piece, d.logprobs)
+                            chunk["completion_probabilities"] = probabilities(piece, d.logprobs, req.post_sampling_probs)
                         yield chunk
                     if d.finish_reason is not None:
                         yield result(i, "")

@@ -446,8 +446,8 @@ class Engine:
         s.generated += 1
         self.metrics.generation_tokens.inc()
         text, stopped = s.stop.push(s.decoder.push(token))
-        k = s.params.logprobs
-        lps = [token_logprob(logits, token, k)] if k is not None else []
+        lp = s.sampler.logprob(logits, token)
+        lps = [lp] if lp is not None else []
         delta = Delta(s.index, text, [token], lps)
         if stopped or s.sampler.complete:
             delta.stop_reason = s.stop.matched

@@ -14,6 +14,7 @@ from what it asked without saying so.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 from pydantic import Field, StrictStr
@@ -37,6 +38,8 @@ class LlamaCompletionRequest(SamplingFields):
     prompt: StrictStr | Annotated[list[Piece | list[Piece]], Field(min_length=1)]
     n_predict: Annotated[int, Field(ge=-1)] | None = None
     n_probs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    # n_probs from the distribution each token is drawn from, as probabilities, instead of the model's logprobs
+    post_sampling_probs: bool = False
     repeat_last_n: Annotated[int, Field(ge=-1)] = 64
     return_tokens: bool = False
     cache_prompt: bool = True  # the engine reuses cached prompt starts where the tokens stay the same
@@ -124,7 +127,8 @@ class LlamaCompletionRequest(SamplingFields):
             penalty_last_n=max(self.repeat_last_n, 0), seed=seed, max_tokens=max_tokens, stop=self.stop_list(),
             ignore_eos=self.ignore_eos, logit_bias=self.bias(vocab), grammar=grammar,
             stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=min(self.min_tokens, max_tokens),
-            skip_special_tokens=self.skip_special_tokens, logprobs=self.n_probs or None)
+            skip_special_tokens=self.skip_special_tokens, logprobs=self.n_probs or None,
+            logprobs_mode="processed_logprobs" if self.post_sampling_probs else "raw_logprobs")
 
     def settings(self, params: SamplingParams, n_ctx: int, model: str) -> dict[str, Any]:
         """generation_settings: what the request ran with."""
@@ -133,7 +137,8 @@ class LlamaCompletionRequest(SamplingFields):
                 "repeat_penalty": params.repetition_penalty, "repeat_last_n": self.repeat_last_n,
                 "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
                 "seed": RANDOM_SEED if params.seed is None else params.seed, "stop": list(params.stop),
-                "ignore_eos": params.ignore_eos, "n_probs": self.n_probs, "stream": self.stream,
+                "ignore_eos": params.ignore_eos, "n_probs": self.n_probs,
+                "post_sampling_probs": self.post_sampling_probs, "stream": self.stream,
                 "logit_bias": [[t, b if b != float("-inf") else False] for t, b in params.logit_bias],
                 "grammar": self.grammar or "", "cache_prompt": self.cache_prompt}
 
@@ -161,11 +166,14 @@ def timings(n_prompt: int, n_cached: int, n_predicted: int, t0: float, t_first: 
             "predicted_per_second": n_predicted / predicted_ms * 1e3 if predicted_ms > 0 else 0.0}
 
 
-def probabilities(piece: Any, lps: list[Any]) -> list[dict[str, Any]]:
-    """completion_probabilities: per generated token its id, text, bytes, logprob and the n_probs most likely."""
+def probabilities(piece: Any, lps: list[Any], post_sampling: bool = False) -> list[dict[str, Any]]:
+    """completion_probabilities: per generated token its id, text, bytes, logprob and the n_probs most likely
+    (post_sampling: prob and top_probs, probabilities of the distribution it was drawn from)."""
+    value, top = ("prob", "top_probs") if post_sampling else ("logprob", "top_logprobs")
+
     def one(tid: int, lp: float) -> dict[str, Any]:
         text, b = piece(tid)
-        return {"id": tid, "token": text, "bytes": b, "logprob": lp}
+        return {"id": tid, "token": text, "bytes": b, value: math.exp(lp) if post_sampling else lp}
 
-    return [{**one(x.token_id, x.logprob), "top_logprobs": [one(t, lp) for t, lp in x.top]} for x in lps]
+    return [{**one(x.token_id, x.logprob), top: [one(t, lp) for t, lp in x.top]} for x in lps]
 
