@@ -8,7 +8,8 @@ Each line read is a user turn (a line ending in a backslash goes on in the next)
 generated. Every turn the whole conversation is rendered with the model's chat template, and the engine
 continues from the KV rows the previous turn left, so a turn computes only what is new. Where the conversation
 no longer leaves room for a reply of --max-tokens in --n-ctx, its oldest turns are dropped. A thinking model's
-reasoning shows between <think> and </think> and stays out of the conversation (as the templates drop it);
+reasoning shows between <think> and </think>; the conversation keeps it as the reply's reasoning_content, which
+templates that keep history's reasoning (MiniMax-M2's) render back as the model wrote it and the others leave out;
 --no-think closes a block the template opens. Commands: /reset forgets the conversation, /exit (or the end of the
 input) ends. Ctrl-C stops a reply (what it wrote so far stays in the conversation); at the prompt it ends.
 --json prints one JSON object per turn instead of the streamed text; --stats a line of counts and speed per turn.
@@ -109,7 +110,10 @@ class ChatSession:
         # kept without its surrounding blanks, as chat templates expect ("Assistant: " + content): the rendered
         # reply then tokenizes as it was generated, and the next turn reuses its rows too
         reply = reply.strip()
-        self.history += [user, {"role": "assistant", "content": reply}]
+        answer = {"role": "assistant", "content": reply}
+        if reasoning:  # as a client of the server sends it back (split gives it without its surrounding blanks)
+            answer["reasoning_content"] = reasoning
+        self.history += [user, answer]
         return Turn(reply, reasoning, out.finish_reason, len(ids), out.cached_tokens, len(out.token_ids), dropped,
                     out.ttft_s, out.decode_tok_s)
 

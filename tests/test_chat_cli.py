@@ -164,8 +164,26 @@ class Scripted:
         yield StreamChunk(None, "", "stop")
 
 
+def test_reasoning_kept_where_the_template_keeps_it(model, ref):
+    """With a template that renders history's reasoning (MiniMax-M2's way), the next turn's prompt holds this turn's
+    prompt and the reply exactly as the model wrote them, so the engine continues from all of their rows."""
+    from pocketmoe.chat import ChatSession
+    from pocketmoe.testing.vocab import MINIMAX_SHAPED_TEMPLATE
+    from pocketmoe.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(ref.bundle.metadata)
+    tok.chat_template = MINIMAX_SHAPED_TEMPLATE
+    script = "Let me think.\n</think>\n\nParis."
+    llm = Scripted(tok, script)
+    session = ChatSession(llm, SamplingParams(max_tokens=50), system="Be brief.")
+    session.ask("Capital of France?")
+    first = tok.decode(llm.prompts[-1])
+    session.ask("And of Spain?")
+    assert tok.decode(llm.prompts[-1]).startswith(first + script + "[e~[\n]~b]user\nAnd of Spain?")
+
+
 @pytest.mark.parametrize("think", [True, False])
-def test_reasoning_shows_and_stays_out_of_the_conversation(model, ref, think):
+def test_reasoning_shows_and_stays_out_where_the_template_drops_it(model, ref, think):
     from pocketmoe.chat import ChatSession
     from pocketmoe.tokenizer import Tokenizer
 
@@ -179,7 +197,7 @@ def test_reasoning_shows_and_stays_out_of_the_conversation(model, ref, think):
     prompt = tok.decode(llm.prompts[-1])
     if think:
         assert prompt.endswith("<assistant><think>\n") and "".join(shown) == "<think>" + script
-        assert turn.reasoning == "\nLet me think.\n"
+        assert turn.reasoning == "Let me think."
     else:  # --no-think: the block is closed empty in the prompt, the output is all answer
         assert prompt.endswith("<think>\n</think>\n\n") and "".join(shown) == script and turn.reasoning is None
     assert turn.reply == "Paris."

@@ -16,6 +16,7 @@ from pocketmoe.serve.api import ServerState, create_app
 from pocketmoe.serve.engine import Delta
 from pocketmoe.serve.tools import DEEPSEEK, MINIMAX, ToolStream, call_grammar, parse, tool_format
 from pocketmoe.testing.synth import write_fixture
+from pocketmoe.testing.vocab import MINIMAX_SHAPED_TEMPLATE
 from pocketmoe.tokenizer import Tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -241,20 +242,21 @@ def test_call_grammar_uses_a_marker_token_where_the_vocabulary_has_it() -> None:
 
 def reference_split(text: str, forced_open: bool) -> tuple[str | None, str]:
     """The <think> block of an output, read whole: from the start (or, not forced, from a leading <think>) to the
-    first </think>; the content after it, less the newlines that follow the tag."""
+    first </think>, without the blanks around it; the content after it, less the blanks that follow the tag
+    (llama.cpp's string_strip and consume_spaces)."""
     if not forced_open:
         if not text.lstrip().startswith("<think>"):
             return None, text
         text = text.lstrip()[len("<think>"):]
     end = text.find("</think>")
-    return (text, "") if end < 0 else (text[:end], text[end + len("</think>"):].lstrip("\n"))
+    return (text.strip(), "") if end < 0 else (text[:end].strip(), text[end + len("</think>"):].lstrip())
 
 
 def test_reasoning_splits_alike_streamed_at_any_cut() -> None:
     from pocketmoe.serve.reasoning import ReasoningSplitter, split
 
     rng = __import__("random").Random(0)
-    words = ["<think>", "</think>", "<thi", "nk>", "</", "think", ">", "\n", " ", "a", "b c", "<", "/"]
+    words = ["<think>", "</think>", "<thi", "nk>", "</", "think", ">", "\n", " ", "\t", "a", "b c", "<", "/"]
     for _ in range(600):
         text = "".join(rng.choice(words) for _ in range(rng.randint(0, 12)))
         forced = rng.random() < 0.5
@@ -270,6 +272,26 @@ THINK_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor
                   "{% if add_generation_prompt %}<assistant><think>\n{% endif %}")
 
 
+@pytest.mark.parametrize("script", ["I should greet.\n</think>\n\nHello there.",
+                                    "\n\n  Two lines\nof thought.  \n\n</think>\n\n\nHello there."])
+def test_reasoning_sent_back_renders_the_text_the_model_wrote(model: Path, script: str) -> None:
+    """A client that sends the reply back as it came (content and reasoning_content) gets, from a template that keeps
+    history's reasoning, the prompt the model's own text continues: the next turn's prompt starts with this turn's
+    prompt and the reply as written, so the prefix cache and the model see one conversation."""
+    tok2 = Tokenizer.from_metadata(open_bundle(model).metadata)
+    tok2.chat_template = MINIMAX_SHAPED_TEMPLATE
+    c, eng = client_for(tok2, script)
+    m = c.chat.completions.create(model="m", messages=MSGS, max_tokens=60).choices[0].message
+    first = tok2.decode(eng.prompts[-1])
+    reply = {"role": "assistant", "content": m.content, "reasoning_content": m.model_extra["reasoning_content"]}
+    c.chat.completions.create(model="m", messages=[*MSGS, reply, {"role": "user", "content": "and Rome?"}],
+                              max_tokens=60)
+    canonical = "I should greet." if script.startswith("I") else "Two lines\nof thought."
+    assert tok2.decode(eng.prompts[-1]).startswith(first + canonical + "\n</think>\n\nHello there.[e~[\n")
+    if script.startswith("I"):  # written the template's way: the text itself, byte for byte
+        assert tok2.decode(eng.prompts[-1]).startswith(first + script)
+
+
 @pytest.mark.parametrize("forced", [False, True])
 def test_chat_sends_the_think_block_as_reasoning(model: Path, forced: bool) -> None:
     """A thinking model's block comes back as reasoning_content / reasoning, whole and streamed; tool calls are read
@@ -280,7 +302,7 @@ def test_chat_sends_the_think_block_as_reasoning(model: Path, forced: bool) -> N
     script = ("" if forced else "<think>") + "\nCheck the weather first.\n</think>\n\n" + MM_CALL
     c, eng = client_for(tok2, script)
     r = c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, max_tokens=50).choices[0]
-    thought = "\nCheck the weather first.\n"
+    thought = "Check the weather first."  # without the blanks around it, as llama.cpp reads a block
     assert r.message.model_extra["reasoning_content"] == r.message.model_extra["reasoning"] == thought
     assert r.message.content == "Let me check." and r.finish_reason == "tool_calls"
     assert [t.function.name for t in r.message.tool_calls] == ["get_weather", "now"]

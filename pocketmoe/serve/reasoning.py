@@ -5,6 +5,8 @@ answer. Where the rendered prompt already ends with `<think>` (the template open
 does), the output starts inside it. The server (with `--reasoning-format auto`, the default) sends the block as
 `reasoning_content` (llama.cpp's and older vLLM's field) and `reasoning` (newer vLLM's), and the rest as
 `content`; tool calls are looked for in the content only. A block cut short by max_tokens is all reasoning.
+The reasoning comes without the blanks around it and the content without those that follow `</think>`
+(llama.cpp's reading), which is what templates that keep history's reasoning put back around it.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ def thinking_prompt(prompt_text: str, wanted: bool) -> tuple[str, bool]:
 
 class ReasoningSplitter:
     """Streamed text split into (reasoning, content) pieces. `forced_open`: the prompt opened the block, so the
-    output starts in it; otherwise a block counts only where the output starts with `<think>` (after blanks)."""
+    output starts in it; otherwise a block counts only where the output starts with `<think>` (after blanks).
+    As llama.cpp reads a block, the reasoning comes without the blanks around it and the content without those
+    after `</think>`: a template that writes history's reasoning as `<think>\n{reasoning}\n</think>\n\n{content}`
+    (MiniMax-M2's) then gives back exactly the text the model wrote."""
 
     def __init__(self, forced_open: bool) -> None:
-        self._state = "thinking" if forced_open else "start"  # start -> thinking -> after -> answer
+        # start -> (opened -> thinking) -> after -> answer; opened: the blanks that begin a block are dropped
+        self._state = "opened" if forced_open else "start"
         self._held = ""
         self.thought = forced_open  # the output had a block
 
@@ -42,31 +48,38 @@ class ReasoningSplitter:
         if self._state == "start":
             head = buf.lstrip()
             if head.startswith(OPEN):
-                self._state, buf, self.thought = "thinking", head[len(OPEN):], True
+                self._state, buf, self.thought = "opened", head[len(OPEN):], True
             elif OPEN.startswith(head):  # blanks, or a part of "<think>": wait for more
                 self._held = buf
                 return "", ""
             else:
                 self._state = "answer"
+        if self._state == "opened":
+            buf = buf.lstrip()
+            if not buf:
+                return "", ""
+            self._state = "thinking"
         if self._state == "thinking":
             end = buf.find(CLOSE)
-            if end < 0:
-                keep = partial_prefix(buf, CLOSE)
-                self._held = buf[len(buf) - keep:] if keep else ""
+            if end < 0:  # hold a part of "</think>" and the blanks before it: they may end the block
+                tag = partial_prefix(buf, CLOSE)
+                keep = len(buf) - len(buf[:len(buf) - tag].rstrip())
+                self._held = buf[len(buf) - keep:]
                 return buf[:len(buf) - keep], ""
-            reasoning, buf = buf[:end], buf[end + len(CLOSE):].lstrip("\n")
+            reasoning, buf = buf[:end].rstrip(), buf[end + len(CLOSE):].lstrip()
             self._state = "answer" if buf else "after"
             return reasoning, buf
-        if self._state == "after":  # the newlines right after </think> belong to neither
-            buf = buf.lstrip("\n")
+        if self._state == "after":  # the blanks right after </think> belong to neither
+            buf = buf.lstrip()
             if buf:
                 self._state = "answer"
         return reasoning, buf
 
     def finish(self) -> tuple[str, str]:
-        """What is still held when the output ends: a partial tag is text of the part it is in."""
+        """What is still held when the output ends: a partial tag is text of the part it is in (a block cut short
+        ends without its trailing blanks)."""
         held, self._held = self._held, ""
-        return (held, "") if self._state == "thinking" else ("", held)
+        return (held.rstrip(), "") if self._state in ("opened", "thinking") else ("", held)
 
 
 def split(text: str, forced_open: bool) -> tuple[str | None, str]:

@@ -24,6 +24,15 @@ DEEPSEEK_SPECIALS = (
     "<｜User｜>", "<｜Assistant｜>", "<｜▁pad▁｜>",
 )
 SPM_SPECIALS = ("<unk>", "<s>", "</s>")
+# A chat template with MiniMax-M2's conventions (written here from its documented format): the generation prompt
+# opens a reasoning block; history's reasoning_content goes back between "<think>\n" and "\n</think>\n\n" before
+# the content; each turn ends with [e~[
+MINIMAX_SHAPED_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}]~!b[]~b]system\n{{ m.content }}[e~[\n"
+    "{% elif m.role == 'user' %}]~b]user\n{{ m.content }}[e~[\n"
+    "{% elif m.role == 'assistant' %}]~b]ai\n{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n"
+    "</think>\n\n{% endif %}{{ m.content }}[e~[\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}]~b]ai\n<think>\n{% endif %}")
 
 
 def _learn_merges(words: Counter[tuple[str, ...]], limit: int) -> list[tuple[str, str]]:
