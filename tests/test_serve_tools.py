@@ -13,17 +13,12 @@ from fastapi.testclient import TestClient
 
 from pocketmoe.gguf import open_bundle
 from pocketmoe.serve.api import ServerState, create_app
-from pocketmoe.serve.engine import Delta
 from pocketmoe.serve.tools import DEEPSEEK, MINIMAX, ToolStream, call_grammar, parse, tool_format
+from pocketmoe.testing.scripted import MM_CALL, TOOLS, client_for
 from pocketmoe.testing.synth import write_fixture
 from pocketmoe.testing.vocab import MINIMAX_SHAPED_TEMPLATE
 from pocketmoe.tokenizer import Tokenizer
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
-    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
-MM_CALL = ('Let me check.<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
-           '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="now">\n</invoke>\n</minimax:tool_call>')
 DS_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
            '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
 
@@ -68,30 +63,6 @@ def test_stream_holds_back_the_calls_at_any_split(fmt, text: str) -> None:  # no
         assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
 
 
-class ScriptedEngine:
-    """Stands in for the engine: every choice 'generates' `script`, a few characters a token."""
-
-    alive = True
-
-    def __init__(self, tok: Tokenizer, architecture: str, script: str) -> None:
-        self.tok, self.script, self.prompts, self.params = tok, script, [], []
-        self.runner = type("R", (), {"vocab_size": tok.vocab_size,
-                                     "bundle": type("B", (), {"architecture": architecture})()})()
-
-    def submit(self, ids, params, *, logprobs=None, prompt_logprobs=False, out=None, index_base=0):  # noqa: ANN001, ANN201
-        self.prompts.append(list(ids))
-        self.params.append(list(params))
-        for i in range(len(params)):
-            pieces = [self.script[j:j + 5] for j in range(0, len(self.script), 5)]
-            for k, p in enumerate(pieces):
-                out.put_nowait(Delta(index_base + i, p, [1], finish_reason="stop" if k == len(pieces) - 1 else None))
-        out.put_nowait(None)
-        return object()
-
-    def abort(self, req) -> None:  # noqa: ANN001
-        pass
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return write_fixture("minimax-m2", "tiny", "Q4_K_M", tmp_path_factory.mktemp("tools") / "m.gguf")[0]
@@ -100,15 +71,6 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tok(model: Path) -> Tokenizer:
     return Tokenizer.from_metadata(open_bundle(model).metadata)
-
-
-def client_for(tok: Tokenizer, script: str, arch: str = "minimax-m2",
-               reasoning_format: str = "auto") -> tuple[openai.OpenAI, ScriptedEngine]:
-    eng = ScriptedEngine(tok, arch, script)
-    state = ServerState(model_name="m", max_model_len=4096, engine=eng, tokenizer=tok,  # type: ignore[arg-type]
-                        reasoning_format=reasoning_format)
-    http = TestClient(create_app(state), base_url="http://testserver")
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0), eng
 
 
 MSGS = [{"role": "user", "content": "weather in Paris?"}]

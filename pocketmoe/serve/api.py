@@ -45,13 +45,15 @@ from pocketmoe.serve.protocol import (
 )
 from pocketmoe.serve.reasoning import ReasoningSplitter, thinking_prompt
 from pocketmoe.serve.reasoning import split as split_reasoning
+from pocketmoe.serve.responses import ResponsesRequest, response_body, response_events
+from pocketmoe.serve.responses import Usage as ResponseUsage
 from pocketmoe.serve.tools import ToolFormat, ToolStream, call_grammar, tool_format
 from pocketmoe.serve.tools import parse as parse_tool_calls
 from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pocketmoe.serve")
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/completion", "/completions", "/tokenize",
-             "/detokenize", "/apply-template", "/props", "/health", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/completion", "/completions",
+             "/tokenize", "/detokenize", "/apply-template", "/props", "/health", "/metrics")
 # the routes --api-key guards (/completions too)
 GATED = ("/v1", "/completion", "/tokenize", "/detokenize", "/apply-template", "/props")
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
@@ -226,7 +228,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
             return error_response(404, f"there is no route {request.method} {request.url.path}; the API is under /v1 "
-                                       "(models, completions, chat/completions), with llama.cpp's /completion, "
+                                       "(models, completions, chat/completions, responses), with llama.cpp's /completion, "
                                        "/tokenize and /detokenize.",
                                   code="not_found")
         if e.status_code == 405:
@@ -326,6 +328,10 @@ def create_app(state: ServerState) -> FastAPI:
         """The validated body of a request for the served model, the engine to run it, and the grammar its output
         keeps to (compiled for the model's vocabulary here, so a bad one is a 400)."""
         req = _parse(model, await request.body())
+        return (req, *await checked(req))
+
+    async def checked(req: SamplingFields) -> tuple[Engine, Tokenizer, Grammar | None]:
+        """accept's checks of a parsed request: the served model, the engine, the output's grammar."""
         check_model(req.model)
         eng = engine()
         grammar, field_name = req.output_grammar()
@@ -334,7 +340,7 @@ def create_app(state: ServerState) -> FastAPI:
                 await asyncio.to_thread(check_grammar, grammar, eng.tok)
             except GrammarError as e:
                 raise RequestError(str(e), field_name) from None
-        return req, eng, eng.tok, grammar
+        return eng, eng.tok, grammar
 
     async def chat_prompt(tok: Tokenizer, req: ChatCompletionRequest | TokenizeRequest, messages: list[ChatMessage],
                           tools: list[dict[str, Any]], grammar: Grammar | None) -> tuple[list[int], bool]:
@@ -429,6 +435,25 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req, eng, tok, grammar = await accept(request, ChatCompletionRequest)
+        out = await chat_reply(request, req, eng, tok, grammar)
+        return _sse(out) if req.stream else JSONResponse(out)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API over the chat route (serve/responses.py)."""
+        asked = _parse(ResponsesRequest, await request.body())
+        req = asked.chat_request()
+        eng, tok, grammar = await checked(req)
+        out = await chat_reply(request, req, eng, tok, grammar)
+        settings = asked.echo(state.model_name)
+        usage = ResponseUsage(lambda text: len(tok.encode(text, add_bos=False)))
+        if req.stream:
+            return _sse(response_events(out, settings, usage), done=False, named=True)
+        return JSONResponse(response_body(out, settings, usage))
+
+    async def chat_reply(request: Request, req: ChatCompletionRequest, eng: Engine, tok: Tokenizer,
+                         grammar: Grammar | None) -> Any:
+        """Run a chat request: its completion object, or (stream) the iterator of its chunks."""
         tools = req.tool_dicts
         fmt = tool_format(tok.chat_template, eng.runner.bundle.architecture) if tools and req.tool_choice != "none" \
             else None
@@ -445,8 +470,8 @@ def create_app(state: ServerState) -> FastAPI:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = _usage(len(ids))
         if req.stream:
-            return _sse(_chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage,
-                                     fmt, tools, thinking))
+            return _chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage, fmt, tools,
+                                thinking)
         out, cached = [], {}
         choices = await collect(request, q, reqs, req.n)
         for i, c in enumerate(choices):
@@ -467,7 +492,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "choices": out, "usage": usage, "system_fingerprint": None}
         if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
             body["prompt_logprobs"] = _prompt_logprobs(tok, choices[0].prompt_logprobs, req.prompt_logprobs)
-        return JSONResponse(body)
+        return body
 
     async def encode_pieces(tok: Tokenizer, pieces: list[str | int]) -> list[int]:
         """A llama.cpp prompt of strings and token ids: the first string with the file's BOS policy, later ones
@@ -660,11 +685,13 @@ def _prompt_logprobs(tok: Tokenizer, lps: list[TokenLogprob | None], k: int) -> 
     return [None if x is None else {str(t): asdict(v) for t, v in logprob_entry(x, tok, k).items()} for x in lps]
 
 
-def _sse(events: AsyncIterator[dict[str, Any]], done: bool = True) -> StreamingResponse:
-    """Server-sent events, one JSON object each; OpenAI's streams end with `data: [DONE]` (done), llama.cpp's not."""
+def _sse(events: AsyncIterator[dict[str, Any]], done: bool = True, named: bool = False) -> StreamingResponse:
+    """Server-sent events, one JSON object each; OpenAI's streams end with `data: [DONE]` (done), llama.cpp's and
+    the Responses API's not; named: each event also has an `event:` line, its type (the Responses API's)."""
     async def body() -> AsyncIterator[bytes]:
         async for e in events:
-            yield b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n"
+            name = f"event: {e.get('type', 'error')}\n".encode() if named else b""
+            yield name + b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n"
         if done:
             yield b"data: [DONE]\n\n"
 

@@ -1,0 +1,432 @@
+"""OpenAI's Responses API, `POST /v1/responses`, over the chat route.
+
+A request's `instructions` and `input` items (messages, function calls and their outputs, reasoning) become the
+chat messages the model's template renders; `tools` (function tools), `tool_choice`, `text.format` and
+`reasoning.effort` "none" become the chat request's tools, tool_choice, response_format and enable_thinking; the
+chat route runs it as it runs any chat request, and its reply (or its stream of chunks) is given back as a
+response object with output items: `reasoning` (the `<think>` block), `message` (`output_text`) and
+`function_call`, or as the Responses stream of events (response.created ... response.completed).
+
+The server keeps nothing: `store` is answered false, and `previous_response_id` / `conversation` (which need a
+stored response) are refused; a client sends the whole conversation, its earlier output items included, in
+`input`, as with `store: false` on OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import ConfigDict, Discriminator, Field, StrictStr, Tag, ValidationError
+
+from pocketmoe.serve.protocol import (
+    MAX_TOP_LOGPROBS,
+    ChatCompletionRequest,
+    RequestError,
+    _Body,
+    pydantic_error,
+)
+
+TextKind = Literal["input_text", "output_text", "text", "reasoning_text", "summary_text"]
+
+
+class TextPart(_Body):
+    type: TextKind
+    text: StrictStr
+
+
+class RefusalPart(_Body):
+    type: Literal["refusal"]
+    refusal: StrictStr
+
+
+class OtherPart(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: StrictStr
+
+
+def _part_tag(v: Any) -> str:
+    t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return t if t == "refusal" else ("text" if t in get_args(TextKind) else "other")
+
+
+Part = Annotated[Annotated[TextPart, Tag("text")] | Annotated[RefusalPart, Tag("refusal")]
+                 | Annotated[OtherPart, Tag("other")], Discriminator(_part_tag)]
+
+
+def _text(content: str | list[Any], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, p in enumerate(content):
+        if isinstance(p, OtherPart):
+            raise RequestError(f"{where}.content[{j}] is of type {p.type!r}; this model reads text parts only.",
+                               f"{where}.content.{j}.type")
+        out.append(p.text if isinstance(p, TextPart) else p.refusal)
+    return "".join(out)
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: StrictStr | list[Part]
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: Annotated[StrictStr, Field(min_length=1)]
+    name: Annotated[StrictStr, Field(min_length=1)]
+    arguments: StrictStr
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: Annotated[StrictStr, Field(min_length=1)]
+    output: StrictStr | list[Part]
+
+
+class ReasoningItem(_Body):
+    type: Literal["reasoning"]
+    summary: list[Part] = Field(default_factory=list)
+    content: list[Part] | None = None
+
+
+class OtherItem(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: StrictStr
+
+
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+def _item_tag(v: Any) -> str:
+    t = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", None)
+    return t if t in ITEM_TYPES else "other"
+
+
+InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                      | Annotated[ReasoningItem, Tag("reasoning")] | Annotated[OtherItem, Tag("other")],
+                      Discriminator(_item_tag)]
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class OtherTool(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: StrictStr
+
+
+Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
+                 Discriminator(lambda v: "function" if (v.get("type") if isinstance(v, dict) else v.type) == "function"
+                               else "other")]
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(_Body):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: StrictStr | None = None
+
+
+class ResponsesRequest(_Body):
+    model: StrictStr | None = None
+    input: StrictStr | list[InputItem]
+    instructions: StrictStr | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stream: bool = False
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    include: list[StrictStr] | None = None
+    store: bool | None = None
+    metadata: Annotated[dict[StrictStr, StrictStr], Field(max_length=16)] | None = None
+    previous_response_id: StrictStr | None = None
+    conversation: Any = None
+    background: bool | None = None
+    user: StrictStr | None = None
+
+    def check(self) -> None:
+        if not self.input:
+            raise RequestError("input is empty; give a string or at least one item.", "input")
+        for name in ("previous_response_id", "conversation"):
+            if getattr(self, name) is not None:
+                raise RequestError(f"{name} needs a stored response, and this server stores none; send the whole "
+                                   "conversation (earlier output items included) in input.", name)
+        if self.background:
+            raise RequestError("background responses are not supported; leave background out.", "background")
+        if self.top_logprobs or "message.output_text.logprobs" in (self.include or []):
+            raise RequestError("logprobs are not given on /v1/responses; use /v1/chat/completions with logprobs.",
+                               "include")
+        for i, t in enumerate(self.tools or []):
+            if isinstance(t, OtherTool):
+                raise RequestError(f"tools[{i}] is of type {t.type!r}; this server runs function tools only.",
+                                   f"tools.{i}.type")
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat messages of instructions + input: function calls join the assistant turn before them (or make
+        one), their outputs are tool messages, and a reasoning item's text is the next assistant turn's
+        reasoning_content (as the chat route gives it back)."""
+        out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        thought: str | None = None
+
+        def assistant() -> dict[str, Any]:
+            nonlocal thought
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant" or thought is not None:
+                last = {"role": "assistant", "content": ""}
+                out.append(last)
+            if thought is not None:
+                last["reasoning_content"], thought = thought, None
+            return last
+
+        for i, item in enumerate(items):
+            where = f"input[{i}]"
+            if isinstance(item, OtherItem):
+                raise RequestError(f"{where} is of type {item.type!r}; this server reads message, function_call, "
+                                   "function_call_output and reasoning items.", f"input.{i}.type")
+            if isinstance(item, ReasoningItem):
+                thought = _text(item.content or item.summary, where)
+            elif isinstance(item, MessageItem) and item.role == "assistant":
+                msg = assistant()
+                msg["content"] += _text(item.content, where)
+            elif isinstance(item, MessageItem):
+                out.append({"role": item.role, "content": _text(item.content, where)})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                assistant().setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, where)})
+        return out
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat request that runs this one (validated as the chat route validates its own)."""
+        body: dict[str, Any] = {"model": self.model, "messages": self.messages(), "stream": self.stream,
+                                "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
+                                "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
+                                "user": self.user}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                             for t in self.tools]
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        body["tool_choice"] = choice
+        fmt = self.text.format if self.text else None
+        if fmt is not None and fmt.type == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.name or "response", "schema": fmt.json_schema, "strict": fmt.strict,
+                "description": fmt.description}}
+        elif fmt is not None:
+            body["response_format"] = {"type": fmt.type}
+        if self.reasoning is not None and self.reasoning.effort == "none":
+            body["chat_template_kwargs"] = {"enable_thinking": False}
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise pydantic_error(e.errors()) from None
+        req.check()
+        return req
+
+    def echo(self, model: str) -> dict[str, Any]:
+        """The request's settings as a response object carries them."""
+        fmt = self.text.format.model_dump(exclude_none=True, by_alias=True) if self.text and self.text.format \
+            else {"type": "text"}
+        return {"model": model, "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "temperature": 1.0 if self.temperature is None else self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "tools": [t.model_dump(exclude_none=True) for t in self.tools or []],
+                "tool_choice": self.tool_choice or "auto", "parallel_tool_calls": self.parallel_tool_calls,
+                "text": {"format": fmt}, "reasoning": {"effort": self.reasoning.effort if self.reasoning else None,
+                                                       "summary": None},
+                "previous_response_id": None, "store": False, "background": False, "truncation": "disabled",
+                "metadata": self.metadata or {}, "user": self.user, "error": None, "incomplete_details": None}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [output_text(text)] if status != "in_progress" else []}
+
+
+def output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"] if status != "in_progress" else "", "status": status}
+
+
+class Usage:
+    """The chat route's usage as a response's: reasoning tokens are the reasoning text's tokens."""
+
+    def __init__(self, count_tokens: Callable[[str], int]) -> None:
+        self.count_tokens = count_tokens
+
+    def __call__(self, chat_usage: dict[str, Any] | None, reasoning: str) -> dict[str, Any] | None:
+        if chat_usage is None:
+            return None
+        out = chat_usage["completion_tokens"]
+        return {"input_tokens": chat_usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+                "output_tokens": out,
+                "output_tokens_details": {"reasoning_tokens": min(self.count_tokens(reasoning), out) if reasoning
+                                          else 0},
+                "total_tokens": chat_usage["prompt_tokens"] + out}
+
+
+def _status(finish: str | None) -> tuple[str, dict[str, str] | None]:
+    return ("incomplete", {"reason": "max_output_tokens"}) if finish == "length" else ("completed", None)
+
+
+def response_body(chat: dict[str, Any], settings: dict[str, Any], usage: Usage) -> dict[str, Any]:
+    """A chat completion (n=1) as a response object."""
+    choice = chat["choices"][0]
+    m = choice["message"]
+    status, incomplete = _status(choice["finish_reason"])
+    thought = m.get("reasoning_content") or ""
+    output = [reasoning_item(_id("rs"), thought)] if thought else []
+    calls = m.get("tool_calls") or []
+    if m.get("content") or not calls:
+        output.append(message_item(_id("msg"), m.get("content") or "", status))
+    output += [call_item(_id("fc"), c) for c in calls]
+    return {"id": _id("resp"), "object": "response", "created_at": chat["created"], **settings, "status": status,
+            "incomplete_details": incomplete, "output": output, "usage": usage(chat["usage"], thought)}
+
+
+async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[str, Any], usage: Usage
+                          ) -> AsyncIterator[dict[str, Any]]:
+    """The chat route's chunks (n=1, usage at the end) as the Responses stream: response.created and
+    .in_progress, then each output item as it forms (added, its part, deltas, done), then response.completed (or
+    .incomplete at max_output_tokens, .failed on an engine error)."""
+    seq = 0
+    response = {"id": _id("resp"), "object": "response", "created_at": int(time.time()), **settings,
+                "status": "in_progress", "output": [], "usage": None}
+
+    def event(kind: str, **fields: Any) -> dict[str, Any]:
+        nonlocal seq
+        seq += 1
+        return {"type": kind, "sequence_number": seq - 1, **fields}
+
+    output: list[dict[str, Any]] = []
+    open_kind, item_id, text, thought = "", "", "", ""
+    finish: str | None = None
+    chat_usage: dict[str, Any] | None = None
+
+    def open_item(kind: str, item: dict[str, Any], part: dict[str, Any] | None) -> list[dict[str, Any]]:
+        nonlocal open_kind, item_id, text
+        open_kind, item_id, text = kind, item["id"], ""
+        out = [event("response.output_item.added", output_index=len(output), item=item)]
+        if part is not None:
+            out.append(event("response.content_part.added", item_id=item_id, output_index=len(output),
+                             content_index=0, part=part))
+        return out
+
+    def close_item() -> list[dict[str, Any]]:
+        nonlocal open_kind
+        if not open_kind:
+            return []
+        at, kind, open_kind = len(output), open_kind, ""
+        if kind == "reasoning":
+            item = reasoning_item(item_id, text)
+            part, done = item["content"][0], event("response.reasoning_text.done", item_id=item_id, output_index=at,
+                                                   content_index=0, text=text)
+        else:
+            item = message_item(item_id, text, _status(finish)[0])
+            part, done = item["content"][0], event("response.output_text.done", item_id=item_id, output_index=at,
+                                                   content_index=0, text=text, logprobs=[])
+        output.append(item)
+        return [done, event("response.content_part.done", item_id=item_id, output_index=at, content_index=0,
+                            part=part), event("response.output_item.done", output_index=at, item=item)]
+
+    yield event("response.created", response=copy.deepcopy(response))
+    yield event("response.in_progress", response=copy.deepcopy(response))
+    async for c in chunks:
+        if "error" in c:  # the engine failed this request
+            for e in close_item():
+                yield e
+            failed = {**response, "status": "failed", "output": output,
+                      "error": {"code": "server_error", "message": c["error"]["message"]}}
+            yield event("response.failed", response=failed)
+            return
+        if c.get("usage") is not None:
+            chat_usage = c["usage"]
+        if not c.get("choices"):
+            continue
+        choice = c["choices"][0]
+        delta, finish = choice["delta"], choice.get("finish_reason") or finish
+        if delta.get("reasoning_content"):
+            if open_kind != "reasoning":
+                for e in [*close_item(), *open_item("reasoning", reasoning_item(_id("rs"), "", "in_progress"),
+                                                    {"type": "reasoning_text", "text": ""})]:
+                    yield e
+            text += delta["reasoning_content"]
+            thought += delta["reasoning_content"]
+            yield event("response.reasoning_text.delta", item_id=item_id, output_index=len(output), content_index=0,
+                        delta=delta["reasoning_content"])
+        if delta.get("content"):
+            if open_kind != "message":
+                for e in [*close_item(), *open_item("message", message_item(_id("msg"), "", "in_progress"),
+                                                    output_text(""))]:
+                    yield e
+            text += delta["content"]
+            yield event("response.output_text.delta", item_id=item_id, output_index=len(output), content_index=0,
+                        delta=delta["content"], logprobs=[])
+        for call in delta.get("tool_calls") or []:
+            for e in close_item():
+                yield e
+            item = call_item(_id("fc"), call, "in_progress")
+            at, args = len(output), call["function"]["arguments"]
+            yield event("response.output_item.added", output_index=at, item=item)
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=at, delta=args)
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=at, arguments=args,
+                        name=item["name"])
+            done = call_item(item["id"], call)
+            output.append(done)
+            yield event("response.output_item.done", output_index=at, item=done)
+    if not output and not open_kind:  # nothing was written: an empty message, as the whole reply gives
+        for e in open_item("message", message_item(_id("msg"), "", "in_progress"), output_text("")):
+            yield e
+    for e in close_item():
+        yield e
+    status, incomplete = _status(finish)
+    final = {**response, "status": status, "incomplete_details": incomplete, "output": output,
+             "usage": usage(chat_usage, thought)}
+    yield event("response.completed" if status == "completed" else "response.incomplete", response=final)

@@ -1,0 +1,50 @@
+"""A server over a scripted engine, for tests of what the API makes of a model's output: every choice
+'generates' a fixed text, a few characters a token, and the prompts and parameters it was given are kept."""
+
+from __future__ import annotations
+
+import openai
+from fastapi.testclient import TestClient
+
+from pocketmoe.serve.api import ServerState, create_app
+from pocketmoe.serve.engine import Delta
+from pocketmoe.tokenizer import Tokenizer
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+MM_CALL = ('Let me check.<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+           '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="now">\n</invoke>\n</minimax:tool_call>')
+
+
+class ScriptedEngine:
+    """Stands in for the engine: every choice 'generates' `script`, a few characters a token."""
+
+    alive = True
+
+    def __init__(self, tok: Tokenizer, architecture: str, script: str) -> None:
+        self.tok, self.script, self.prompts, self.params = tok, script, [], []
+        self.runner = type("R", (), {"vocab_size": tok.vocab_size,
+                                     "bundle": type("B", (), {"architecture": architecture})()})()
+
+    def submit(self, ids, params, *, out=None, index_base=0):  # noqa: ANN001, ANN201
+        self.prompts.append(list(ids))
+        self.params.append(list(params))
+        for i in range(len(params)):
+            pieces = [self.script[j:j + 5] for j in range(0, len(self.script), 5)]
+            for k, p in enumerate(pieces):
+                out.put_nowait(Delta(index_base + i, p, [1], finish_reason="stop" if k == len(pieces) - 1 else None))
+        out.put_nowait(None)
+        return object()
+
+    def abort(self, req) -> None:  # noqa: ANN001
+        pass
+
+
+def client_for(tok: Tokenizer, script: str, arch: str = "minimax-m2",
+               reasoning_format: str = "auto") -> tuple[openai.OpenAI, ScriptedEngine]:
+    eng = ScriptedEngine(tok, arch, script)
+    state = ServerState(model_name="m", max_model_len=4096, engine=eng, tokenizer=tok,  # type: ignore[arg-type]
+                        reasoning_format=reasoning_format)
+    http = TestClient(create_app(state), base_url="http://testserver")
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0), eng
