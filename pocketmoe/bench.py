@@ -26,6 +26,7 @@ from typing import Any
 
 from pocketmoe.benchmark.timing import BenchSettings
 from pocketmoe.cli_util import add_placement_args, placement_from_args, run_cli, size, table
+from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
 from pocketmoe.errors import PocketMoEError
 
 CTX_ROUND = 256
@@ -39,7 +40,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for both engines (default: all cores)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs after the warm-up; the median is reported")
     p.add_argument("--n-ctx", type=int, default=None, help="context length (default: prompt + gen, rounded up)")
-    p.add_argument("--chunk-size", type=int, default=256, help="our prefill tokens per forward pass")
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                   help=f"our prefill tokens per forward pass, llama.cpp's n_ubatch (default {DEFAULT_CHUNK_SIZE})")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     p.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size for the read-bandwidth probe")
     p.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp (llama-cpp-python)")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pocketmoe.cli_util import add_placement_args, int_list, placement_from_args, run_cli
+from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
 
 if TYPE_CHECKING:
     from pocketmoe.engine.structured import Grammar
@@ -71,7 +72,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     """Threads, context, prefill chunk and op backend (generate's and chat's)."""
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--n-ctx", type=int, default=4096, help="context length (prompt + generated)")
-    p.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per forward pass")
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                   help=f"prefill tokens per forward pass (default {DEFAULT_CHUNK_SIZE})")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
 
 

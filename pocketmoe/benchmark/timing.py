@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
 from pocketmoe.kv_dtypes import DEFAULT_KV_DTYPE
 from pocketmoe.memstat import MemoryWatch
 
@@ -36,7 +37,7 @@ class BenchSettings:
     threads: int
     repeats: int
     n_ctx: int
-    chunk_size: int = 256       # our prefill tokens per forward (llama.cpp: n_ubatch)
+    chunk_size: int = DEFAULT_CHUNK_SIZE  # our prefill tokens per forward (llama.cpp: n_ubatch)
     kv_dtype: str = DEFAULT_KV_DTYPE  # our KV cache's dtype (llama.cpp's stays f16)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
 from pocketmoe.engine.kv_cache import PAGE, ContextLengthError
 from pocketmoe.engine.runner import SOLO, ModelRunner, RunnerConfig, default_kv_pool_bytes, load_spec
 from pocketmoe.engine.sampler import (
@@ -83,7 +84,7 @@ class LLM:
     one, the built-in demo model (pocketmoe/data/demo-model.gguf)."""
 
     def __init__(self, model: str | Path | None = None, *, n_ctx: int = 4096, threads: int | None = None,
-                 chunk_size: int = 256, backend: str = "auto", kv_dtype: str = "f32", placement: Any = None,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, backend: str = "auto", kv_dtype: str = "f32", placement: Any = None,
                  max_num_seqs: int | None = None, kv_cache_bytes: int | None = None,
                  enable_prefix_caching: bool | None = None) -> None:
         """placement: a placement.run.RunPlacement (the --device/--mode/... flags); None: CPU only.

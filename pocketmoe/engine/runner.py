@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
 from pocketmoe.engine.kv_cache import PAGE, ContextLengthError, PagedKVCache
 from pocketmoe.engine.step import SeqChunk, Step, StepContext
 from pocketmoe.errors import PocketMoEError
@@ -43,7 +44,7 @@ SOLO = "solo"  # the sequence forward(tokens, start_pos) and decode drive
 @dataclass(frozen=True)
 class RunnerConfig:
     n_ctx: int = 4096                 # positions one sequence may hold (prompt + generated)
-    chunk_size: int = 256             # prefill tokens per forward on the single-sequence path
+    chunk_size: int = DEFAULT_CHUNK_SIZE  # prefill tokens per forward on the single-sequence path
     threads: int | None = None        # threads for the kernels; the backend decides torch's share
     backend: str = "reference"        # op backend: auto | native | reference (LLM and the CLIs: auto)
     # roles whose dequantized float32 copy is kept after first use (None: the backend's choice);

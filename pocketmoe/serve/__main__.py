@@ -30,6 +30,7 @@ from pathlib import Path
 import uvicorn
 
 from pocketmoe.cli_util import EXIT_USER_ERROR, add_placement_args, error_line, placement_from_args, run_cli
+from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
 from pocketmoe.errors import PocketMoEError
 
 log = logging.getLogger("pocketmoe.serve")
@@ -55,7 +56,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the file's")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting before new ones get 503")
     p.add_argument("--max-body-mib", type=float, default=16.0, help="largest request body, MiB (larger: 413)")
-    p.add_argument("--chunk-size", type=int, default=256, help="prefill tokens per step, over all sequences")
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                   help=f"prefill tokens per step, over all sequences (default {DEFAULT_CHUNK_SIZE})")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV rows of a prompt's start that an earlier request computed (a chat's earlier "
                    "turns, a shared system prompt) (default: on with the native CPU kernels, whose rows are bitwise "

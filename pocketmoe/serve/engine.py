@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
 from pocketmoe.engine.kv_cache import KVPoolFullError
 from pocketmoe.engine.runner import ModelRunner
 from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker, TokenLogprob, token_logprob
@@ -60,7 +61,7 @@ class QueueFullError(Exception):
 class EngineConfig:
     max_num_seqs: int = 16      # sequences decoding at once
     max_queue: int = 256        # requests waiting for admission before new ones get a 503
-    chunk_size: int = 256       # prefill tokens per step, over all sequences
+    chunk_size: int = DEFAULT_CHUNK_SIZE  # prefill tokens per step, over all sequences
     max_model_len: int = 4096   # prompt + generated tokens of one sequence
     # reuse the KV pages of a prompt's start that earlier sequences computed; None: where the ops are chunk-invariant
     prefix_caching: bool | None = None
