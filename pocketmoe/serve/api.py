@@ -30,6 +30,8 @@ from pocketmoe.serve.engine import Delta, Engine, QueueFullError
 from pocketmoe.serve.llama_api import DEFAULTS as LLAMA_DEFAULTS
 from pocketmoe.serve.llama_api import LlamaCompletionRequest, probabilities, stop_fields
 from pocketmoe.serve.llama_api import timings as llama_timings
+from pocketmoe.serve.messages import MessagesRequest, message_body, message_events
+from pocketmoe.serve.messages import error_body as anthropic_error
 from pocketmoe.serve.metrics import Metrics
 from pocketmoe.serve.protocol import (
     ApplyTemplateRequest,
@@ -52,8 +54,10 @@ from pocketmoe.serve.tools import parse as parse_tool_calls
 from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pocketmoe.serve")
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/completion", "/completions",
-             "/tokenize", "/detokenize", "/apply-template", "/props", "/health", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+             "/v1/messages/count_tokens", "/completion", "/completions", "/tokenize", "/detokenize", "/apply-template",
+             "/props", "/health", "/metrics")
+ANTHROPIC_ROUTES = "/v1/messages"
 # the routes --api-key guards (/completions too)
 GATED = ("/v1", "/completion", "/tokenize", "/detokenize", "/apply-template", "/props")
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
@@ -78,7 +82,10 @@ class ServerState:
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+                   code: str | None = None, path: str = "") -> JSONResponse:
+    """OpenAI's error body; on Anthropic's routes (path /v1/messages...), Anthropic's."""
+    if path.startswith(ANTHROPIC_ROUTES):
+        return JSONResponse(anthropic_error(status, message), status)
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status)
 
 
@@ -116,18 +123,21 @@ class GateMiddleware:
                     send: Callable[..., Awaitable[None]]) -> None:
         st = self.state
         headers = dict(scope["headers"])
-        if st.api_key is not None and scope["path"].startswith(GATED):
+        path = scope["path"]
+        if st.api_key is not None and path.startswith(GATED):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            token = token or headers.get(b"x-api-key", b"").decode("latin-1").strip()  # Anthropic's clients
             if not hmac.compare_digest(token.encode(), st.api_key.encode()):
                 what = "no API key was given" if not token else "the API key is wrong"
-                await error_response(401, f"{what}; send 'Authorization: Bearer <key>' with the server's --api-key.",
-                                     code="invalid_api_key")(scope, receive, send)
+                await error_response(401, f"{what}; send 'Authorization: Bearer <key>' (or 'x-api-key: <key>') with "
+                                          "the server's --api-key.", code="invalid_api_key",
+                                     path=path)(scope, receive, send)
                 return
         limit = st.max_body_bytes
         declared = headers.get(b"content-length")
         too_big = error_response(413, f"the request body is over the server's limit of {limit} bytes "
-                                      "(--max-body-mib); send a smaller request.", code="body_too_large")
+                                      "(--max-body-mib); send a smaller request.", code="body_too_large", path=path)
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await too_big(scope, receive, send)
             return
@@ -217,29 +227,30 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.pm = state
 
     @app.exception_handler(RequestError)
-    async def _request_error(_: Request, e: RequestError) -> JSONResponse:
-        return error_response(e.status, e.message, e.type, e.param, e.code)
+    async def _request_error(request: Request, e: RequestError) -> JSONResponse:
+        return error_response(e.status, e.message, e.type, e.param, e.code, request.url.path)
 
     @app.exception_handler(SamplingParamsError)
-    async def _sampling_error(_: Request, e: SamplingParamsError) -> JSONResponse:
-        return error_response(400, str(e))
+    async def _sampling_error(request: Request, e: SamplingParamsError) -> JSONResponse:
+        return error_response(400, str(e), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
             return error_response(404, f"there is no route {request.method} {request.url.path}; the API is under /v1 "
-                                       "(models, completions, chat/completions, responses), with llama.cpp's /completion, "
-                                       "/tokenize and /detokenize.",
-                                  code="not_found")
+                                       "(models, completions, chat/completions, responses, messages), with "
+                                       "llama.cpp's /completion, /tokenize and /detokenize.",
+                                  code="not_found", path=request.url.path)
         if e.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on {request.url.path}.",
-                                  code="method_not_allowed")
-        return error_response(e.status_code, str(e.detail))
+                                  code="method_not_allowed", path=request.url.path)
+        return error_response(e.status_code, str(e.detail), path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
         log.exception("request failed")
-        return error_response(500, f"internal error ({type(e).__name__}); see the server log.", "server_error")
+        return error_response(500, f"internal error ({type(e).__name__}); see the server log.", "server_error",
+                              path=request.url.path)
 
     def engine() -> Engine:
         if state.engine is None or not state.engine.alive:
@@ -435,7 +446,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req, eng, tok, grammar = await accept(request, ChatCompletionRequest)
-        out = await chat_reply(request, req, eng, tok, grammar)
+        _, out = await chat_reply(request, req, eng, tok, grammar)
         return _sse(out) if req.stream else JSONResponse(out)
 
     @app.post("/v1/responses")
@@ -444,16 +455,36 @@ def create_app(state: ServerState) -> FastAPI:
         asked = _parse(ResponsesRequest, await request.body())
         req = asked.chat_request()
         eng, tok, grammar = await checked(req)
-        out = await chat_reply(request, req, eng, tok, grammar)
+        _, out = await chat_reply(request, req, eng, tok, grammar)
         settings = asked.echo(state.model_name)
         usage = ResponseUsage(lambda text: len(tok.encode(text, add_bos=False)))
         if req.stream:
             return _sse(response_events(out, settings, usage), done=False, named=True)
         return JSONResponse(response_body(out, settings, usage))
 
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API over the chat route (serve/messages.py)."""
+        asked = _parse(MessagesRequest, await request.body())
+        req = asked.chat_request()
+        eng, tok, grammar = await checked(req)
+        n_prompt, out = await chat_reply(request, req, eng, tok, grammar)
+        if req.stream:
+            return _sse(message_events(out, state.model_name, n_prompt), done=False, named=True)
+        return JSONResponse(message_body(out, state.model_name))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        """The prompt tokens a /v1/messages request would take (its messages, system and tools rendered)."""
+        req = _parse(MessagesRequest, await request.body()).chat_request(count_only=True)
+        check_model(req.model)
+        ids, _ = await chat_prompt(engine().tok, req, req.messages, req.tool_dicts, None)
+        return JSONResponse({"input_tokens": len(ids)})
+
     async def chat_reply(request: Request, req: ChatCompletionRequest, eng: Engine, tok: Tokenizer,
-                         grammar: Grammar | None) -> Any:
-        """Run a chat request: its completion object, or (stream) the iterator of its chunks."""
+                         grammar: Grammar | None) -> tuple[int, Any]:
+        """Run a chat request: (its prompt tokens, its completion object or, with stream, the iterator of its
+        chunks)."""
         tools = req.tool_dicts
         fmt = tool_format(tok.chat_template, eng.runner.bundle.architecture) if tools and req.tool_choice != "none" \
             else None
@@ -470,8 +501,8 @@ def create_app(state: ServerState) -> FastAPI:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = _usage(len(ids))
         if req.stream:
-            return _chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage, fmt, tools,
-                                thinking)
+            return len(ids), _chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage,
+                                          fmt, tools, thinking)
         out, cached = [], {}
         choices = await collect(request, q, reqs, req.n)
         for i, c in enumerate(choices):
@@ -492,7 +523,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "choices": out, "usage": usage, "system_fingerprint": None}
         if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
             body["prompt_logprobs"] = _prompt_logprobs(tok, choices[0].prompt_logprobs, req.prompt_logprobs)
-        return body
+        return len(ids), body
 
     async def encode_pieces(tok: Tokenizer, pieces: list[str | int]) -> list[int]:
         """A llama.cpp prompt of strings and token ids: the first string with the file's BOS policy, later ones

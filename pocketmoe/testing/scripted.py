@@ -41,10 +41,17 @@ class ScriptedEngine:
         pass
 
 
-def client_for(tok: Tokenizer, script: str, arch: str = "minimax-m2",
-               reasoning_format: str = "auto") -> tuple[openai.OpenAI, ScriptedEngine]:
+def app_for(tok: Tokenizer, script: str, arch: str = "minimax-m2", reasoning_format: str = "auto",
+            api_key: str | None = None) -> tuple[TestClient, ScriptedEngine]:
+    """The server's app (model name "m") over a ScriptedEngine, in process: an httpx client for any SDK."""
     eng = ScriptedEngine(tok, arch, script)
     state = ServerState(model_name="m", max_model_len=4096, engine=eng, tokenizer=tok,  # type: ignore[arg-type]
-                        reasoning_format=reasoning_format)
-    http = TestClient(create_app(state), base_url="http://testserver")
+                        reasoning_format=reasoning_format, api_key=api_key)
+    return TestClient(create_app(state), base_url="http://testserver"), eng
+
+
+def client_for(tok: Tokenizer, script: str, arch: str = "minimax-m2",
+               reasoning_format: str = "auto") -> tuple[openai.OpenAI, ScriptedEngine]:
+    """An OpenAI client of app_for's app."""
+    http, eng = app_for(tok, script, arch, reasoning_format)
     return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0), eng
