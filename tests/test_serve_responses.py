@@ -117,7 +117,7 @@ def test_format_effort_and_max_tokens(tok: Tokenizer) -> None:
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input.0.type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input.0.content.0.type"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": "x", "background": True}, "background"),
     ({"input": [{"role": "robot", "content": "x"}]}, None),

@@ -57,14 +57,15 @@ Part = Annotated[Annotated[TextPart, Tag("text")] | Annotated[RefusalPart, Tag("
                  | Annotated[OtherPart, Tag("other")], Discriminator(_part_tag)]
 
 
-def _text(content: str | list[Any], where: str) -> str:
+def _text(content: str | list[Any], item: int, field: str = "content") -> str:
+    """The text of input item `item`'s content (or output) parts."""
     if isinstance(content, str):
         return content
     out = []
     for j, p in enumerate(content):
         if isinstance(p, OtherPart):
-            raise RequestError(f"{where}.content[{j}] is of type {p.type!r}; this model reads text parts only.",
-                               f"{where}.content.{j}.type")
+            raise RequestError(f"input[{item}].{field}[{j}] is of type {p.type!r}; this model reads text parts only.",
+                               f"input.{item}.{field}.{j}.type")
         out.append(p.text if isinstance(p, TextPart) else p.refusal)
     return "".join(out)
 
@@ -206,23 +207,22 @@ class ResponsesRequest(_Body):
             return last
 
         for i, item in enumerate(items):
-            where = f"input[{i}]"
             if isinstance(item, OtherItem):
-                raise RequestError(f"{where} is of type {item.type!r}; this server reads message, function_call, "
+                raise RequestError(f"input[{i}] is of type {item.type!r}; this server reads message, function_call, "
                                    "function_call_output and reasoning items.", f"input.{i}.type")
             if isinstance(item, ReasoningItem):
-                thought = _text(item.content or item.summary, where)
+                thought = _text(item.content, i) if item.content else _text(item.summary, i, "summary")
             elif isinstance(item, MessageItem) and item.role == "assistant":
                 msg = assistant()
-                msg["content"] += _text(item.content, where)
+                msg["content"] += _text(item.content, i)
             elif isinstance(item, MessageItem):
-                out.append({"role": item.role, "content": _text(item.content, where)})
+                out.append({"role": item.role, "content": _text(item.content, i)})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
                 assistant().setdefault("tool_calls", []).append(call)
             else:
-                out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, where)})
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, i, "output")})
         return out
 
     def chat_request(self) -> ChatCompletionRequest:
