@@ -12,11 +12,9 @@ import anthropic
 import openai
 import pytest
 
-from pocketmoe.gguf import open_bundle
 from pocketmoe.serve.tools import MINIMAX, parse
-from pocketmoe.testing.scripted import MM_CALL, TOOLS, app_for
+from pocketmoe.testing.scripted import MM_CALL, TOOLS, app_for, thinking_tokenizer
 from pocketmoe.testing.synth import write_fixture
-from pocketmoe.testing.vocab import MINIMAX_SHAPED_TEMPLATE
 from pocketmoe.tokenizer import Tokenizer
 
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
@@ -26,10 +24,7 @@ ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
-    path = write_fixture("minimax-m2", "tiny", "Q4_K_M", tmp_path_factory.mktemp("messages") / "m.gguf")[0]
-    tok = Tokenizer.from_metadata(open_bundle(path).metadata)
-    tok.chat_template = MINIMAX_SHAPED_TEMPLATE  # opens a reasoning block; keeps history's reasoning
-    return tok
+    return thinking_tokenizer(tmp_path_factory.mktemp("messages"))
 
 
 def clients(tok: Tokenizer, script: str, api_key: str | None = None):  # noqa: ANN201

@@ -12,11 +12,9 @@ import httpx
 import openai
 import pytest
 
-from pocketmoe.gguf import open_bundle
 from pocketmoe.serve.tools import MINIMAX, parse
-from pocketmoe.testing.scripted import MM_CALL, TOOLS, client_for
+from pocketmoe.testing.scripted import MM_CALL, TOOLS, client_for, thinking_tokenizer
 from pocketmoe.testing.synth import write_fixture
-from pocketmoe.testing.vocab import MINIMAX_SHAPED_TEMPLATE
 from pocketmoe.tokenizer import Tokenizer
 
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
@@ -25,10 +23,7 @@ THINK = "Check the weather first.\n</think>\n\n"
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
-    path = write_fixture("minimax-m2", "tiny", "Q4_K_M", tmp_path_factory.mktemp("responses") / "m.gguf")[0]
-    tok = Tokenizer.from_metadata(open_bundle(path).metadata)
-    tok.chat_template = MINIMAX_SHAPED_TEMPLATE  # opens a reasoning block; keeps history's reasoning
-    return tok
+    return thinking_tokenizer(tmp_path_factory.mktemp("responses"))
 
 
 def items(r) -> list[tuple]:  # noqa: ANN001

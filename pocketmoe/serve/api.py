@@ -449,13 +449,20 @@ def create_app(state: ServerState) -> FastAPI:
         _, out = await chat_reply(request, req, eng, tok, grammar)
         return _sse(out) if req.stream else JSONResponse(out)
 
+    async def translated(request: Request, model: type[ResponsesRequest] | type[MessagesRequest]
+                         ) -> tuple[Any, ChatCompletionRequest, Tokenizer, int, Any]:
+        """A request in another API's shape: parsed, made the chat request it stands for, and run by the chat
+        route: (it, that chat request, the tokenizer, its prompt tokens, the chat reply or chunk iterator)."""
+        asked = _parse(model, await request.body())
+        req = asked.chat_request()
+        eng, tok, grammar = await checked(req)
+        n_prompt, out = await chat_reply(request, req, eng, tok, grammar)
+        return asked, req, tok, n_prompt, out
+
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         """OpenAI's Responses API over the chat route (serve/responses.py)."""
-        asked = _parse(ResponsesRequest, await request.body())
-        req = asked.chat_request()
-        eng, tok, grammar = await checked(req)
-        _, out = await chat_reply(request, req, eng, tok, grammar)
+        asked, req, tok, _, out = await translated(request, ResponsesRequest)
         settings = asked.echo(state.model_name)
         usage = ResponseUsage(lambda text: len(tok.encode(text, add_bos=False)))
         if req.stream:
@@ -465,10 +472,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API over the chat route (serve/messages.py)."""
-        asked = _parse(MessagesRequest, await request.body())
-        req = asked.chat_request()
-        eng, tok, grammar = await checked(req)
-        n_prompt, out = await chat_reply(request, req, eng, tok, grammar)
+        _, req, _, n_prompt, out = await translated(request, MessagesRequest)
         if req.stream:
             return _sse(message_events(out, state.model_name, n_prompt), done=False, named=True)
         return JSONResponse(message_body(out, state.model_name))

@@ -17,9 +17,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, StrictStr, Tag, ValidationError
+from pydantic import ConfigDict, Discriminator, Field, StrictStr, Tag
 
-from pocketmoe.serve.protocol import MAX_STOP, ChatCompletionRequest, RequestError, _Body, pydantic_error
+from pocketmoe.serve.protocol import MAX_STOP, ChatCompletionRequest, RequestError, _Body, chat_request
 
 # Anthropic's error types by HTTP status (anything else is api_error)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -198,12 +198,7 @@ class MessagesRequest(_Body):
                                                                               "schema": fmt.json_schema}}
         if self.thinking is not None and self.thinking.type == "disabled":
             body["chat_template_kwargs"] = {"enable_thinking": False}
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise pydantic_error(e.errors()) from None
-        req.check()
-        return req
+        return chat_request(body)
 
 
 def _result_text(b: ToolResultBlock, i: int, j: int) -> str:

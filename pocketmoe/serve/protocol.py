@@ -12,7 +12,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pocketmoe.engine.sampler import MAX_LOGPROBS
 from pocketmoe.engine.structured import Grammar
@@ -297,6 +306,17 @@ class ChatCompletionRequest(SamplingFields):
     def tool_dicts(self) -> list[dict[str, Any]]:
         """The request's tools as the chat template and the parser read them ([] without tools)."""
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request built from another API's (the Responses and Messages adapters), validated and checked as the
+    chat route's own body is."""
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        raise pydantic_error(e.errors()) from None
+    req.check()
+    return req
 
 
 def check_template_options(req: ChatCompletionRequest | TokenizeRequest) -> None:

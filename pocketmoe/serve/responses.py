@@ -20,14 +20,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import ConfigDict, Discriminator, Field, StrictStr, Tag, ValidationError
+from pydantic import ConfigDict, Discriminator, Field, StrictStr, Tag
 
 from pocketmoe.serve.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     RequestError,
     _Body,
-    pydantic_error,
+    chat_request,
 )
 
 TextKind = Literal["input_text", "output_text", "text", "reasoning_text", "summary_text"]
@@ -249,12 +249,7 @@ class ResponsesRequest(_Body):
             body["response_format"] = {"type": fmt.type}
         if self.reasoning is not None and self.reasoning.effort == "none":
             body["chat_template_kwargs"] = {"enable_thinking": False}
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise pydantic_error(e.errors()) from None
-        req.check()
-        return req
+        return chat_request(body)
 
     def echo(self, model: str) -> dict[str, Any]:
         """The request's settings as a response object carries them."""

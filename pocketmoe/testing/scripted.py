@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 from fastapi.testclient import TestClient
 
@@ -39,6 +41,19 @@ class ScriptedEngine:
 
     def abort(self, req) -> None:  # noqa: ANN001
         pass
+
+
+def thinking_tokenizer(directory: Path) -> Tokenizer:
+    """The tiny MiniMax-M2 fixture's tokenizer (written into `directory`) with MINIMAX_SHAPED_TEMPLATE: a template
+    that opens a reasoning block and keeps history's reasoning."""
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.testing.synth import write_fixture
+    from pocketmoe.testing.vocab import MINIMAX_SHAPED_TEMPLATE
+
+    path = write_fixture("minimax-m2", "tiny", "Q4_K_M", directory / "m.gguf")[0]
+    tok = Tokenizer.from_metadata(open_bundle(path).metadata)
+    tok.chat_template = MINIMAX_SHAPED_TEMPLATE
+    return tok
 
 
 def app_for(tok: Tokenizer, script: str, arch: str = "minimax-m2", reasoning_format: str = "auto",
