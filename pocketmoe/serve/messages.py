@@ -19,7 +19,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, StrictStr, Tag
 
-from pocketmoe.serve.protocol import MAX_STOP, ChatCompletionRequest, RequestError, _Body, chat_request
+from pocketmoe.serve.protocol import (
+    MAX_STOP,
+    ChatCompletionRequest,
+    ChatStreamReader,
+    RequestError,
+    _Body,
+    chat_request,
+)
 
 # Anthropic's error types by HTTP status (anything else is api_error)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -262,10 +269,8 @@ async def message_events(chunks: AsyncIterator[dict[str, Any]], model: str, n_pr
                        "output_tokens": 0}}
     yield {"type": "message_start", "message": start}
     index, open_kind = -1, ""
-    finish: str | None = None
-    stop_reason: str | int | None = None
     calls = False
-    usage: dict[str, Any] | None = None
+    seen = ChatStreamReader()
 
     def open_block(kind: str, block: dict[str, Any]) -> list[dict[str, Any]]:
         nonlocal index, open_kind
@@ -286,14 +291,9 @@ async def message_events(chunks: AsyncIterator[dict[str, Any]], model: str, n_pr
                 yield e
             yield {"type": "error", "error": {"type": "api_error", "message": c["error"]["message"]}}
             return
-        if c.get("usage") is not None:
-            usage = c["usage"]
-        if not c.get("choices"):
+        delta = seen.read(c)
+        if delta is None:
             continue
-        choice = c["choices"][0]
-        delta = choice["delta"]
-        finish = choice.get("finish_reason") or finish
-        stop_reason = choice.get("stop_reason") if choice.get("stop_reason") is not None else stop_reason
         if delta.get("reasoning_content"):
             if open_kind != "thinking":
                 for e in open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
@@ -318,7 +318,7 @@ async def message_events(chunks: AsyncIterator[dict[str, Any]], model: str, n_pr
             yield e
     for e in close_block():
         yield e
-    reason, sequence = _stop(finish, stop_reason, calls)
+    reason, sequence = _stop(seen.finish, seen.stop_reason, calls)
     yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-           "usage": _usage(usage) if usage is not None else {"output_tokens": 0}}
+           "usage": _usage(seen.usage) if seen.usage is not None else {"output_tokens": 0}}
     yield {"type": "message_stop"}

@@ -319,6 +319,28 @@ def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     return req
 
 
+class ChatStreamReader:
+    """What the chat route's chunk stream (n=1, usage at the end) has said so far, for the adapters that turn it
+    into another API's events: read(chunk) gives the choice's delta (None for a chunk with none) and keeps its
+    finish reason, stop reason (the stop string or end token id) and the usage."""
+
+    def __init__(self) -> None:
+        self.finish: str | None = None
+        self.stop_reason: str | int | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def read(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        if not chunk.get("choices"):
+            return None
+        choice = chunk["choices"][0]
+        self.finish = choice.get("finish_reason") or self.finish
+        if choice.get("stop_reason") is not None:
+            self.stop_reason = choice["stop_reason"]
+        return choice["delta"]
+
+
 def check_template_options(req: ChatCompletionRequest | TokenizeRequest) -> None:
     """vLLM's chat template options: extra variables that do not replace the ones the server sets, and
     continue_final_message (the last assistant message goes on) instead of a generation prompt."""

@@ -25,6 +25,7 @@ from pydantic import ConfigDict, Discriminator, Field, StrictStr, Tag
 from pocketmoe.serve.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
+    ChatStreamReader,
     RequestError,
     _Body,
     chat_request,
@@ -342,8 +343,7 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[
 
     output: list[dict[str, Any]] = []
     open_kind, item_id, text, thought = "", "", "", ""
-    finish: str | None = None
-    chat_usage: dict[str, Any] | None = None
+    seen = ChatStreamReader()
 
     def open_item(kind: str, item: dict[str, Any], part: dict[str, Any] | None) -> list[dict[str, Any]]:
         nonlocal open_kind, item_id, text
@@ -364,7 +364,7 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[
             part, done = item["content"][0], event("response.reasoning_text.done", item_id=item_id, output_index=at,
                                                    content_index=0, text=text)
         else:
-            item = message_item(item_id, text, _status(finish)[0])
+            item = message_item(item_id, text, _status(seen.finish)[0])
             part, done = item["content"][0], event("response.output_text.done", item_id=item_id, output_index=at,
                                                    content_index=0, text=text, logprobs=[])
         output.append(item)
@@ -381,12 +381,9 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[
                       "error": {"code": "server_error", "message": c["error"]["message"]}}
             yield event("response.failed", response=failed)
             return
-        if c.get("usage") is not None:
-            chat_usage = c["usage"]
-        if not c.get("choices"):
+        delta = seen.read(c)
+        if delta is None:
             continue
-        choice = c["choices"][0]
-        delta, finish = choice["delta"], choice.get("finish_reason") or finish
         if delta.get("reasoning_content"):
             if open_kind != "reasoning":
                 for e in [*close_item(), *open_item("reasoning", reasoning_item(_id("rs"), "", "in_progress"),
@@ -421,7 +418,7 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[
             yield e
     for e in close_item():
         yield e
-    status, incomplete = _status(finish)
+    status, incomplete = _status(seen.finish)
     final = {**response, "status": status, "incomplete_details": incomplete, "output": output,
-             "usage": usage(chat_usage, thought)}
+             "usage": usage(seen.usage, thought)}
     yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
