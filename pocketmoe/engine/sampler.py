@@ -44,8 +44,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Logprob:
-    """vLLM's: a token's log-probability under the model's raw output, its rank in the vocabulary (1: the most
-    likely) and its text."""
+    """vLLM's: a token's log-probability (under the model's raw output, or with logprobs_mode processed_logprobs the
+    distribution it was drawn from), its rank there (1: the most likely) and its text."""
 
     logprob: float
     rank: int
