@@ -87,6 +87,30 @@ def test_one_params_for_all_and_text_prompts(llm):
     assert got[0].token_ids == got[3].token_ids  # the same prompt and seed: the same tokens in one batch
 
 
+def test_n_completions_are_the_seeded_single_runs(llm):
+    """SamplingParams.n: the prompt's n completions in `outputs`, completion c the solo run seeded seed + c (the
+    server's rule for n), alongside a prompt with n = 1; an unseeded n draws n different completions."""
+    params = SamplingParams(temperature=1.0, top_k=30, seed=2**64 - 2, max_tokens=10, n=3)
+    prompts = [[5, 9, 14, 3], "Once upon a time"]
+    got = llm.generate(prompts, [params, SamplingParams(temperature=0, max_tokens=6)])
+    assert [len(o.outputs) for o in got] == [3, 1] and got[1].outputs == [got[1]]
+    assert got[0].outputs[0] is got[0]
+    seeds = [2**64 - 2, 2**64 - 1, 0]
+    for c, (o, seed) in enumerate(zip(got[0].outputs, seeds, strict=True)):
+        assert o.index == c
+        assert same(solo(llm, prompts[0], SamplingParams(temperature=1.0, top_k=30, seed=seed, max_tokens=10)), o), c
+    assert len({tuple(o.token_ids) for o in got[0].outputs}) == 3
+    assert same(solo(llm, prompts[1], SamplingParams(temperature=0, max_tokens=6)), got[1])
+    alone = llm.generate("Hello world", SamplingParams(temperature=1.0, max_tokens=12, n=4, ignore_eos=True))[0]
+    assert len({tuple(o.token_ids) for o in alone.outputs}) > 1
+    assert llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=4, n=1))[0].choices is None
+
+
+def test_stream_takes_one_completion(llm):
+    with pytest.raises(PocketMoEError, match="SamplingParams.n is 2"):
+        next(llm.stream("abc", SamplingParams(n=2)))
+
+
 def test_tiny_pool_preempts_and_still_gives_solo_tokens(model):
     """A KV pool of just over one context: sequences are preempted and recomputed, outputs unchanged."""
     from pocketmoe.engine.kv_cache import PAGE

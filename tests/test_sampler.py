@@ -60,7 +60,7 @@ def _ref_top_p_keep(logits: np.ndarray, p: float) -> set[int]:
     "kwargs",
     [dict(temperature=-1), dict(temperature=math.nan), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
      dict(min_p=-0.1), dict(min_p=2), dict(repetition_penalty=0), dict(frequency_penalty=2.5),
-     dict(presence_penalty=-3), dict(max_tokens=0), dict(penalty_last_n=-1), dict(stop=[""])],
+     dict(presence_penalty=-3), dict(max_tokens=0), dict(penalty_last_n=-1), dict(stop=[""]), dict(n=0)],
 )
 def test_params_validation(kwargs: dict) -> None:
     with pytest.raises(SamplingParamsError) as e:

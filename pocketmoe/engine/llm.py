@@ -66,6 +66,14 @@ class CompletionOutput:
     logprobs: list[LogprobEntry] | None = None  # one per generated token, with SamplingParams.logprobs
     # with SamplingParams.prompt_logprobs: one per prompt token, the first None (nothing comes before it)
     prompt_logprobs: list[LogprobEntry | None] | None = None
+    index: int = 0                    # which of the prompt's SamplingParams.n completions this is
+    # with SamplingParams.n > 1, on the first completion: all n of them (`outputs`)
+    choices: list[CompletionOutput] | None = field(default=None, repr=False)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The prompt's completions, n of them with SamplingParams.n (vLLM's RequestOutput.outputs); else [self]."""
+        return self.choices or [self]
 
     @property
     def prefill_tok_s(self) -> float:
@@ -152,6 +160,9 @@ class LLM:
                output: CompletionOutput | None = None) -> Iterator[StreamChunk]:
         """Yield chunks as tokens are generated; `output` (if given) is filled with ids, text, timings."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise PocketMoEError(f"stream gives one completion but SamplingParams.n is {params.n}; use generate for "
+                                 "several, or n=1.")
         ids = self.encode_prompt(prompt)
         self._check_prompt(len(ids))
         out = output if output is not None else CompletionOutput(prompt_token_ids=ids)
@@ -215,16 +226,17 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[CompletionOutput]:
-        """Complete each prompt (a string, or a list of token ids); one output per prompt, in order. `params`
-        is one SamplingParams for all, or one per prompt. Several prompts run as one batch (module doc);
-        `use_tqdm` shows its progress on a terminal."""
+        """Complete each prompt (a string, or a list of token ids); one output per prompt, in order, its
+        SamplingParams.n completions in its `outputs`. `params` is one SamplingParams for all, or one per prompt.
+        Several prompts, or several completions, run as one batch (module doc); `use_tqdm` shows its progress on a
+        terminal."""
         batch = [prompts] if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)) else list(prompts)
         per = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
         if len(per) != len(batch):
             raise PocketMoEError(f"got {len(per)} SamplingParams for {len(batch)} prompts; give one, or one per "
                                  "prompt.")
-        if len(batch) == 1:
+        if len(batch) == 1 and per[0].n == 1:
             out = CompletionOutput(prompt_token_ids=[])
             for _ in self.stream(batch[0], per[0], out):
                 pass
@@ -250,29 +262,28 @@ class LLM:
             try:
                 ids.append(self.encode_prompt(prompt))
                 self._check_prompt(len(ids[-1]))
-                samplers.append(Sampler(p, self.tokenizer))  # compiles its grammar
+                samplers.append([Sampler(c, self.tokenizer) for c in p.choices()])  # compiles its grammar
             except PocketMoEError as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         engine = self._batch_engine()
         self.runner.free(SOLO)  # the single sequence's rows: their pages go to the batch
-        outs = [CompletionOutput(prompt_token_ids=list(p), logprobs=None if q.logprobs is None else [],
-                                 prompt_logprobs=None if q.prompt_logprobs is None else [])
-                for p, q in zip(ids, params, strict=True)]
+        # outs[i][c]: prompt i's completion c
+        outs = [[CompletionOutput(prompt_token_ids=list(p), logprobs=None if q.logprobs is None else [],
+                                  prompt_logprobs=None if q.prompt_logprobs is None else [], index=c)
+                 for c in range(q.n)] for p, q in zip(ids, params, strict=True)]
         errors: dict[int, str] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="prompt", disable=None if use_tqdm else True, leave=False)
         t0 = time.perf_counter()
-        first: list[float | None] = [None] * len(ids)
+        first: dict[tuple[int, int], float] = {}
 
         def sink(i: int) -> Any:
-            out = outs[i]
-
             def put(d: Any) -> None:
                 if d is None:
                     bar.update()
                     return
-                now = time.perf_counter()
-                if first[i] is None and (d.token_ids or d.finish_reason is not None):
-                    first[i] = now
+                out, key, now = outs[i][d.index], (i, d.index), time.perf_counter()
+                if key not in first and (d.token_ids or d.finish_reason is not None):
+                    first[key] = now
                     out.ttft_s = out.prefill_s = now - t0
                 out.token_ids += d.token_ids
                 out.text += d.text
@@ -280,8 +291,8 @@ class LLM:
                     out.logprobs += [self._logprob_entry(x) for x in d.logprobs]
                 if out.prompt_logprobs is not None:
                     out.prompt_logprobs += [self._logprob_entry(x) for x in d.prompt_logprobs or ()]
-                if first[i] is not None:
-                    out.decode_s = now - first[i]
+                if key in first:
+                    out.decode_s = now - first[key]
                 if d.finish_reason is not None:
                     out.finish_reason, out.cached_tokens = d.finish_reason, d.cached_tokens or 0
                     if d.error:
@@ -289,15 +300,18 @@ class LLM:
             return put
 
         try:
-            for i, (p, sampler) in enumerate(zip(ids, samplers, strict=True)):
-                engine.submit(p, [params[i]], sink=sink(i), samplers=[sampler])
+            for i, (p, choices) in enumerate(zip(ids, samplers, strict=True)):
+                engine.submit(p, [c.params for c in choices], sink=sink(i), samplers=choices)
             engine.run_until_done()
         finally:
             bar.close()
         if errors:
             i = min(errors)
             raise PocketMoEError(f"prompt {i} failed: {errors[i]}")
-        return outs
+        for group in outs:
+            if len(group) > 1:
+                group[0].choices = group
+        return [group[0] for group in outs]
 
     def _batch_pool_bytes(self, spec: ModelSpec, n_ctx: int, max_num_seqs: int, kv_dtype: str) -> int:
         """The server's rule for max_num_seqs sequences of n_ctx, and at least one sequence."""

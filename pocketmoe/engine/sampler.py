@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -98,6 +98,7 @@ class SamplingParams:
     (TokenLogprob); "processed_logprobs": from the distribution each is drawn from, after penalties, bias, grammar,
     temperature and the filters, its excluded tokens never listed (greedy: the token alone, logprob 0). Prompt
     logprobs are always the model's.
+    n: completions per prompt (LLM.generate's CompletionOutput.outputs; choices()); stream takes n = 1.
     """
 
     temperature: float = 1.0
@@ -121,6 +122,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logprobs_mode: str = "raw_logprobs"
+    n: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -143,10 +145,19 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
              f"None or in [0, {MAX_LOGPROBS}]"),
             (self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"one of {', '.join(LOGPROBS_MODES)}"),
+            (self.n >= 1, "n", ">= 1"),
         ]
         for ok, name, rule in checks:
             if not ok:
                 raise SamplingParamsError(f"sampling parameter {name}={getattr(self, name)!r} must be {rule}.")
+
+    def choices(self) -> list[SamplingParams]:
+        """The n choices' params, each with n = 1: choice i is seeded seed + i (mod 2**64; unseeded ones stay
+        unseeded), so it draws what the same request with n = 1 and that seed draws (OpenAI's and vLLM's n)."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, n=1, seed=self.seed if self.seed is None or i == 0 else (self.seed + i) % 2**64)
+                for i in range(self.n)]
 
     @property
     def greedy(self) -> bool:

@@ -197,7 +197,7 @@ def _sampling(req: SamplingFields, grammar: Grammar | None, max_tokens: int, voc
         stop_token_ids=tuple(stop_ids), min_tokens=min(req.min_tokens, max_tokens),
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-    return [SamplingParams(**base, seed=None if req.seed is None else (req.seed + i) % 2**64) for i in range(req.n)]
+    return SamplingParams(**base, n=req.n, seed=None if req.seed is None else req.seed % 2**64).choices()
 
 
 class _Choice:
