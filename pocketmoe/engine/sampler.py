@@ -69,10 +69,16 @@ def logprob_entry(x: TokenLogprob, tokenizer: Tokenizer, k: int | None = None) -
 
 def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     """The logprob of `token` given the logits [V] of its position, with the k most likely tokens."""
-    lp = torch.log_softmax(logits.float().reshape(-1), dim=-1)
-    mine = lp[token]
-    top = torch.topk(lp, k) if k else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+    return _ranked(torch.log_softmax(logits.float().reshape(-1), dim=-1), token, token, k)
+
+
+def _ranked(lp: torch.Tensor, at: int, token: int, k: int, ids: torch.Tensor | None = None) -> TokenLogprob:
+    """`token`'s entry from logprobs lp over the vocabulary, or over the token ids `ids` (ascending), where it is
+    lp[at]: its logprob, its rank, and the k most likely tokens of those with a probability."""
+    mine = lp[at]
+    top = torch.topk(lp, min(k, int((lp > -math.inf).sum())))
+    names = top.indices if ids is None else ids[top.indices]
+    pairs = tuple(zip(names.tolist(), top.values.tolist(), strict=True))
     return TokenLogprob(token, float(mine), pairs, 1 + int((lp > mine).sum()))
 
 
@@ -352,12 +358,8 @@ class Sampler:
         if self.params.greedy or self._drawn_from is None:  # drawn with probability 1
             return TokenLogprob(token, 0.0, ((token, 0.0),) if k else (), 1)
         ids, x = self._drawn_from
-        lp = torch.log_softmax(x, dim=-1)
         at = token if ids is None else int(torch.searchsorted(ids, token))  # ids ascending
-        top = torch.topk(lp, min(k, int((lp > -math.inf).sum())))
-        names = top.indices if ids is None else ids[top.indices]
-        pairs = tuple(zip(names.tolist(), top.values.tolist(), strict=True))
-        return TokenLogprob(token, float(lp[at]), pairs, 1 + int((lp > lp[at]).sum()))
+        return _ranked(torch.log_softmax(x, dim=-1), at, token, k, ids)
 
     @property
     def complete(self) -> bool:

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -42,6 +42,7 @@ from pocketmoe.serve.protocol import (
     RequestError,
     SamplingFields,
     TokenizeRequest,
+    _Body,
     pydantic_error,
     template_messages,
 )
@@ -54,6 +55,7 @@ from pocketmoe.serve.tools import parse as parse_tool_calls
 from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pocketmoe.serve")
+Body = TypeVar("Body", bound=_Body)  # a request body type
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
              "/v1/messages/count_tokens", "/completion", "/completions", "/tokenize", "/detokenize", "/apply-template",
              "/props", "/health", "/metrics")
@@ -165,7 +167,7 @@ class GateMiddleware:
         await self.app(scope, replay, send)
 
 
-def _parse(model: type[SamplingFields] | type[TokenizeRequest] | type[DetokenizeRequest], body: bytes) -> Any:
+def _parse(model: type[Body], body: bytes) -> Body:
     try:
         req = model.model_validate_json(body or b"null")
     except ValidationError as e:

@@ -59,6 +59,9 @@ class _Body(BaseModel):
         """A field sent as null takes its default (OpenAI's schema makes most fields nullable)."""
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
+    def check(self) -> None:
+        """The rules that span fields (RequestError); a request body overrides it where it has some."""
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
