@@ -72,11 +72,13 @@ def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return _ranked(torch.log_softmax(logits.float().reshape(-1), dim=-1), token, token, k)
 
 
-def _ranked(lp: torch.Tensor, at: int, token: int, k: int, ids: torch.Tensor | None = None) -> TokenLogprob:
+def _ranked(lp: torch.Tensor, at: int, token: int, k: int, ids: torch.Tensor | None = None,
+            masked: bool = False) -> TokenLogprob:
     """`token`'s entry from logprobs lp over the vocabulary, or over the token ids `ids` (ascending), where it is
-    lp[at]: its logprob, its rank, and the k most likely tokens of those with a probability."""
+    lp[at]: its logprob, its rank, and the k most likely tokens (masked: lp may hold -inf, and those tokens, having
+    no probability, are never listed; the model's raw output holds none, so it is not searched for them)."""
     mine = lp[at]
-    top = torch.topk(lp, min(k, int((lp > -math.inf).sum())))
+    top = torch.topk(lp, min(k, int((lp > -math.inf).sum())) if masked else k)
     names = top.indices if ids is None else ids[top.indices]
     pairs = tuple(zip(names.tolist(), top.values.tolist(), strict=True))
     return TokenLogprob(token, float(mine), pairs, 1 + int((lp > mine).sum()))
@@ -359,7 +361,7 @@ class Sampler:
             return TokenLogprob(token, 0.0, ((token, 0.0),) if k else (), 1)
         ids, x = self._drawn_from
         at = token if ids is None else int(torch.searchsorted(ids, token))  # ids ascending
-        return _ranked(torch.log_softmax(x, dim=-1), at, token, k, ids)
+        return _ranked(torch.log_softmax(x, dim=-1), at, token, k, ids, masked=True)
 
     @property
     def complete(self) -> bool:
