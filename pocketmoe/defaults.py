@@ -6,3 +6,7 @@ flags without it)."""
 # larger chunks prefill faster: on the V2-Lite-shaped file (2 threads, a 2048-token prompt) 256 -> 512 is 36 ->
 # 43-45 tok/s, 1024 44-46, 2048 47, for 90 / 260 / 570 MiB more activations (README, "Measured").
 DEFAULT_CHUNK_SIZE = 512
+
+# MiB of /v1/responses replies the server keeps for previous_response_id (their JSON; the least recently used go
+# first): a reply of a few thousand tokens is tens of KiB, so the default holds thousands of turns.
+DEFAULT_RESPONSES_STORE_MIB = 64

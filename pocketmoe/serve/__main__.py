@@ -3,6 +3,7 @@
     python -m pocketmoe.serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
         [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
         [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N] [--reasoning-format auto|none]
+        [--responses-store-mib M]
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 Without --model it serves the built-in demo model. The port opens at once (GET /health answers 503
@@ -30,7 +31,7 @@ from pathlib import Path
 import uvicorn
 
 from pocketmoe.cli_util import EXIT_USER_ERROR, add_placement_args, error_line, placement_from_args, run_cli
-from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
+from pocketmoe.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_RESPONSES_STORE_MIB
 from pocketmoe.errors import PocketMoEError
 
 log = logging.getLogger("pocketmoe.serve")
@@ -66,6 +67,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reasoning-format", default="auto", choices=["auto", "none"],
                    help="auto: a thinking model's <think> block comes back as the message's reasoning_content (and "
                    "reasoning), apart from its content; none: all of it as content")
+    p.add_argument("--responses-store-mib", type=float, default=DEFAULT_RESPONSES_STORE_MIB,
+                   help="memory for the /v1/responses replies kept for previous_response_id and GET /v1/responses/ID "
+                   f"(default {DEFAULT_RESPONSES_STORE_MIB}; the least recently used go first; 0: keep none)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -76,6 +80,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if not args.responses_store_mib >= 0:
+        p.error(f"--responses-store-mib must be >= 0, got {args.responses_store_mib}")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in 0..65535, got {args.port}")
     for name in ("kv_cache_gib", "max_body_mib"):
@@ -231,6 +237,7 @@ def worker(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from pocketmoe.serve.api import ServerState, create_app
+    from pocketmoe.serve.responses import ResponseStore
 
     if args.model is None:
         from pocketmoe.demo_model import demo_model_path
@@ -243,7 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return worker(args)
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
     state = ServerState(model_name=name, max_model_len=0, api_key=args.api_key or None,
-                        max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format)
+                        max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format,
+                        responses=ResponseStore(int(args.responses_store_mib * 2**20)))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

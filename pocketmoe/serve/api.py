@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketmoe import __version__
+from pocketmoe.defaults import DEFAULT_RESPONSES_STORE_MIB
 from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError, TokenLogprob, logprob_entry
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError
@@ -48,7 +49,7 @@ from pocketmoe.serve.protocol import (
 )
 from pocketmoe.serve.reasoning import ReasoningSplitter, thinking_prompt
 from pocketmoe.serve.reasoning import split as split_reasoning
-from pocketmoe.serve.responses import ResponsesRequest, response_body, response_events
+from pocketmoe.serve.responses import ResponsesRequest, ResponseStore, input_item, response_events
 from pocketmoe.serve.responses import Usage as ResponseUsage
 from pocketmoe.serve.tools import ToolFormat, ToolStream, call_grammar, tool_format
 from pocketmoe.serve.tools import parse as parse_tool_calls
@@ -81,6 +82,7 @@ class ServerState:
     load_error: str | None = None
     lost_rank: BaseException | None = None  # a tensor-parallel rank died (the server exits 1)
     reasoning_format: str = "auto"  # "auto": <think> blocks come back as reasoning_content; "none": as content
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_RESPONSES_STORE_MIB << 20))
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -94,6 +96,8 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 def _endpoint(path: str) -> str:
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return path if path in ENDPOINTS else "other"
 
 
@@ -402,10 +406,15 @@ def create_app(state: ServerState) -> FastAPI:
                 seen(d)
         for c in choices:
             if c.error:
-                if state.engine is not None and not state.engine.alive:  # e.g. a tensor-parallel rank died
-                    raise RequestError(c.error, status=503, type_="server_error", code="unavailable")
-                raise RuntimeError(c.error)
+                raise engine_failed(c.error)
         return choices
+
+    def engine_failed(message: str) -> Exception:
+        """What a whole reply raises when the engine failed its request: a 503 when the engine is down (e.g. a
+        tensor-parallel rank died), else a 500."""
+        if state.engine is not None and not state.engine.alive:
+            return RequestError(message, status=503, type_="server_error", code="unavailable")
+        return RuntimeError(message)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -451,30 +460,63 @@ def create_app(state: ServerState) -> FastAPI:
         _, out = await chat_reply(request, req, eng, tok, grammar)
         return _sse(out) if req.stream else JSONResponse(out)
 
-    async def translated(request: Request, model: type[ResponsesRequest] | type[MessagesRequest]
-                         ) -> tuple[Any, ChatCompletionRequest, Tokenizer, int, Any]:
-        """A request in another API's shape: parsed, made the chat request it stands for, and run by the chat
-        route: (it, that chat request, the tokenizer, its prompt tokens, the chat reply or chunk iterator)."""
-        asked = _parse(model, await request.body())
-        req = asked.chat_request()
-        eng, tok, grammar = await checked(req)
-        n_prompt, out = await chat_reply(request, req, eng, tok, grammar)
-        return asked, req, tok, n_prompt, out
-
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        """OpenAI's Responses API over the chat route (serve/responses.py)."""
-        asked, req, tok, _, out = await translated(request, ResponsesRequest)
-        settings = asked.echo(state.model_name)
-        usage = ResponseUsage(lambda text: len(tok.encode(text, add_bos=False)))
-        if req.stream:
-            return _sse(response_events(out, settings, usage), done=False, named=True)
-        return JSONResponse(response_body(out, settings, usage))
+        """OpenAI's Responses API over the chat route (serve/responses.py): the whole reply is the last event's."""
+        asked = _parse(ResponsesRequest, await request.body())
+        store = state.responses
+        history = store.conversation(asked.previous_response_id) if asked.previous_response_id else []
+        req = asked.chat_request(history)
+        eng, tok, grammar = await checked(req)
+        _, chunks = await chat_reply(request, req, eng, tok, grammar)
+        stored = asked.store is not False and store.capacity > 0
+        items = [input_item(x) for x in asked.items()] if stored else []
+        events = response_events(chunks, asked.echo(state.model_name, stored),
+                                 ResponseUsage(lambda text: len(tok.encode(text, add_bos=False))),
+                                 (lambda r: store.put(r, items, asked.previous_response_id)) if stored else None)
+        if asked.stream:
+            return _sse(events, done=False, named=True)
+        last: dict[str, Any] = {}
+        async for e in events:
+            last = e
+        if last["type"] == "response.failed":
+            raise engine_failed(last["response"]["error"]["message"])
+        return JSONResponse(last["response"])
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return JSONResponse(state.responses.get(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        state.responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+                          ) -> Response:
+        """The items a stored response's request gave as input, a page at a time (OpenAI's list shape)."""
+        if not 1 <= limit <= 100:
+            raise RequestError(f"limit is {limit}; give 1 to 100.", "limit")
+        if order not in ("asc", "desc"):
+            raise RequestError(f"order is {order!r}; give 'asc' or 'desc'.", "order")
+        items = state.responses.get(response_id).items
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            at = next((k for k, x in enumerate(items) if x["id"] == after), None)
+            if at is None:
+                raise RequestError(f"after is {after!r}, which is not an input item of {response_id!r}.", "after")
+            items = items[at + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API over the chat route (serve/messages.py)."""
-        _, req, _, n_prompt, out = await translated(request, MessagesRequest)
+        req = _parse(MessagesRequest, await request.body()).chat_request()
+        eng, tok, grammar = await checked(req)
+        n_prompt, out = await chat_reply(request, req, eng, tok, grammar)
         if req.stream:
             return _sse(message_events(out, state.model_name, n_prompt), done=False, named=True)
         return JSONResponse(message_body(out, state.model_name))

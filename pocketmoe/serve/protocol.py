@@ -325,9 +325,10 @@ def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
 class ChatStreamReader:
     """What the chat route's chunk stream (n=1, usage at the end) has said so far, for the adapters that turn it
     into another API's events: read(chunk) gives the choice's delta (None for a chunk with none) and keeps its
-    finish reason, stop reason (the stop string or end token id) and the usage."""
+    finish reason, stop reason (the stop string or end token id), the usage, and the chunk's logprob entries."""
 
     def __init__(self) -> None:
+        self.logprobs: list[dict[str, Any]] = []
         self.finish: str | None = None
         self.stop_reason: str | int | None = None
         self.usage: dict[str, Any] | None = None
@@ -338,6 +339,7 @@ class ChatStreamReader:
         if not chunk.get("choices"):
             return None
         choice = chunk["choices"][0]
+        self.logprobs = (choice.get("logprobs") or {}).get("content") or []
         self.finish = choice.get("finish_reason") or self.finish
         if choice.get("stop_reason") is not None:
             self.stop_reason = choice["stop_reason"]

@@ -7,20 +7,26 @@ chat route runs it as it runs any chat request, and its reply (or its stream of 
 response object with output items: `reasoning` (the `<think>` block), `message` (`output_text`) and
 `function_call`, or as the Responses stream of events (response.created ... response.completed).
 
-The server keeps nothing: `store` is answered false, and `previous_response_id` / `conversation` (which need a
-stored response) are refused; a client sends the whole conversation, its earlier output items included, in
-`input`, as with `store: false` on OpenAI's API.
+A reply that is not asked to be forgotten (`store`, true by default as on OpenAI's API) is kept in a
+ResponseStore, in memory and bounded, for `previous_response_id` (the kept conversation goes before the new
+input) and for `GET` / `DELETE /v1/responses/{id}` and its `input_items`. `conversation` (OpenAI's Conversations
+API) is refused; a client can always send the whole conversation, its earlier output items included, in `input`.
+
+The whole reply is the stream's last event's response: both come from one function, so they cannot differ.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import ConfigDict, Discriminator, Field, StrictStr, Tag
+from pydantic import ConfigDict, Discriminator, Field, StrictStr, Tag, TypeAdapter
 
 from pocketmoe.serve.protocol import (
     MAX_TOP_LOGPROBS,
@@ -73,12 +79,14 @@ def _text(content: str | list[Any], item: int, field: str = "content") -> str:
 
 class MessageItem(_Body):
     type: Literal["message"] = "message"
+    id: StrictStr | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: StrictStr | list[Part]
 
 
 class FunctionCallItem(_Body):
     type: Literal["function_call"]
+    id: StrictStr | None = None
     call_id: Annotated[StrictStr, Field(min_length=1)]
     name: Annotated[StrictStr, Field(min_length=1)]
     arguments: StrictStr
@@ -86,12 +94,14 @@ class FunctionCallItem(_Body):
 
 class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
+    id: StrictStr | None = None
     call_id: Annotated[StrictStr, Field(min_length=1)]
     output: StrictStr | list[Part]
 
 
 class ReasoningItem(_Body):
     type: Literal["reasoning"]
+    id: StrictStr | None = None
     summary: list[Part] = Field(default_factory=list)
     content: list[Part] | None = None
 
@@ -102,6 +112,7 @@ class OtherItem(_Body):
 
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the output text's logprobs
 
 
 def _item_tag(v: Any) -> str:
@@ -175,26 +186,31 @@ class ResponsesRequest(_Body):
     def check(self) -> None:
         if not self.input:
             raise RequestError("input is empty; give a string or at least one item.", "input")
-        for name in ("previous_response_id", "conversation"):
-            if getattr(self, name) is not None:
-                raise RequestError(f"{name} needs a stored response, and this server stores none; send the whole "
-                                   "conversation (earlier output items included) in input.", name)
+        if self.conversation is not None:
+            raise RequestError("conversation needs OpenAI's Conversations API, which this server does not have; "
+                               "use previous_response_id, or send the whole conversation in input.", "conversation")
         if self.background:
             raise RequestError("background responses are not supported; leave background out.", "background")
-        if self.top_logprobs or "message.output_text.logprobs" in (self.include or []):
-            raise RequestError("logprobs are not given on /v1/responses; use /v1/chat/completions with logprobs.",
-                               "include")
         for i, t in enumerate(self.tools or []):
             if isinstance(t, OtherTool):
                 raise RequestError(f"tools[{i}] is of type {t.type!r}; this server runs function tools only.",
                                    f"tools.{i}.type")
 
-    def messages(self) -> list[dict[str, Any]]:
-        """The chat messages of instructions + input: function calls join the assistant turn before them (or make
-        one), their outputs are tool messages, and a reasoning item's text is the next assistant turn's
-        reasoning_content (as the chat route gives it back)."""
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text's tokens come with their logprobs (top_logprobs alone asks for none, as on
+        OpenAI's API)."""
+        return LOGPROBS in (self.include or [])
+
+    def items(self) -> list[Any]:
+        """The input as items (a string is one user message)."""
+        return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
+
+    def messages(self, history: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """The chat messages of instructions + history (a stored conversation's items) + input: function calls
+        join the assistant turn before them (or make one), their outputs are tool messages, and a reasoning item's
+        text is the next assistant turn's reasoning_content (as the chat route gives it back)."""
         out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         thought: str | None = None
 
         def assistant() -> dict[str, Any]:
@@ -207,7 +223,7 @@ class ResponsesRequest(_Body):
                 last["reasoning_content"], thought = thought, None
             return last
 
-        for i, item in enumerate(items):
+        for i, item in enumerate([*history, *self.items()], -len(history)):  # i: the input's index
             if isinstance(item, OtherItem):
                 raise RequestError(f"input[{i}] is of type {item.type!r}; this server reads message, function_call, "
                                    "function_call_output and reasoning items.", f"input.{i}.type")
@@ -226,14 +242,16 @@ class ResponsesRequest(_Body):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, i, "output")})
         return out
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The chat request that runs this one (validated as the chat route validates its own)."""
-        body: dict[str, Any] = {"model": self.model, "messages": self.messages(), "stream": self.stream,
+    def chat_request(self, history: Sequence[Any] = ()) -> ChatCompletionRequest:
+        """The chat request that runs this one (validated as the chat route validates its own), always streamed:
+        the reply, whole or streamed, is made from its chunks."""
+        body: dict[str, Any] = {"model": self.model, "messages": self.messages(history), "stream": True,
+                                "stream_options": {"include_usage": True},
                                 "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
                                 "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
                                 "user": self.user}
-        if self.stream:
-            body["stream_options"] = {"include_usage": True}
+        if self.logprobs:
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                              for t in self.tools]
@@ -252,8 +270,8 @@ class ResponsesRequest(_Body):
             body["chat_template_kwargs"] = {"enable_thinking": False}
         return chat_request(body)
 
-    def echo(self, model: str) -> dict[str, Any]:
-        """The request's settings as a response object carries them."""
+    def echo(self, model: str, stored: bool) -> dict[str, Any]:
+        """The request's settings as a response object carries them (stored: whether the reply is kept)."""
         fmt = self.text.format.model_dump(exclude_none=True, by_alias=True) if self.text and self.text.format \
             else {"type": "text"}
         return {"model": model, "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
@@ -263,7 +281,8 @@ class ResponsesRequest(_Body):
                 "tool_choice": self.tool_choice or "auto", "parallel_tool_calls": self.parallel_tool_calls,
                 "text": {"format": fmt}, "reasoning": {"effort": self.reasoning.effort if self.reasoning else None,
                                                        "summary": None},
-                "previous_response_id": None, "store": False, "background": False, "truncation": "disabled",
+                "top_logprobs": self.top_logprobs or 0, "previous_response_id": self.previous_response_id,
+                "store": stored, "background": False, "truncation": "disabled",
                 "metadata": self.metadata or {}, "user": self.user, "error": None, "incomplete_details": None}
 
 
@@ -271,24 +290,117 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_item(item: Any) -> dict[str, Any]:
+    """An input item as `input_items` lists it: with an id (the client's, or a new one) and text content as parts."""
+    out = item.model_dump(exclude_none=True, by_alias=True)
+    out.setdefault("id", _id(ITEM_ID_PREFIX[item.type]))
+    if isinstance(item, MessageItem):
+        out.setdefault("status", "completed")
+        if isinstance(item.content, str):
+            out["content"] = [output_text(item.content) if item.role == "assistant"
+                              else {"type": "input_text", "text": item.content}]
+    return out
+
+
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
             "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [output_text(text)] if status != "in_progress" else []}
+            "content": [output_text(text, logprobs)] if status != "in_progress" else []}
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An output_text part; logprobs: the chat route's entries of its tokens (token, logprob, bytes, top_logprobs)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _delta_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat route's logprob entries as a text delta event carries them (no bytes)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
 
 
 def call_item(item_id: str, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     return {"id": item_id, "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
             "arguments": call["function"]["arguments"] if status != "in_progress" else "", "status": status}
 
+
+_ITEMS: TypeAdapter[list[Any]] = TypeAdapter(list[InputItem])
+
+
+@dataclass
+class Stored:
+    """A kept response: the response object as it was given, the request's input items (with ids) and the
+    response it continued; size: the bytes of its JSON, what the store counts."""
+
+    response: dict[str, Any]
+    items: list[dict[str, Any]]
+    previous: str | None
+    size: int
+
+
+class ResponseStore:
+    """The responses kept for previous_response_id and GET / DELETE /v1/responses/{id}: in memory, at most
+    `capacity` bytes of their JSON; the least recently used (made, read or continued) goes first to make room."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.size = capacity, 0
+        self._kept: OrderedDict[str, Stored] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, response: dict[str, Any], items: list[dict[str, Any]], previous: str | None) -> bool:
+        """Keep a response (False: it alone is larger than the store)."""
+        size = len(json.dumps(response)) + len(json.dumps(items))
+        if size > self.capacity:
+            return False
+        while self.size + size > self.capacity:
+            self.size -= self._kept.popitem(last=False)[1].size
+        self._kept[response["id"]] = Stored(response, items, previous, size)
+        self.size += size
+        return True
+
+    def get(self, response_id: str) -> Stored:
+        """A kept response, or a 404 that says why there may be none."""
+        kept = self._kept.get(response_id)
+        if kept is None:
+            raise RequestError(f"there is no stored response {response_id!r}: it was made with store false, deleted, "
+                               "or dropped when the store passed its --responses-store-mib.", status=404,
+                               code="not_found")
+        self._kept.move_to_end(response_id)
+        return kept
+
+    def delete(self, response_id: str) -> None:
+        self.size -= self.get(response_id).size
+        del self._kept[response_id]
+
+    def conversation(self, response_id: str) -> list[Any]:
+        """The input items that continue response `response_id`: from the first response of its chain on, each
+        one's input items and then its output items."""
+        chain, at = [], response_id
+        while at is not None:
+            kept = self._kept.get(at)
+            if kept is None:
+                via = "" if at == response_id else f", which the response {response_id!r} continues,"
+                raise RequestError(f"the previous response {at!r}{via} is not stored here (made with store false, "
+                                   "deleted, or dropped when the store passed its --responses-store-mib); send the "
+                                   "whole conversation in input instead.", "previous_response_id",
+                                   code="previous_response_not_found")
+            chain.append((at, kept))
+            at = kept.previous
+        for at, _ in reversed(chain):
+            self._kept.move_to_end(at)
+        return _ITEMS.validate_python([x for _, kept in reversed(chain) for x in (*kept.items,
+                                                                                  *kept.response["output"])])
 
 class Usage:
     """The chat route's usage as a response's: reasoning tokens are the reasoning text's tokens."""
@@ -312,26 +424,13 @@ def _status(finish: str | None) -> tuple[str, dict[str, str] | None]:
     return ("incomplete", {"reason": "max_output_tokens"}) if finish == "length" else ("completed", None)
 
 
-def response_body(chat: dict[str, Any], settings: dict[str, Any], usage: Usage) -> dict[str, Any]:
-    """A chat completion (n=1) as a response object."""
-    choice = chat["choices"][0]
-    m = choice["message"]
-    status, incomplete = _status(choice["finish_reason"])
-    thought = m.get("reasoning_content") or ""
-    output = [reasoning_item(_id("rs"), thought)] if thought else []
-    calls = m.get("tool_calls") or []
-    if m.get("content") or not calls:
-        output.append(message_item(_id("msg"), m.get("content") or "", status))
-    output += [call_item(_id("fc"), c) for c in calls]
-    return {"id": _id("resp"), "object": "response", "created_at": chat["created"], **settings, "status": status,
-            "incomplete_details": incomplete, "output": output, "usage": usage(chat["usage"], thought)}
-
-
-async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[str, Any], usage: Usage
-                          ) -> AsyncIterator[dict[str, Any]]:
+async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[str, Any], usage: Usage,
+                          keep: Callable[[dict[str, Any]], object] | None = None) -> AsyncIterator[dict[str, Any]]:
     """The chat route's chunks (n=1, usage at the end) as the Responses stream: response.created and
     .in_progress, then each output item as it forms (added, its part, deltas, done), then response.completed (or
-    .incomplete at max_output_tokens, .failed on an engine error)."""
+    .incomplete at max_output_tokens, .failed on an engine error). The output text's deltas carry the logprobs of
+    their tokens where the chat request asked for them. keep: given the final response (not when the chunks end
+    early, as when the client has gone)."""
     seq = 0
     response = {"id": _id("resp"), "object": "response", "created_at": int(time.time()), **settings,
                 "status": "in_progress", "output": [], "usage": None}
@@ -343,11 +442,14 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[
 
     output: list[dict[str, Any]] = []
     open_kind, item_id, text, thought = "", "", "", ""
+    logprobs: list[dict[str, Any]] = []  # the open message's tokens'
+    pending: list[dict[str, Any]] = []  # tokens whose text is held (a tool call, or text not yet sent)
     seen = ChatStreamReader()
 
     def open_item(kind: str, item: dict[str, Any], part: dict[str, Any] | None) -> list[dict[str, Any]]:
         nonlocal open_kind, item_id, text
         open_kind, item_id, text = kind, item["id"], ""
+        logprobs.clear()
         out = [event("response.output_item.added", output_index=len(output), item=item)]
         if part is not None:
             out.append(event("response.content_part.added", item_id=item_id, output_index=len(output),
@@ -364,9 +466,9 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[
             part, done = item["content"][0], event("response.reasoning_text.done", item_id=item_id, output_index=at,
                                                    content_index=0, text=text)
         else:
-            item = message_item(item_id, text, _status(seen.finish)[0])
+            item = message_item(item_id, text, _status(seen.finish)[0], list(logprobs))
             part, done = item["content"][0], event("response.output_text.done", item_id=item_id, output_index=at,
-                                                   content_index=0, text=text, logprobs=[])
+                                                   content_index=0, text=text, logprobs=_delta_logprobs(logprobs))
         output.append(item)
         return [done, event("response.content_part.done", item_id=item_id, output_index=at, content_index=0,
                             part=part), event("response.output_item.done", output_index=at, item=item)]
@@ -379,6 +481,8 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[
                 yield e
             failed = {**response, "status": "failed", "output": output,
                       "error": {"code": "server_error", "message": c["error"]["message"]}}
+            if keep is not None:
+                keep(failed)
             yield event("response.failed", response=failed)
             return
         delta = seen.read(c)
@@ -393,15 +497,20 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[
             thought += delta["reasoning_content"]
             yield event("response.reasoning_text.delta", item_id=item_id, output_index=len(output), content_index=0,
                         delta=delta["reasoning_content"])
+        elif "content" in delta and (delta["content"] or open_kind != "reasoning"):
+            pending += seen.logprobs  # (a token that ends the block, its tag or the space after it, is neither's)
         if delta.get("content"):
             if open_kind != "message":
                 for e in [*close_item(), *open_item("message", message_item(_id("msg"), "", "in_progress"),
                                                     output_text(""))]:
                     yield e
             text += delta["content"]
+            logprobs.extend(pending)
             yield event("response.output_text.delta", item_id=item_id, output_index=len(output), content_index=0,
-                        delta=delta["content"], logprobs=[])
+                        delta=delta["content"], logprobs=_delta_logprobs(pending))
+            pending = []
         for call in delta.get("tool_calls") or []:
+            pending = []  # the held text was this call
             for e in close_item():
                 yield e
             item = call_item(_id("fc"), call, "in_progress")
@@ -413,7 +522,7 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[
             done = call_item(item["id"], call)
             output.append(done)
             yield event("response.output_item.done", output_index=at, item=done)
-    if not output and not open_kind:  # nothing was written: an empty message, as the whole reply gives
+    if not output and not open_kind:  # nothing was written: an empty message
         for e in open_item("message", message_item(_id("msg"), "", "in_progress"), output_text("")):
             yield e
     for e in close_item():
@@ -421,4 +530,6 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], settings: dict[
     status, incomplete = _status(seen.finish)
     final = {**response, "status": status, "incomplete_details": incomplete, "output": output,
              "usage": usage(seen.usage, thought)}
+    if keep is not None and seen.finish is not None:
+        keep(final)
     yield event("response.completed" if status == "completed" else "response.incomplete", response=final)

@@ -8,6 +8,7 @@ from pathlib import Path
 import openai
 from fastapi.testclient import TestClient
 
+from pocketmoe.engine.sampler import TokenLogprob
 from pocketmoe.serve.api import ServerState, create_app
 from pocketmoe.serve.engine import Delta
 from pocketmoe.tokenizer import Tokenizer
@@ -20,7 +21,9 @@ MM_CALL = ('Let me check.<minimax:tool_call>\n<invoke name="get_weather">\n<para
 
 
 class ScriptedEngine:
-    """Stands in for the engine: every choice 'generates' `script`, a few characters a token."""
+    """Stands in for the engine: every choice 'generates' `script`, a few characters a token. Where logprobs are
+    asked for, token k (counting from 0) is id k + 1 with logprob -k / 8, and its top alternatives are ids k + 1 + j
+    with logprob -k / 8 - j."""
 
     alive = True
 
@@ -32,10 +35,13 @@ class ScriptedEngine:
     def submit(self, ids, params, *, out=None, index_base=0):  # noqa: ANN001, ANN201
         self.prompts.append(list(ids))
         self.params.append(list(params))
-        for i in range(len(params)):
+        for i, ps in enumerate(params):
             pieces = [self.script[j:j + 5] for j in range(0, len(self.script), 5)]
             for k, p in enumerate(pieces):
-                out.put_nowait(Delta(index_base + i, p, [1], finish_reason="stop" if k == len(pieces) - 1 else None))
+                lps = [] if ps.logprobs is None else [
+                    TokenLogprob(k + 1, -k / 8, tuple((k + 1 + j, -k / 8 - j) for j in range(ps.logprobs)))]
+                out.put_nowait(Delta(index_base + i, p, [1], lps,
+                                     finish_reason="stop" if k == len(pieces) - 1 else None))
         out.put_nowait(None)
         return object()
 
