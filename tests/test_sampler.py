@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -292,3 +293,48 @@ def test_processed_logprobs_of_greedy_and_raw_mode() -> None:
     assert Sampler(SamplingParams()).logprob(logits, 0) is None
     with pytest.raises(SamplingParamsError, match="logprobs_mode"):
         SamplingParams(logprobs_mode="processed")
+
+
+def _indent_cut(text: str, n: int) -> int | None:
+    """Where llama.cpp's n_indent ends `text`: at the first character of the first line after a newline that
+    starts with fewer than n spaces or tabs and has another character (a newline too) after them."""
+    for m in re.finditer(r"\n([ \t]*)(?=[^ \t])", text):
+        if len(m.group(1)) < n:
+            return m.end()
+    return None
+
+
+def test_n_indent_ends_at_the_first_line_indented_less() -> None:
+    """StopChecker's n_indent over random texts, split into random tokens and with stop strings beside it, against
+    a regular expression over the whole text: the output ends before the first under-indented line's first
+    character (its spaces kept), as a limit (`limited`, no stop string matched) unless a stop string comes first."""
+    rng = random.Random(3)
+    alphabet = "ab \t\n\n"
+    limited = 0
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        n = rng.randint(0, 3)
+        stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(1, 3)))] if rng.random() < 0.5 else []
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        sc = StopChecker(stops, n_indent=n)
+        out = ""
+        for piece in pieces:
+            shown, stopped = sc.push(piece)
+            out += shown
+            if stopped:
+                break
+        out += sc.end("")
+        hits = [text.find(s) for s in stops if s in text]
+        before_stop = text[:min(hits)] if hits else text
+        cut = _indent_cut(before_stop, n) if n else None
+        assert out == (before_stop if cut is None else before_stop[:cut]), (text, n, stops, pieces)
+        assert (sc.limited, sc.stopped, sc.matched is not None) == (cut is not None, cut is not None or bool(hits),
+                                                                      cut is None and bool(hits))
+        limited += cut is not None
+    assert limited > 300  # the cases reach the rule
+    sc = StopChecker([], n_indent=4)  # a worked case: the block's lines, then the dedented line's own spaces
+    assert sc.push("if x:\n    y = 1\n") == ("if x:\n    y = 1\n", False)
+    assert sc.push("  z") == ("  ", True) and sc.limited
+    with pytest.raises(SamplingParamsError, match="n_indent"):
+        SamplingParams(n_indent=-1)

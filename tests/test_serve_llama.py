@@ -169,6 +169,75 @@ def test_n_predict_zero_and_to_the_context(server, llm):
     assert out["tokens_predicted"] == MAX_LEN - n_prompt and out["truncated"] is True
 
 
+def test_n_indent_and_t_max_predict_ms_end_a_code_completion(server, llm):
+    """A grammar writes a block; n_indent ends the output where a line is indented less (that line's spaces kept,
+    as llama.cpp keeps them), streamed and whole, and the LLM API does the same; t_max_predict_ms ends it at a
+    newline once that long has passed since its first token."""
+    code = "ab\n  cd\n ef\ngh"
+    body = {"prompt": "x", "n_predict": 40, "grammar": f"root ::= {json.dumps(code)}", "temperature": 0}
+    assert post(server, body).json()["content"] == code
+    out = post(server, {**body, "n_indent": 2}).json()
+    assert (out["content"], out["stop_type"]) == ("ab\n  cd\n ", "limit")
+    assert out["generation_settings"]["n_indent"] == 2
+    got = [json.loads(line[6:]) for line in events(server, {**body, "n_indent": 2})]
+    assert "".join(e["content"] for e in got) == "ab\n  cd\n " and got[-1]["stop_type"] == "limit"
+    assert post(server, {**body, "n_indent": 1}).json()["content"] == "ab\n  cd\n ef\n"
+    grammar = post(server, {**body, "n_predict": 0}).json()  # (the grammar as the LLM API takes it)
+    assert grammar["content"] == ""
+    from pocketmoe.engine.structured import Grammar
+
+    want = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=40, n_indent=2,
+                                               grammar=Grammar("gbnf", f"root ::= {json.dumps(code)}")))[0]
+    assert (want.text, want.finish_reason) == ("ab\n  cd\n ", "length")
+    out = post(server, {**body, "t_max_predict_ms": 1e-3}).json()
+    assert out["stop_type"] == "limit" and out["content"].endswith("\n") and code.startswith(out["content"])
+    assert out["content"] != code
+
+
+def test_infill_lays_out_the_text_around_the_cursor(server, llm):
+    """POST /infill: the prompt is llama-server's fill-in-the-middle layout (extra chunks behind the snippet
+    separator, as this vocabulary has no file-separator token; BOS; then <｜fim▁begin｜> prefix + typed text,
+    <｜fim▁hole｜> suffix, <｜fim▁end｜>), with special-token texts in the code read as text, and the answer is the
+    one the model gives that prompt; a long prefix keeps its end and a long suffix its start."""
+    tok = llm.tokenizer
+    pre, suf, mid = (tok.tokens.index(t) for t in ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_bos=False, parse_special=False)
+
+    def want(ids: list[int]) -> str:
+        return llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
+
+    prefix, suffix, typed = "def add(a, b):\n    # <｜fim▁end｜>\n    ", "\n\nprint(add(1, 2))\n", "ret"
+    extra = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}]
+    ids = [*enc("\n\n--- snippet ---\n\n"), *enc(extra[0]["text"]), tok.bos_id, pre, *enc(prefix), *enc(typed), suf,
+           *enc(suffix), mid]
+    body = {"input_prefix": prefix, "input_suffix": suffix, "prompt": typed, "input_extra": extra, "n_predict": 8,
+            "temperature": 0, "ignore_eos": True}
+    out = post(server, body, "/infill").json()
+    assert (out["content"], out["tokens_evaluated"], out["prompt"]) == (want(ids), len(ids), tok.decode(ids))
+
+    long_prefix, long_suffix = "x = 1\n" * 60, "y = 2\n" * 40
+    window = MAX_LEN // 2  # llama-server's n_batch (2048), or half this small context
+    head, tail = enc(long_prefix)[-(3 * window // 4):], enc(long_suffix)[:window // 4 - 2 - len(enc(typed))]
+    assert len(head) < len(enc(long_prefix)) and len(tail) < len(enc(long_suffix))
+    chunk = [*enc("\n\n--- snippet ---\n\n"), *enc(extra[0]["text"])]
+    ids = [*chunk, tok.bos_id, pre, *head, *enc(typed), suf, *tail, mid]
+    out = post(server, {**body, "input_prefix": long_prefix, "input_suffix": long_suffix}, "/infill").json()
+    assert (out["content"], out["tokens_evaluated"]) == (want(ids), len(ids))
+    # the extra context fills what the window and 2 x n_predict leave of the context: its last tokens
+    n_predict = (MAX_LEN - window - len(chunk) + 5) // 2
+    n_extra = MAX_LEN - window - 2 * n_predict
+    assert 0 < n_extra < len(chunk)
+    ids = [*chunk[len(chunk) - n_extra:], tok.bos_id, pre, *head, *enc(typed), suf, *tail, mid]
+    out = post(server, {**body, "input_prefix": long_prefix, "input_suffix": long_suffix, "n_predict": n_predict},
+               "/infill").json()
+    assert out["tokens_evaluated"] == len(ids) and out["prompt"] == tok.decode(ids)
+
+    bad = post(server, {"input_prefix": "x", "input_extra": [{"filename": 3}]}, "/infill")
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("input_extra")
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi", "mirostat": 2}, "mirostat"),
     ({"prompt": "hi", "typical_p": 0.5}, "typical_p"),
@@ -209,3 +278,19 @@ def test_props_and_apply_template(server, llm):
     assert post(server, {"prompt": ids, "n_predict": 6, "temperature": 0}).json()["content"] == chat
     bad = httpx.post(server.url + "/apply-template", json={"prompt": "x"}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+
+
+def test_infill_needs_fim_tokens():
+    """A model whose vocabulary has no fill-in-the-middle tokens (this SentencePiece one's) cannot infill: a 501 that
+    says so, and the route is gated by --api-key as /completion is."""
+    from pocketmoe.testing.scripted import app_for
+    from pocketmoe.testing.vocab import tokenizer_metadata
+    from pocketmoe.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(tokenizer_metadata(700, model="llama"))
+    assert not tok.fim
+    http, eng = app_for(tok, "x")
+    r = http.post("/infill", json={"input_prefix": "def f(", "input_suffix": ")"})
+    assert r.status_code == 501 and "fill-in-the-middle" in r.json()["error"]["message"] and not eng.prompts
+    http, _ = app_for(tok, "x", api_key="k")
+    assert http.post("/infill", json={"input_prefix": "a"}).status_code == 401

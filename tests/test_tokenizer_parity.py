@@ -130,3 +130,30 @@ def test_deepseek2_chat_format_matches_llama_cpp() -> None:
     ours = tok.apply_chat_template([{"role": r, "content": c} for r, c in chat])
     # llama.cpp's built-in DeepSeek-V2 format leaves BOS to the tokenizer; the jinja template writes it
     assert ours == tok.tokens[tok.bos_id] + buf.raw[:n].decode("utf-8")
+
+
+@pytest.mark.parametrize("names, keys", [
+    ({}, {}),  # DeepSeek's three (<｜fim▁begin｜> ...), found by text
+    ({700 - 6: "<|fim_prefix|>", 700 - 5: "<|fim_suffix|>", 700 - 4: "<|fim_middle|>", 700 - 3: "<|fim_pad|>",
+      700 - 2: "<|fim_repo|>", 700 - 1: "<|file_sep|>"}, {}),  # Qwen's six: pad, repo and file_sep end generation
+    ({700 - 2: "<PAD>", 700 - 1: "<reponame>"}, {"fim_pre_token_id": 700 - 10, "suffix_token_id": 700 - 11}),
+])
+def test_fim_tokens_match_llama_cpp(tmp_path: Path, names: dict[int, str], keys: dict[str, int]) -> None:
+    """The fill-in-the-middle tokens /infill lays out, by role, and the ends of generation they add: by the
+    file's keys (new and old names) or by their texts, as llama.cpp finds them."""
+    meta = tokenizer_metadata(700, pre="deepseek-coder")
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    for tid, text in names.items():
+        tokens[tid], types[tid] = text, 3
+    meta.update({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types},
+                **{"tokenizer.ggml." + k: v for k, v in keys.items()})
+    ref = LlamaVocab(write_vocab_gguf(tmp_path / "fim.gguf", meta))
+    try:
+        ours = Tokenizer.from_metadata(meta)
+        for role in ("pre", "suf", "mid", "pad", "rep", "sep"):
+            want = getattr(llama_cpp, f"llama_vocab_fim_{role}")(ref.vocab)
+            assert ours.fim.get(role, -1) == want, role
+        assert {"pre", "suf", "mid"} <= set(ours.fim)
+        assert list(ours.eot_ids) == [t for t in range(ours.vocab_size) if llama_cpp.llama_vocab_is_eog(ref.vocab, t)]
+    finally:
+        ref.close()

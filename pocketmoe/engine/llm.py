@@ -167,7 +167,8 @@ class LLM:
         self._check_prompt(len(ids))
         out = output if output is not None else CompletionOutput(prompt_token_ids=ids)
         out.prompt_token_ids = ids
-        sampler, stop = Sampler(params, self.tokenizer), StopChecker(params.stop, params.include_stop_str_in_output)
+        sampler = Sampler(params, self.tokenizer)
+        stop = StopChecker(params.stop, params.include_stop_str_in_output, params.n_indent)
         decoder = self.tokenizer.stream_decoder(params.skip_special_tokens)
         history = list(ids)
         out.logprobs = [] if params.logprobs is not None else None
@@ -201,13 +202,15 @@ class LLM:
             if stopped or sampler.complete:
                 finish = "stop"
                 break
-            if len(out.token_ids) >= params.max_tokens or pos >= self.n_ctx:
+            if len(out.token_ids) >= params.max_tokens or pos >= self.n_ctx or (
+                    params.max_predict_ms and "\n" in text
+                    and (time.perf_counter() - t_first) * 1e3 > params.max_predict_ms):
                 break
             logits = self.runner.decode(token, pos)
             pos += 1
         tail = stop.end(decoder.flush())
         out.text += tail
-        out.finish_reason = finish
+        out.finish_reason = "length" if stop.limited else finish  # a line under n_indent is a limit
         yield StreamChunk(None, tail, finish)
 
     def _prompt_logprobs(self, ids: list[int], k: int) -> tuple[torch.Tensor, list[LogprobEntry | None]]:

@@ -107,6 +107,10 @@ class SamplingParams:
     temperature and the filters, its excluded tokens never listed (greedy: the token alone, logprob 0). Prompt
     logprobs are always the model's.
     n: completions per prompt (LLM.generate's CompletionOutput.outputs; choices()); stream takes n = 1.
+    n_indent (llama.cpp's, for code completion): the output ends (finish "length") where a line after its first
+    starts with fewer than this many spaces or tabs, that line's first other character and the rest left out (an
+    empty line ends it too; 0: off). max_predict_ms (llama.cpp's t_max_predict_ms): the output ends at a token
+    holding a newline once this many milliseconds have passed since its first token (0: off).
     """
 
     temperature: float = 1.0
@@ -131,6 +135,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logprobs_mode: str = "raw_logprobs"
     n: int = 1
+    n_indent: int = 0
+    max_predict_ms: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -154,6 +160,9 @@ class SamplingParams:
              f"None or in [0, {MAX_LOGPROBS}]"),
             (self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"one of {', '.join(LOGPROBS_MODES)}"),
             (self.n >= 1, "n", ">= 1"),
+            (self.n_indent >= 0, "n_indent", ">= 0 (0 turns it off)"),
+            (math.isfinite(self.max_predict_ms) and self.max_predict_ms >= 0, "max_predict_ms",
+             ">= 0 (0 turns it off)"),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -370,18 +379,22 @@ class Sampler:
 
 
 class StopChecker:
-    """Finds stop strings in streamed text, even when one spans several tokens.
+    """Finds stop strings in streamed text, even when one spans several tokens, and with n_indent > 0 the first
+    line (after a newline) indented less than n_indent.
 
     `push(text)` returns (text safe to show now, stopped). Text that could be the start of a stop string
     is held back until it is known not to be one; on a stop, the text before the stop string comes out
-    and the rest is dropped. `flush()` releases what is held when the stream ends without a stop.
+    and the rest is dropped (`matched`: the stop string; `limited`: an under-indented line, cut at its first
+    character other than a space or tab). `flush()` releases what is held when the stream ends without a stop.
     """
 
-    def __init__(self, stop: Sequence[str], include: bool = False) -> None:
+    def __init__(self, stop: Sequence[str], include: bool = False, n_indent: int = 0) -> None:
         self.stop = tuple(s for s in stop if s)
         self.include = include  # the stop string itself ends the shown text
+        self.n_indent = n_indent
         self._held = ""
-        self.stopped = False
+        self._indent: int | None = None  # spaces and tabs since the last newline, while nothing else came
+        self.stopped = self.limited = False
         self.matched: str | None = None
 
     def push(self, text: str) -> tuple[str, bool]:
@@ -391,15 +404,30 @@ class StopChecker:
         hits = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
         if hits:
             i, s = min(hits)
-            self._held, self.stopped, self.matched = "", True, s
-            return buf[:i + len(s) if self.include else i], True
-        keep = max(partial_prefix(buf, s) for s in self.stop) if self.stop else 0
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], False
+            out, self._held, self.stopped, self.matched = buf[:i + len(s) if self.include else i], "", True, s
+        else:
+            keep = max(partial_prefix(buf, s) for s in self.stop) if self.stop else 0
+            out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+        return self._limit(out), self.stopped
+
+    def _limit(self, out: str) -> str:
+        """`out`, cut before the first character of a line indented less than n_indent (then: stopped)."""
+        for i, ch in enumerate(out if self.n_indent else ""):
+            if self._indent is not None:
+                if ch in " \t":
+                    self._indent += 1
+                    continue
+                if self._indent < self.n_indent:
+                    self._held, self.stopped, self.limited, self.matched = "", True, True, None
+                    return out[:i]
+                self._indent = None
+            if ch == "\n":
+                self._indent = 0
+        return out
 
     def flush(self) -> str:
         held, self._held = self._held, ""
-        return "" if self.stopped else held
+        return "" if self.stopped else self._limit(held)
 
     def end(self, tail: str) -> str:
         """The text still to show when the stream ends: `tail` (the decoder's flush) and what is held,

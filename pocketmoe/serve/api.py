@@ -29,7 +29,7 @@ from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError, TokenL
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError
 from pocketmoe.serve.llama_api import DEFAULTS as LLAMA_DEFAULTS
-from pocketmoe.serve.llama_api import LlamaCompletionRequest, probabilities, stop_fields
+from pocketmoe.serve.llama_api import InfillRequest, LlamaCompletionRequest, probabilities, stop_fields
 from pocketmoe.serve.llama_api import timings as llama_timings
 from pocketmoe.serve.messages import MessagesRequest, message_body, message_events
 from pocketmoe.serve.messages import error_body as anthropic_error
@@ -58,11 +58,11 @@ from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 log = logging.getLogger("pocketmoe.serve")
 Body = TypeVar("Body", bound=_Body)  # a request body type
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-             "/v1/messages/count_tokens", "/completion", "/completions", "/tokenize", "/detokenize", "/apply-template",
-             "/props", "/health", "/metrics")
+             "/v1/messages/count_tokens", "/completion", "/completions", "/infill", "/tokenize", "/detokenize",
+             "/apply-template", "/props", "/health", "/metrics")
 ANTHROPIC_ROUTES = "/v1/messages"
 # the routes --api-key guards (/completions too)
-GATED = ("/v1", "/completion", "/tokenize", "/detokenize", "/apply-template", "/props")
+GATED = ("/v1", "/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props")
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
@@ -245,7 +245,7 @@ def create_app(state: ServerState) -> FastAPI:
         if e.status_code == 404:
             return error_response(404, f"there is no route {request.method} {request.url.path}; the API is under /v1 "
                                        "(models, completions, chat/completions, responses, messages), with "
-                                       "llama.cpp's /completion, /tokenize and /detokenize.",
+                                       "llama.cpp's /completion, /infill, /tokenize and /detokenize.",
                                   code="not_found", path=request.url.path)
         if e.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on {request.url.path}.",
@@ -588,13 +588,25 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/completions")
     async def llama_completion(request: Request) -> Response:
         """llama.cpp's native completion route (serve/llama_api.py)."""
+        return await llama_reply(request, LlamaCompletionRequest)
+
+    @app.post("/infill")
+    async def infill(request: Request) -> Response:
+        """llama.cpp's fill-in-the-middle route: /completion's, its prompt laid out from the text around the
+        cursor (llama_api.InfillRequest)."""
+        return await llama_reply(request, InfillRequest)
+
+    async def llama_reply(request: Request, model: type[LlamaCompletionRequest]) -> Response:
         t0 = time.perf_counter()
-        req, eng, tok, grammar = await accept(request, LlamaCompletionRequest)
-        pieces = req.prompts()
-        if len(pieces) > MAX_COMPLETION_CHOICES:  # refused before any is tokenized
-            raise RequestError(f"{len(pieces)} prompts are over {MAX_COMPLETION_CHOICES} in one request; send "
-                               "fewer.", "prompt")
-        prompts = [await encode_pieces(tok, p) for p in pieces]
+        req, eng, tok, grammar = await accept(request, model)
+        if isinstance(req, InfillRequest):
+            prompts = [await encode_prompt(tok, await asyncio.to_thread(req.infill_ids, tok, state.max_model_len))]
+        else:
+            pieces = req.prompts()
+            if len(pieces) > MAX_COMPLETION_CHOICES:  # refused before any is tokenized
+                raise RequestError(f"{len(pieces)} prompts are over {MAX_COMPLETION_CHOICES} in one request; send "
+                                   "fewer.", "prompt")
+            prompts = [await encode_pieces(tok, p) for p in pieces]
         wanted = [req.max_new_tokens(len(p), state.max_model_len) for p in prompts]
         params = [req.sampling(grammar, max(n, 1), eng.runner.vocab_size) for n in wanted]
         live = [i for i, n in enumerate(wanted) if n > 0]  # n_predict 0: nothing to generate

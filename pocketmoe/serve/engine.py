@@ -101,6 +101,7 @@ class Seq:
     want_prompt_logprobs: bool = False
     prompt_lp_sent: int = 0  # prompt logprob entries sent (a preempted sequence does not send them twice)
     last_token_at: float = 0.0
+    first_token_at: float = 0.0
     finished: bool = False
     admitted: bool = False
     cached: int = 0  # prompt positions the prefix cache gave at its first admission
@@ -209,7 +210,7 @@ class Engine:
         for i, (p, sampler) in enumerate(zip(params, samplers, strict=True)):
             req.seqs.append(Seq(
                 key=(req.id, i), request=req, index=index_base + i, prompt_len=len(prompt), tokens=list(prompt), params=p,
-                sampler=sampler, stop=StopChecker(p.stop, p.include_stop_str_in_output),
+                sampler=sampler, stop=StopChecker(p.stop, p.include_stop_str_in_output, p.n_indent),
                 decoder=self.tok.stream_decoder(p.skip_special_tokens), want_prompt_logprobs=p.prompt_logprobs is not None))
         req.open = len(req.seqs)
         self._inbox.put(("add", req))
@@ -437,6 +438,7 @@ class Engine:
         token = s.sampler(logits, s.tokens)
         if s.generated == 0:
             self.metrics.ttft.observe(now - s.request.arrival)
+            s.first_token_at = now
         else:
             self.metrics.itl.observe(now - s.last_token_at)
         s.last_token_at = now
@@ -453,7 +455,8 @@ class Engine:
         if stopped or s.sampler.complete:
             delta.stop_reason = s.stop.matched
             self._finish(s, "stop", delta)
-        elif s.generated >= s.params.max_tokens or len(s.tokens) >= self.cfg.max_model_len:
+        elif s.generated >= s.params.max_tokens or len(s.tokens) >= self.cfg.max_model_len or (
+                s.params.max_predict_ms and "\n" in text and (now - s.first_token_at) * 1e3 > s.params.max_predict_ms):
             self._finish(s, "length", delta)
         else:
             s.request.put(delta)
@@ -464,6 +467,8 @@ class Engine:
         self._drop(s)
         d = delta or Delta(s.index)
         d.text += s.stop.end(s.decoder.flush())
+        if s.stop.limited:  # a line under n_indent (a limit, as llama.cpp counts it), not a stop string or token
+            reason, d.stop_reason = "length", None
         d.finish_reason, d.error, d.cached_tokens = reason, error, s.cached
         req = s.request
         req.put(d)

@@ -21,13 +21,20 @@ from pydantic import Field, StrictStr
 
 from pocketmoe.engine.sampler import SamplingParams
 from pocketmoe.engine.structured import Grammar
-from pocketmoe.serve.protocol import MAX_TOP_LOGPROBS, NonNegInt, RequestError, SamplingFields
+from pocketmoe.serve.protocol import MAX_TOP_LOGPROBS, NonNegInt, RequestError, SamplingFields, _Body
+from pocketmoe.tokenizer import Tokenizer
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
 # samplers this engine does not run, with the value that leaves each off
 OFF_VALUES = {"mirostat": 0, "typical_p": 1.0, "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
-              "top_n_sigma": -1.0, "n_indent": 0}
+              "top_n_sigma": -1.0}
 RANDOM_SEED = -1  # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF as an int32)
+# /infill's window for the text around the cursor: llama-server's n_batch (2048), or half the context where that
+# is less; the prefix's last 3/4 of it, the suffix's first 1/4 less the typed prompt; the extra context fills the
+# rest of the context but 2 x n_predict
+FIM_WINDOW = 2048
+MAX_EXTRA_CHUNKS = 1024
+SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"  # between extra chunks, for a model without a file-separator token
 
 Piece = StrictStr | NonNegInt
 
@@ -50,7 +57,8 @@ class LlamaCompletionRequest(SamplingFields):
     dry_multiplier: float | None = None
     xtc_probability: float | None = None
     top_n_sigma: float | None = None
-    n_indent: int | None = None
+    n_indent: NonNegInt = 0  # code completion: end where a later line is indented less
+    t_max_predict_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0  # end at a newline after this long
 
     def check(self) -> None:
         self.check_common()
@@ -128,7 +136,8 @@ class LlamaCompletionRequest(SamplingFields):
             ignore_eos=self.ignore_eos, logit_bias=self.bias(vocab), grammar=grammar,
             stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=min(self.min_tokens, max_tokens),
             skip_special_tokens=self.skip_special_tokens, logprobs=self.n_probs or None,
-            logprobs_mode="processed_logprobs" if self.post_sampling_probs else "raw_logprobs")
+            logprobs_mode="processed_logprobs" if self.post_sampling_probs else "raw_logprobs",
+            n_indent=self.n_indent, max_predict_ms=float(self.t_max_predict_ms))
 
     def settings(self, params: SamplingParams, n_ctx: int, model: str) -> dict[str, Any]:
         """generation_settings: what the request ran with."""
@@ -140,7 +149,8 @@ class LlamaCompletionRequest(SamplingFields):
                 "ignore_eos": params.ignore_eos, "n_probs": self.n_probs,
                 "post_sampling_probs": self.post_sampling_probs, "stream": self.stream,
                 "logit_bias": [[t, b if b != float("-inf") else False] for t, b in params.logit_bias],
-                "grammar": self.grammar or "", "cache_prompt": self.cache_prompt}
+                "grammar": self.grammar or "", "cache_prompt": self.cache_prompt, "n_indent": params.n_indent,
+                "t_max_predict_ms": params.max_predict_ms}
 
 
 def stop_fields(finish_reason: str | None, stop_reason: str | int | None) -> dict[str, Any]:
@@ -177,3 +187,64 @@ def probabilities(piece: Any, lps: list[Any], post_sampling: bool = False) -> li
 
     return [{**one(x.token_id, x.logprob), top: [one(t, lp) for t, lp in x.top]} for x in lps]
 
+
+class ExtraChunk(_Body):
+    """One piece of /infill's input_extra: a file's name and (part of) its text."""
+
+    filename: StrictStr = "tmp"
+    text: StrictStr = ""
+
+
+class InfillRequest(LlamaCompletionRequest):
+    """POST /infill (llama.vim, llama.vscode): fill in the middle. input_prefix and input_suffix are the file's text
+    before and after the cursor (a string, or strings and token ids), prompt the text typed at the cursor, and
+    input_extra other files' chunks for context; the rest is /completion's."""
+
+    prompt: StrictStr = ""  # type: ignore[assignment]
+    input_prefix: StrictStr | list[Piece] = ""
+    input_suffix: StrictStr | list[Piece] = ""
+    input_extra: Annotated[list[ExtraChunk], Field(max_length=MAX_EXTRA_CHUNKS)] = Field(default_factory=list)
+
+    def several(self) -> bool:
+        return False
+
+    def prompts(self) -> list[list[str | int]]:
+        raise AssertionError("an infill prompt is built from its parts (infill_ids)")
+
+    def infill_ids(self, tok: Tokenizer, n_ctx: int) -> list[int]:
+        """The prompt as llama-server lays it out: the extra chunks (a repo token and 'myproject', then per chunk a
+        file-separator token and its name, or the snippet separator; then a separator and 'filename'), cut to their
+        last tokens that fit; BOS as the file asks; then prefix pre + the prefix's end + the typed prompt, suf + the
+        suffix's start, mid. Parts are tokenized with no BOS and special-token texts as plain text."""
+        missing = [role for role in ("pre", "suf", "mid") if role not in tok.fim]
+        if missing:
+            raise RequestError(f"this model has no fill-in-the-middle {'/'.join(missing)} token, so it cannot infill; "
+                               "use a code model with FIM tokens (such as DeepSeek-Coder-V2-Lite) or /completion.",
+                               "input_prefix", status=501, type_="not_supported_error")
+        fim = tok.fim
+
+        def ids(part: str | list[str | int], field_name: str) -> list[int]:
+            out: list[int] = []
+            for x in [part] if isinstance(part, str) else part:
+                if isinstance(x, int) and x >= tok.vocab_size:
+                    raise RequestError(f"{field_name} has token id {x}, outside the vocabulary of {tok.vocab_size} "
+                                       "tokens.", field_name)
+                out += [x] if isinstance(x, int) else tok.encode(x, add_bos=False, parse_special=False)
+            return out
+
+        extra = [fim["rep"], *ids("myproject\n", "")] if "rep" in fim else []
+        for chunk in self.input_extra:
+            extra += [fim["sep"], *ids(chunk.filename + "\n", "")] if "sep" in fim else ids(SNIPPET_SEPARATOR, "")
+            extra += ids(chunk.text, "input_extra")
+        if "sep" in fim:
+            extra += [fim["sep"], *ids("filename\n", "")]
+        prefix, suffix, typed = ids(self.input_prefix, "input_prefix"), ids(self.input_suffix, "input_suffix"), \
+            ids(self.prompt, "prompt")
+        window = min(FIM_WINDOW, n_ctx // 2)
+        n_prefix = min(len(prefix), 3 * (window // 4))
+        n_suffix = min(len(suffix), max(0, window // 4 - (2 + len(typed))))
+        n_predict = self.n_predict if self.n_predict is not None else (self.max_tokens or -1)
+        n_extra = min(max(0, n_ctx - window - 2 * n_predict), len(extra))
+        bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+        return [*extra[len(extra) - n_extra:], *bos, fim["pre"], *prefix[len(prefix) - n_prefix:], *typed,
+                fim["suf"], *suffix[:n_suffix], fim["mid"]]

@@ -36,15 +36,23 @@ EOT_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
     "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
 })
+# fill-in-the-middle tokens by role (llama.cpp's names: tokenizer.ggml.fim_<role>_token_id), found by text where the
+# file names none, as llama.cpp does; pre/suf/mid: DeepSeek's <｜fim▁begin｜>, <｜fim▁hole｜>, <｜fim▁end｜>
+FIM_TEXTS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+            "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+            "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+            "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+# the older keys of the first three (tokenizer.ggml.prefix_token_id ...)
+FIM_OLD_KEYS = {"pre": "prefix", "suf": "suffix", "mid": "middle"}
 # texts llama.cpp forces to CONTROL when it auto-detects EOT/EOM/FIM tokens by name
-_FIM_TEXTS = frozenset({
-    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-    "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>",
-    "<SUF>", "▁<SUF>", "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>", "<fim-middle>", "<fim_middle>",
-    "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>", "<|middle|>", "<|fim_pad|>", "<fim-pad>",
-    "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
-    "<|file_sep|>",
-})
+_FIM_TEXTS = frozenset(t for texts in FIM_TEXTS.values() for t in texts)
 FORCED_CONTROL_TEXTS = EOG_TEXTS | EOT_TEXTS | _FIM_TEXTS | {"<|eom_id|>"}
 
 SPECIAL_ATTRS = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN

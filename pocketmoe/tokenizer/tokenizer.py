@@ -13,6 +13,8 @@ from pocketmoe.tokenizer.pretokenize import resolve_pre
 from pocketmoe.tokenizer.specials import (
     EOG_TEXTS,
     EOT_TEXTS,
+    FIM_OLD_KEYS,
+    FIM_TEXTS,
     FORCED_CONTROL_TEXTS,
     SPECIAL_ATTRS,
     TYPE_TO_ATTR,
@@ -105,8 +107,20 @@ class Tokenizer:
         if self.eot_id is None:
             self.eot_id = next((i for i, t in enumerate(self.tokens) if t in EOT_TEXTS), None)
         eom_id = _opt_id(metadata, "eom_token_id", n, None)
+        # fill-in-the-middle tokens by role (pre, suf, mid, pad, rep, sep): the file's, else found by text
+        self.fim: dict[str, int] = {}
+        for role, texts in FIM_TEXTS.items():
+            tid = _opt_id(metadata, f"fim_{role}_token_id", n, None)
+            if tid is None and role in FIM_OLD_KEYS:
+                tid = _opt_id(metadata, f"{FIM_OLD_KEYS[role]}_token_id", n, None)
+            if tid is None:
+                tid = next((i for i, t in enumerate(self.tokens) if t in texts), None)
+            if tid is not None:
+                self.fim[role] = tid
         eog = {i for i, t in enumerate(self.tokens) if t in EOG_TEXTS}
-        eog.update(i for i in (self.eos_id, self.eot_id, eom_id) if i is not None)
+        # llama.cpp ends generation at the FIM pad, repo and file-separator tokens too
+        eog.update(i for i in (self.eos_id, self.eot_id, eom_id, *(self.fim.get(r) for r in ("pad", "rep", "sep")))
+                   if i is not None)
         self.eot_ids: tuple[int, ...] = tuple(sorted(eog))
         template = metadata.get("tokenizer.chat_template")
         self.chat_template: str = template if isinstance(template, str) else DEEPSEEK_V2_CHAT_TEMPLATE
