@@ -81,6 +81,29 @@ def test_completion_matches_the_engine_alone(client: openai.OpenAI, llm: LLM) ->
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
 
 
+def test_suffix_fills_in_the_middle(server: LiveServer, client: openai.OpenAI, llm: LLM) -> None:
+    """OpenAI's suffix: the prompt is the text before the insertion, laid out with the suffix in the vocabulary's
+    fill-in-the-middle tokens (BOS, <｜fim▁begin｜> prefix, <｜fim▁hole｜> suffix, <｜fim▁end｜>; special-token texts in
+    the code read as text), and completed as that prompt is alone and as /infill completes the same text."""
+    tok = llm.tokenizer
+    pre, suf, mid = (tok.tokens.index(t) for t in ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))
+    before, after = "def add(a, b):\n    # <｜fim▁hole｜>\n    ", "\n\nprint(add(1, 2))\n"
+    ids = [tok.bos_id, pre, *tok.encode(before, add_bos=False, parse_special=False), suf,
+           *tok.encode(after, add_bos=False, parse_special=False), mid]
+    want = solo(llm, ids, temperature=0, max_tokens=8, ignore_eos=True)
+    r = client.completions.create(model=NAME, prompt=before, suffix=after, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text and r.usage.prompt_tokens == len(ids)
+    infill = httpx.post(server.url + "/infill", json={"input_prefix": before, "input_suffix": after, "n_predict": 8,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=60).json()
+    assert infill["content"] == want.text
+    r = client.completions.create(model=NAME, prompt=ids[2:ids.index(suf)], suffix=after, max_tokens=8,
+                                  temperature=0, extra_body={"ignore_eos": True})  # the prefix as token ids
+    assert r.choices[0].text == want.text
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=NAME, prompt=before, suffix=after, echo=True, max_tokens=2)
+
+
 def test_null_fields_take_their_defaults(server: LiveServer) -> None:
     body = {"model": NAME, "prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "echo": None, "stop": None,
             "temperature": None, "logprobs": None, "stream_options": None, "seed": None, "user": None}

@@ -281,8 +281,8 @@ def test_props_and_apply_template(server, llm):
 
 
 def test_infill_needs_fim_tokens():
-    """A model whose vocabulary has no fill-in-the-middle tokens (this SentencePiece one's) cannot infill: a 501 that
-    says so, and the route is gated by --api-key as /completion is."""
+    """A model whose vocabulary has no fill-in-the-middle tokens (this SentencePiece one's) cannot infill (/infill,
+    or /v1/completions with a suffix): a 501 that says so; /infill is gated by --api-key as /completion is."""
     from pocketmoe.testing.scripted import app_for
     from pocketmoe.testing.vocab import tokenizer_metadata
     from pocketmoe.tokenizer import Tokenizer
@@ -292,5 +292,7 @@ def test_infill_needs_fim_tokens():
     http, eng = app_for(tok, "x")
     r = http.post("/infill", json={"input_prefix": "def f(", "input_suffix": ")"})
     assert r.status_code == 501 and "fill-in-the-middle" in r.json()["error"]["message"] and not eng.prompts
+    r = http.post("/v1/completions", json={"prompt": "def f(", "suffix": ")"})  # OpenAI's insertion, likewise
+    assert (r.status_code, r.json()["error"]["param"]) == (501, "suffix") and not eng.prompts
     http, _ = app_for(tok, "x", api_key="k")
     assert http.post("/infill", json={"input_prefix": "a"}).status_code == 401

@@ -29,7 +29,13 @@ from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError, TokenL
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError
 from pocketmoe.serve.llama_api import DEFAULTS as LLAMA_DEFAULTS
-from pocketmoe.serve.llama_api import InfillRequest, LlamaCompletionRequest, probabilities, stop_fields
+from pocketmoe.serve.llama_api import (
+    InfillRequest,
+    LlamaCompletionRequest,
+    fim_layout,
+    probabilities,
+    stop_fields,
+)
 from pocketmoe.serve.llama_api import timings as llama_timings
 from pocketmoe.serve.messages import MessagesRequest, message_body, message_events
 from pocketmoe.serve.messages import error_body as anthropic_error
@@ -422,7 +428,13 @@ def create_app(state: ServerState) -> FastAPI:
         if len(req.prompts()) * req.n > MAX_COMPLETION_CHOICES:
             raise RequestError(f"{len(req.prompts())} prompts x n={req.n} is over {MAX_COMPLETION_CHOICES} choices in "
                                "one request; send fewer prompts or a smaller n.", "n")
-        prompts = [await encode_prompt(tok, p) for p in req.prompts()]
+        if req.suffix:  # insertion: each prompt the text before, laid out with the suffix as the model fills in
+            after = await asyncio.to_thread(tok.encode, req.suffix, False, False)
+            prompts = [await encode_prompt(tok, fim_layout(
+                tok, await asyncio.to_thread(tok.encode, p, False, False) if isinstance(p, str) else p, after, "suffix"))
+                for p in req.prompts()]
+        else:
+            prompts = [await encode_prompt(tok, p) for p in req.prompts()]
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         # the prompt's logprobs for echo (OpenAI's legacy object) and for vLLM's prompt_logprobs, the larger top
         prompt_k = max((k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None),

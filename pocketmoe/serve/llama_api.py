@@ -214,14 +214,9 @@ class InfillRequest(LlamaCompletionRequest):
     def infill_ids(self, tok: Tokenizer, n_ctx: int) -> list[int]:
         """The prompt as llama-server lays it out: the extra chunks (a repo token and 'myproject', then per chunk a
         file-separator token and its name, or the snippet separator; then a separator and 'filename'), cut to their
-        last tokens that fit; BOS as the file asks; then prefix pre + the prefix's end + the typed prompt, suf + the
-        suffix's start, mid. Parts are tokenized with no BOS and special-token texts as plain text."""
-        missing = [role for role in ("pre", "suf", "mid") if role not in tok.fim]
-        if missing:
-            raise RequestError(f"this model has no fill-in-the-middle {'/'.join(missing)} token, so it cannot infill; "
-                               "use a code model with FIM tokens (such as DeepSeek-Coder-V2-Lite) or /completion.",
-                               "input_prefix", status=501, type_="not_supported_error")
-        fim = tok.fim
+        last tokens that fit, before fim_layout's prefix (its last tokens + the typed prompt) and suffix (its first
+        tokens). Parts are tokenized with no BOS and special-token texts as plain text."""
+        fim = fim_tokens(tok, "input_prefix")
 
         def ids(part: str | list[str | int], field_name: str) -> list[int]:
             out: list[int] = []
@@ -245,6 +240,25 @@ class InfillRequest(LlamaCompletionRequest):
         n_suffix = min(len(suffix), max(0, window // 4 - (2 + len(typed))))
         n_predict = self.n_predict if self.n_predict is not None else (self.max_tokens or -1)
         n_extra = min(max(0, n_ctx - window - 2 * n_predict), len(extra))
-        bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
-        return [*extra[len(extra) - n_extra:], *bos, fim["pre"], *prefix[len(prefix) - n_prefix:], *typed,
-                fim["suf"], *suffix[:n_suffix], fim["mid"]]
+        return [*extra[len(extra) - n_extra:],
+                *fim_layout(tok, [*prefix[len(prefix) - n_prefix:], *typed], suffix[:n_suffix], "input_prefix")]
+
+
+def fim_tokens(tok: Tokenizer, field_name: str) -> dict[str, int]:
+    """The vocabulary's fill-in-the-middle tokens, or a 501 (naming `field_name`) where it lacks one of the three a
+    layout needs."""
+    missing = [role for role in ("pre", "suf", "mid") if role not in tok.fim]
+    if missing:
+        raise RequestError(f"this model has no fill-in-the-middle {'/'.join(missing)} token, so it cannot fill in "
+                           "text between a prefix and a suffix; use a code model with FIM tokens (such as "
+                           "DeepSeek-Coder-V2-Lite) or leave the suffix out.", field_name, status=501,
+                           type_="not_supported_error")
+    return tok.fim
+
+
+def fim_layout(tok: Tokenizer, prefix: list[int], suffix: list[int], field_name: str) -> list[int]:
+    """The fill-in-the-middle prompt (prefix-suffix-middle order): BOS as the file asks, FIM-prefix + prefix,
+    FIM-suffix + suffix, FIM-middle, after which the model writes the text between them."""
+    fim = fim_tokens(tok, field_name)
+    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    return [*bos, fim["pre"], *prefix, fim["suf"], *suffix, fim["mid"]]

@@ -204,8 +204,9 @@ class CompletionRequest(SamplingFields):
 
     def check(self) -> None:
         self.check_common()
-        if self.suffix:
-            raise RequestError("suffix (insertion) is not supported by this model; leave it out.", "suffix")
+        if self.suffix and self.echo:
+            raise RequestError("echo gives the prompt back, which with a suffix is a fill-in-the-middle layout, not "
+                               "what was sent; leave echo or suffix out.", "echo")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError(f"best_of ({self.best_of}) different from n ({self.n}) is not supported; leave "
                                "best_of out.", "best_of")
