@@ -234,6 +234,13 @@ def test_infill_lays_out_the_text_around_the_cursor(server, llm):
                "/infill").json()
     assert out["tokens_evaluated"] == len(ids) and out["prompt"] == tok.decode(ids)
 
+    # llama.vim asks for the fields it reads: each a path, kept as its own key (one the result lacks left out)
+    fields = ["content", "timings/prompt_n", "timings/nope", "truncated"]
+    picked = post(server, {**body, "response_fields": fields}, "/infill").json()
+    full = post(server, body, "/infill").json()
+    assert picked == {"content": full["content"], "timings/prompt_n": full["timings"]["prompt_n"],
+                      "truncated": full["truncated"]}
+
     bad = post(server, {"input_prefix": "x", "input_extra": [{"filename": 3}]}, "/infill")
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("input_extra")
 

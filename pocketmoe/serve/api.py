@@ -33,6 +33,7 @@ from pocketmoe.serve.llama_api import (
     InfillRequest,
     LlamaCompletionRequest,
     fim_layout,
+    pick_fields,
     probabilities,
     stop_fields,
 )
@@ -644,7 +645,7 @@ def create_app(state: ServerState) -> FastAPI:
                    "timings": llama_timings(len(ids), c.cached_tokens, len(c.token_ids), t0, first.get(i), end[i])}
             if req.n_probs:
                 out["completion_probabilities"] = probabilities(piece, c.logprobs, req.post_sampling_probs)
-            return out
+            return pick_fields(req.response_fields, out) if req.response_fields else out
 
         def seen(d: Delta, now: float) -> int:
             i = live[d.index]

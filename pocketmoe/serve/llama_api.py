@@ -58,6 +58,8 @@ class LlamaCompletionRequest(SamplingFields):
     xtc_probability: float | None = None
     top_n_sigma: float | None = None
     n_indent: NonNegInt = 0  # code completion: end where a later line is indented less
+    # the final result holds only these fields, each a path ("timings/prompt_n") kept as its own key
+    response_fields: Annotated[list[StrictStr], Field(max_length=256)] | None = None
     t_max_predict_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0  # end at a newline after this long
 
     def check(self) -> None:
@@ -151,6 +153,21 @@ class LlamaCompletionRequest(SamplingFields):
                 "logit_bias": [[t, b if b != float("-inf") else False] for t, b in params.logit_bias],
                 "grammar": self.grammar or "", "cache_prompt": self.cache_prompt, "n_indent": params.n_indent,
                 "t_max_predict_ms": params.max_predict_ms}
+
+
+def pick_fields(paths: list[str], result: dict[str, Any]) -> dict[str, Any]:
+    """response_fields: the values at these paths of a final result ("a/b": result["a"]["b"]), keyed by path; a
+    path the result does not have is left out, as llama-server leaves it."""
+    out = {}
+    for path in paths:
+        value: Any = result
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
 
 
 def stop_fields(finish_reason: str | None, stop_reason: str | int | None) -> dict[str, Any]:
