@@ -169,6 +169,21 @@ def test_n_predict_zero_and_to_the_context(server, llm):
     assert out["tokens_predicted"] == MAX_LEN - n_prompt and out["truncated"] is True
 
 
+@pytest.mark.parity
+def test_control_tokens_write_no_text_as_in_llama_server(server, model, llm):
+    """A control token the model writes (BOS, pushed up by logit_bias) adds no text, as llama-server and
+    llama-cpp-python write none; skip_special_tokens false shows it."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    bos = llm.tokenizer.bos_id
+    body = {"prompt": "hello", "n_predict": 3, "temperature": 0, "logit_bias": [[bos, 100]], "return_tokens": True}
+    out = post(server, body).json()
+    assert (out["content"], out["tokens"]) == ("", [bos] * 3)
+    assert post(server, {**body, "skip_special_tokens": False}).json()["content"] == llm.tokenizer.tokens[bos] * 3
+    ref = llama_cpp.Llama(model_path=str(model), n_ctx=64, n_threads=1, verbose=False)
+    theirs = ref.create_completion("hello", max_tokens=3, temperature=0, logit_bias={bos: 100.0})
+    assert (theirs["choices"][0]["text"], theirs["usage"]["completion_tokens"]) == ("", 3)
+
+
 def test_n_indent_and_t_max_predict_ms_end_a_code_completion(server, llm):
     """A grammar writes a block; n_indent ends the output where a line is indented less (that line's spaces kept,
     as llama.cpp keeps them), streamed and whole, and the LLM API does the same; t_max_predict_ms ends it at a

@@ -97,7 +97,7 @@ class SamplingParams:
     stop: strings that end the output (not included in it unless include_stop_str_in_output); stop_token_ids:
     ids that end it; ignore_eos: keep going past the model's end-of-generation tokens. min_tokens: the ids that
     end the output cannot be drawn before this many tokens (vLLM's; not where a grammar decides the end).
-    skip_special_tokens: control tokens add no text to the output (vLLM's default is true, llama.cpp's false).
+    skip_special_tokens: control tokens add no text to the output (vLLM's default and llama-server's are true).
     logit_bias: (token id, bias) pairs added to the logits after the penalties (OpenAI's logit_bias).
     grammar: structured output (engine/structured.py): only tokens that keep the output inside it are drawn.
     logprobs: report each generated token's logprob with this many most likely tokens' (None: none; 0: the token's

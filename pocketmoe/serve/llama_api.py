@@ -60,6 +60,7 @@ class LlamaCompletionRequest(SamplingFields):
     n_indent: NonNegInt = 0  # code completion: end where a later line is indented less
     # the final result holds only these fields, each a path ("timings/prompt_n") kept as its own key
     response_fields: Annotated[list[StrictStr], Field(max_length=256)] | None = None
+    skip_special_tokens: bool = True  # llama-server writes no control token's text unless started with --special
     t_max_predict_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0  # end at a newline after this long
 
     def check(self) -> None:
