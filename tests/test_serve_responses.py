@@ -142,7 +142,8 @@ def test_stored_response_is_read_listed_and_deleted(tok: Tokenizer) -> None:
     assert [x["id"] for x in newest["data"]] == ids[1:] and newest["has_more"]
     assert [x["id"] for x in listed(limit=1, after=ids[1])["data"]] == ids[:1]
     assert [x.id for x in c.responses.input_items.list(r.id, order="asc")] == ids  # the SDK's pager reads it too
-    for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after")):
+    for query, param in (({"limit": 0}, "limit"), ({"limit": "many"}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_x"}, "after")):
         bad = c._client.get(f"http://testserver/v1/responses/{r.id}/input_items", params=query)
         assert (bad.status_code, bad.json()["error"]["param"]) == (400, param)
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -242,6 +243,12 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError) -> JSONResponse:
         return error_response(e.status, e.message, e.type, e.param, e.code, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _query_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        """A path or query parameter FastAPI could not read (bodies are parsed by _parse): OpenAI's 400."""
+        err = pydantic_error([{**x, "loc": tuple(x.get("loc", ()))[1:]} for x in e.errors()])  # drop "query"
+        return error_response(400, err.message, param=err.param, path=request.url.path)
 
     @app.exception_handler(SamplingParamsError)
     async def _sampling_error(request: Request, e: SamplingParamsError) -> JSONResponse:
