@@ -194,6 +194,39 @@ def test_a_server_that_keeps_none_says_so(tok: Tokenizer) -> None:
     assert r["store"] is False and http.get(f"/v1/responses/{r['id']}").status_code == 404
 
 
+def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(tok: Tokenizer) -> None:
+    """truncation "auto" cuts the conversation at the latest user message it must, no later: the prompt is the one
+    the kept turns render (through /tokenize here), the earliest cut whose prompt leaves room for
+    max_output_tokens; "disabled" (the default) and a last turn too long even alone are a 400."""
+    from fastapi.testclient import TestClient
+
+    from pocketmoe.serve.api import ServerState, create_app
+    from pocketmoe.testing.scripted import ScriptedEngine
+
+    max_len = 400
+    eng = ScriptedEngine(tok, "minimax-m2", "ok")
+    http = TestClient(create_app(ServerState(model_name="m", max_model_len=max_len, engine=eng,  # type: ignore[arg-type]
+                                             tokenizer=tok)), base_url="http://testserver")
+    turns = [{"role": role, "content": f"{role} turn {k}: " + "many words " * 6}
+             for k in range(5) for role in ("user", "assistant")]
+    turns.append({"role": "user", "content": "the last question"})
+
+    def rendered(messages: list[dict]) -> list[int]:
+        return http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+
+    assert len(rendered(turns)) + 16 > max_len  # too long whole
+    cut = next(i for i in range(0, len(turns), 2) if len(rendered(turns[i:])) + 16 <= max_len)
+    assert 0 < cut < len(turns) - 1
+    r = http.post("/v1/responses", json={"input": turns, "truncation": "auto", "max_output_tokens": 16})
+    assert r.status_code == 200, r.text
+    assert eng.prompts[-1] == rendered(turns[cut:]) and r.json()["truncation"] == "auto"
+    r = http.post("/v1/responses", json={"input": turns, "max_output_tokens": 16})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "context_length_exceeded")
+    r = http.post("/v1/responses", json={"input": [*turns[:-1], {"role": "user", "content": "word " * 500}],
+                                         "truncation": "auto"})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "context_length_exceeded")
+
+
 def test_output_text_logprobs_are_its_own_tokens(tok: Tokenizer) -> None:
     """With include message.output_text.logprobs, the message's text carries the logprobs of the tokens that wrote
     it: not those of the reasoning block, its end tag or the tool call; the stream's text deltas carry the same."""

@@ -57,7 +57,13 @@ from pocketmoe.serve.protocol import (
 )
 from pocketmoe.serve.reasoning import ReasoningSplitter, thinking_prompt
 from pocketmoe.serve.reasoning import split as split_reasoning
-from pocketmoe.serve.responses import ResponsesRequest, ResponseStore, input_item, response_events
+from pocketmoe.serve.responses import (
+    ResponsesRequest,
+    ResponseStore,
+    input_item,
+    response_events,
+    turn_starts,
+)
 from pocketmoe.serve.responses import Usage as ResponseUsage
 from pocketmoe.serve.tools import ToolFormat, ToolStream, call_grammar, tool_format
 from pocketmoe.serve.tools import parse as parse_tool_calls
@@ -485,10 +491,14 @@ def create_app(state: ServerState) -> FastAPI:
         """OpenAI's Responses API over the chat route (serve/responses.py): the whole reply is the last event's."""
         asked = _parse(ResponsesRequest, await request.body())
         store = state.responses
-        history = store.conversation(asked.previous_response_id) if asked.previous_response_id else []
-        req = asked.chat_request(history)
+        items = [*(store.conversation(asked.previous_response_id) if asked.previous_response_id else []),
+                 *asked.items()]
+        req = asked.chat_request(items)
         eng, tok, grammar = await checked(req)
-        _, chunks = await chat_reply(request, req, eng, tok, grammar)
+        prepared = None
+        if asked.truncation == "auto":
+            req, prepared = await truncated(asked, items, eng, tok, grammar)
+        _, chunks = await chat_reply(request, req, eng, tok, grammar, prepared)
         stored = asked.store is not False and store.capacity > 0
         items = [input_item(x) for x in asked.items()] if stored else []
         events = response_events(chunks, asked.echo(state.model_name, stored),
@@ -502,6 +512,26 @@ def create_app(state: ServerState) -> FastAPI:
         if last["type"] == "response.failed":
             raise engine_failed(last["response"]["error"]["message"])
         return JSONResponse(last["response"])
+
+    async def truncated(asked: ResponsesRequest, items: list[Any], eng: Engine, tok: Tokenizer,
+                        grammar: Grammar | None) -> tuple[ChatCompletionRequest, Any]:
+        """truncation "auto": the chat request of the conversation without the fewest leading turns whose prompt
+        leaves room for max_output_tokens (one token without it), and chat_prepared's answer for it; where even
+        the last turn alone does not fit, its error."""
+        starts = turn_starts(items)
+        lo, hi, best, error = 0, len(starts) - 1, None, None
+        while lo <= hi:  # the prompt shrinks as the cut moves later: the first cut that fits
+            mid = (lo + hi) // 2
+            req = asked.chat_request(items[starts[mid]:])
+            try:
+                best, hi = (req, await chat_prepared(req, eng, tok, grammar)), mid - 1
+            except RequestError as e:
+                if e.code != "context_length_exceeded":
+                    raise
+                error, lo = e, mid + 1
+        if best is None:
+            raise error  # type: ignore[misc]
+        return best
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
@@ -549,10 +579,11 @@ def create_app(state: ServerState) -> FastAPI:
         ids, _ = await chat_prompt(engine().tok, req, req.messages, req.tool_dicts, None)
         return JSONResponse({"input_tokens": len(ids)})
 
-    async def chat_reply(request: Request, req: ChatCompletionRequest, eng: Engine, tok: Tokenizer,
-                         grammar: Grammar | None) -> tuple[int, Any]:
-        """Run a chat request: (its prompt tokens, its completion object or, with stream, the iterator of its
-        chunks)."""
+    async def chat_prepared(req: ChatCompletionRequest, eng: Engine, tok: Tokenizer, grammar: Grammar | None
+                            ) -> tuple[list[int], list[SamplingParams], ToolFormat | None, bool | None]:
+        """A chat request made ready to run: its prompt ids, its choices' params, the tool-call format its output
+        is read with and whether it starts inside a reasoning block; a RequestError (context_length_exceeded
+        where it does not fit the context) before anything runs."""
         tools = req.tool_dicts
         fmt = tool_format(tok.chat_template, eng.runner.bundle.architecture) if tools and req.tool_choice != "none" \
             else None
@@ -560,11 +591,18 @@ def create_app(state: ServerState) -> FastAPI:
         if forced:
             grammar = await tool_call_grammar(fmt, tools, tok, only, req.parallel_tool_calls, grammar)
         ids, thinking = await chat_prompt(tok, req, req.messages, tools, grammar)
-        thinking = thinking if state.reasoning_format == "auto" else None
         ids = await encode_prompt(tok, ids)
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
         params = _sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len,
                            (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs)
+        return ids, params, fmt, thinking if state.reasoning_format == "auto" else None
+
+    async def chat_reply(request: Request, req: ChatCompletionRequest, eng: Engine, tok: Tokenizer,
+                         grammar: Grammar | None, prepared: Any = None) -> tuple[int, Any]:
+        """Run a chat request (prepared: chat_prepared's answer for it, where the caller has it): (its prompt tokens,
+        its completion object or, with stream, the iterator of its chunks)."""
+        ids, params, fmt, thinking = prepared or await chat_prepared(req, eng, tok, grammar)
+        tools = req.tool_dicts
         q, reqs = run([ids], [params])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = _usage(len(ids))

@@ -175,6 +175,7 @@ class ResponsesRequest(_Body):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
     include: list[StrictStr] | None = None
     store: bool | None = None
     metadata: Annotated[dict[StrictStr, StrictStr], Field(max_length=16)] | None = None
@@ -195,6 +196,7 @@ class ResponsesRequest(_Body):
             if isinstance(t, OtherTool):
                 raise RequestError(f"tools[{i}] is of type {t.type!r}; this server runs function tools only.",
                                    f"tools.{i}.type")
+        self.messages()  # the input's items and parts, each one this server reads
 
     @property
     def logprobs(self) -> bool:
@@ -206,10 +208,12 @@ class ResponsesRequest(_Body):
         """The input as items (a string is one user message)."""
         return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
 
-    def messages(self, history: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        """The chat messages of instructions + history (a stored conversation's items) + input: function calls
-        join the assistant turn before them (or make one), their outputs are tool messages, and a reasoning item's
-        text is the next assistant turn's reasoning_content (as the chat route gives it back)."""
+    def messages(self, items: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+        """The chat messages of instructions + items (the input's, or a conversation's the route puts together:
+        a stored one's before the input, maybe cut by truncation): function calls join the assistant turn before
+        them (or make one), their outputs are tool messages, and a reasoning item's text is the next assistant
+        turn's reasoning_content (as the chat route gives it back). An item or part this server cannot read is a
+        RequestError naming input[i] (check runs this on the input, so the route's later calls never raise)."""
         out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
         thought: str | None = None
 
@@ -223,7 +227,7 @@ class ResponsesRequest(_Body):
                 last["reasoning_content"], thought = thought, None
             return last
 
-        for i, item in enumerate([*history, *self.items()], -len(history)):  # i: the input's index
+        for i, item in enumerate(self.items() if items is None else items):
             if isinstance(item, OtherItem):
                 raise RequestError(f"input[{i}] is of type {item.type!r}; this server reads message, function_call, "
                                    "function_call_output and reasoning items.", f"input.{i}.type")
@@ -242,10 +246,10 @@ class ResponsesRequest(_Body):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, i, "output")})
         return out
 
-    def chat_request(self, history: Sequence[Any] = ()) -> ChatCompletionRequest:
-        """The chat request that runs this one (validated as the chat route validates its own), always streamed:
-        the reply, whole or streamed, is made from its chunks."""
-        body: dict[str, Any] = {"model": self.model, "messages": self.messages(history), "stream": True,
+    def chat_request(self, items: Sequence[Any] | None = None) -> ChatCompletionRequest:
+        """The chat request that runs this one over `items` (default: the input), validated as the chat route
+        validates its own, and always streamed: the reply, whole or streamed, is made from its chunks."""
+        body: dict[str, Any] = {"model": self.model, "messages": self.messages(items), "stream": True,
                                 "stream_options": {"include_usage": True},
                                 "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
                                 "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
@@ -282,12 +286,18 @@ class ResponsesRequest(_Body):
                 "text": {"format": fmt}, "reasoning": {"effort": self.reasoning.effort if self.reasoning else None,
                                                        "summary": None},
                 "top_logprobs": self.top_logprobs or 0, "previous_response_id": self.previous_response_id,
-                "store": stored, "background": False, "truncation": "disabled",
+                "store": stored, "background": False, "truncation": self.truncation,
                 "metadata": self.metadata or {}, "user": self.user, "error": None, "incomplete_details": None}
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def turn_starts(items: Sequence[Any]) -> list[int]:
+    """Where truncation "auto" may cut a conversation's items: its start and each later user message, so that what
+    is left starts a turn (no tool output without its call, no reply without its question)."""
+    return [0, *(i for i, x in enumerate(items) if i and isinstance(x, MessageItem) and x.role == "user")]
 
 
 ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
