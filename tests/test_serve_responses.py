@@ -147,7 +147,10 @@ def test_stored_response_is_read_listed_and_deleted(tok: Tokenizer) -> None:
         bad = c._client.get(f"http://testserver/v1/responses/{r.id}/input_items", params=query)
         assert (bad.status_code, bad.json()["error"]["param"]) == (400, param)
 
+    metrics = c._client.get("http://testserver/metrics").text
+    assert "pocketmoe_responses_stored 1.0" in metrics and "pocketmoe_responses_store_bytes 0.0" not in metrics
     c.responses.delete(r.id)
+    assert "pocketmoe_responses_store_bytes 0.0" in c._client.get("http://testserver/metrics").text
     for call in (lambda: c.responses.retrieve(r.id), lambda: c.responses.delete(r.id)):
         with pytest.raises(openai.NotFoundError, match="no stored response"):
             call()

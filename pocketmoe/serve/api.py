@@ -245,6 +245,8 @@ class _Choice:
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="PocketMoE", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pm = state
+    state.metrics.responses_stored.set_function(lambda: len(state.responses))
+    state.metrics.responses_store_bytes.set_function(lambda: state.responses.size)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError) -> JSONResponse:

@@ -34,6 +34,10 @@ class Metrics:
         self.kv_used = Gauge(p + "kv_cache_usage_ratio", "Fraction of the KV pool's pages in use", registry=r)
         self.kv_pages = Gauge(p + "kv_cache_pages", "Pages in the KV pool", registry=r)
         self.kv_bytes = Gauge(p + "kv_cache_bytes", "Bytes of the KV pool", registry=r)
+        self.responses_stored = Gauge(p + "responses_stored", "/v1/responses replies kept for previous_response_id",
+                                      registry=r)
+        self.responses_store_bytes = Gauge(p + "responses_store_bytes", "Bytes (JSON) of the kept /v1/responses "
+                                           "replies, at most --responses-store-mib", registry=r)
 
     def watch_experts(self, runner) -> None:  # noqa: ANN001
         """Gauges read at scrape time: the expert cache statistics and the predicted decode tok/s (the plan's
