@@ -257,7 +257,8 @@ def test_reasoning_sent_back_renders_the_text_the_model_wrote(model: Path, scrip
 @pytest.mark.parametrize("forced", [False, True])
 def test_chat_sends_the_think_block_as_reasoning(model: Path, forced: bool) -> None:
     """A thinking model's block comes back as reasoning_content / reasoning, whole and streamed; tool calls are read
-    in what follows; --reasoning-format none leaves it all content; enable_thinking false closes the block."""
+    in what follows; --reasoning-format none leaves it all content; enable_thinking false (or reasoning_effort
+    "none") closes the block."""
     tok2 = Tokenizer.from_metadata(open_bundle(model).metadata)
     if forced:  # the template opens the block (MiniMax-M2's way): the output starts inside it
         tok2.chat_template = THINK_TEMPLATE
@@ -280,6 +281,11 @@ def test_chat_sends_the_think_block_as_reasoning(model: Path, forced: bool) -> N
         r = c.chat.completions.create(model="m", messages=MSGS, max_tokens=5,
                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
         assert tok2.decode(eng.prompts[-1]).endswith("<think>\n</think>\n\n") and r.message.content == "Paris."
+        c.chat.completions.create(model="m", messages=MSGS, max_tokens=5, extra_body={"reasoning_effort": "none"})
+        assert eng.prompts[-1] == eng.prompts[-2]  # OpenAI's reasoning_effort "none": the same closed block
+        with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+            c.chat.completions.create(model="m", messages=MSGS, max_tokens=5, extra_body={
+                "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}})
         http = TestClient(create_app(ServerState(model_name="m", max_model_len=4096, engine=eng,  # type: ignore[arg-type]
                                                  tokenizer=tok2)))
         body = {"messages": MSGS, "chat_template_kwargs": {"enable_thinking": False}}

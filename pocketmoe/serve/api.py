@@ -54,6 +54,7 @@ from pocketmoe.serve.protocol import (
     _Body,
     pydantic_error,
     template_messages,
+    template_variables,
 )
 from pocketmoe.serve.reasoning import ReasoningSplitter, thinking_prompt
 from pocketmoe.serve.reasoning import split as split_reasoning
@@ -393,7 +394,7 @@ def create_app(state: ServerState) -> FastAPI:
         """A chat as the template renders it, with a block the template opened closed empty where no reasoning is
         wanted (enable_thinking false, or a grammar deciding the output from its first token), and whether the
         output starts inside a block."""
-        variables = req.chat_template_kwargs or {}
+        variables = template_variables(req)
         try:
             text = await asyncio.to_thread(tok.apply_chat_template, template_messages(messages),
                                            req.add_generation_prompt, req.continue_final_message, tools=tools or None,

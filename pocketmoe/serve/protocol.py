@@ -271,6 +271,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's; "none" renders the chat with enable_thinking false (a block the template opens is closed empty)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # vLLM's chat extensions
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -279,6 +281,9 @@ class ChatCompletionRequest(SamplingFields):
     def check(self) -> None:
         self.check_common()
         check_template_options(self)
+        if self.reasoning_effort == "none" and (self.chat_template_kwargs or {}).get("enable_thinking") is True:
+            raise RequestError("reasoning_effort 'none' asks for no reasoning and chat_template_kwargs.enable_thinking "
+                               "for it; give one of them.", "reasoning_effort")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
         self.forced_tool()
@@ -345,6 +350,13 @@ class ChatStreamReader:
         if choice.get("stop_reason") is not None:
             self.stop_reason = choice["stop_reason"]
         return choice["delta"]
+
+
+def template_variables(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """The extra variables the chat template renders with: chat_template_kwargs, and enable_thinking false where
+    reasoning_effort is "none"."""
+    off = {"enable_thinking": False} if getattr(req, "reasoning_effort", None) == "none" else {}
+    return {**off, **(req.chat_template_kwargs or {})}
 
 
 def check_template_options(req: ChatCompletionRequest | TokenizeRequest) -> None:

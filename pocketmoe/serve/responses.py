@@ -270,8 +270,8 @@ class ResponsesRequest(_Body):
                 "description": fmt.description}}
         elif fmt is not None:
             body["response_format"] = {"type": fmt.type}
-        if self.reasoning is not None and self.reasoning.effort == "none":
-            body["chat_template_kwargs"] = {"enable_thinking": False}
+        if self.reasoning is not None:
+            body["reasoning_effort"] = self.reasoning.effort
         return chat_request(body)
 
     def echo(self, model: str, stored: bool) -> dict[str, Any]:
