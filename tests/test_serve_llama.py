@@ -249,6 +249,11 @@ def test_infill_lays_out_the_text_around_the_cursor(server, llm):
                "/infill").json()
     assert out["tokens_evaluated"] == len(ids) and out["prompt"] == tok.decode(ids)
 
+    # n_predict -1 (to the end of the context): the extra context still leaves room for at least one token
+    big = {**body, "input_extra": [{"filename": "big.py", "text": "z = 3\n" * 200}], "n_predict": -1}
+    out = post(server, big, "/infill").json()
+    assert out["tokens_evaluated"] < MAX_LEN and out["tokens_evaluated"] + out["tokens_predicted"] == MAX_LEN
+    assert "z = 3\n" in out["prompt"]
     # llama.vim asks for the fields it reads: each a path, kept as its own key (one the result lacks left out)
     fields = ["content", "timings/prompt_n", "timings/nope", "truncated"]
     picked = post(server, {**body, "response_fields": fields}, "/infill").json()

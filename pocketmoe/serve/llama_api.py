@@ -257,9 +257,11 @@ class InfillRequest(LlamaCompletionRequest):
         n_prefix = min(len(prefix), 3 * (window // 4))
         n_suffix = min(len(suffix), max(0, window // 4 - (2 + len(typed))))
         n_predict = self.n_predict if self.n_predict is not None else (self.max_tokens or -1)
-        n_extra = min(max(0, n_ctx - window - 2 * n_predict), len(extra))
-        return [*extra[len(extra) - n_extra:],
-                *fim_layout(tok, [*prefix[len(prefix) - n_prefix:], *typed], suffix[:n_suffix], "input_prefix")]
+        middle = fim_layout(tok, [*prefix[len(prefix) - n_prefix:], *typed], suffix[:n_suffix], "input_prefix")
+        # (and never so many that the prompt leaves no room for n_predict, where llama-server would overflow)
+        n_extra = min(max(0, n_ctx - window - 2 * n_predict), len(extra),
+                      max(0, n_ctx - len(middle) - max(n_predict, 1)))
+        return [*extra[len(extra) - n_extra:], *middle]
 
 
 def fim_tokens(tok: Tokenizer, field_name: str) -> dict[str, int]:
