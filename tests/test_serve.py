@@ -104,6 +104,33 @@ def test_suffix_fills_in_the_middle(server: LiveServer, client: openai.OpenAI, l
         client.completions.create(model=NAME, prompt=before, suffix=after, echo=True, max_tokens=2)
 
 
+def test_return_token_ids(client: openai.OpenAI, llm: LLM) -> None:
+    """vLLM's return_token_ids: each choice's generated ids and its prompt's, as the engine alone gives them, whole
+    and streamed (each chunk its own tokens, the first chunk the prompt's), on both routes; without it, neither."""
+    greedy = {"max_tokens": 6, "temperature": 0}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    want = solo(llm, "hello world", ignore_eos=True, **greedy)
+    r = client.completions.create(model=NAME, prompt="hello world", extra_body=extra, **greedy)
+    got = r.choices[0].model_extra
+    assert (got["prompt_token_ids"], got["token_ids"]) == (want.prompt_token_ids, want.token_ids)
+    chunks = list(client.completions.create(model=NAME, prompt="hello world", stream=True, extra_body=extra, **greedy))
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == want.prompt_token_ids
+    assert not any("prompt_token_ids" in c.choices[0].model_extra for c in chunks[1:])
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == want.token_ids
+    r = client.completions.create(model=NAME, prompt="hello world", **greedy)
+    assert "token_ids" not in (r.choices[0].model_extra or {})
+
+    messages = [{"role": "user", "content": "hello world"}]
+    ids = llm.tokenizer.encode_chat(messages)
+    want = solo(llm, ids, ignore_eos=True, **greedy)
+    r = client.chat.completions.create(model=NAME, messages=messages, extra_body=extra, **greedy)
+    assert (r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]) == (ids, want.token_ids)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, stream=True, extra_body=extra,
+                                                 **greedy))
+    assert chunks[0].model_extra["prompt_token_ids"] == ids
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == want.token_ids
+
+
 def test_null_fields_take_their_defaults(server: LiveServer) -> None:
     body = {"model": NAME, "prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "echo": None, "stop": None,
             "temperature": None, "logprobs": None, "stream_options": None, "seed": None, "user": None}
@@ -437,6 +464,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "stream_options", "response_format", "user", "top_k", "min_p", "repeat_penalty", "ignore_eos", "suffix",
           "best_of", "tools", "tool_choice", "structured_outputs", "json_schema", "grammar", "min_tokens",
           "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "chat_template_kwargs",
+          "return_token_ids", "reasoning_effort",
           "add_generation_prompt", "continue_final_message"]
 
 

@@ -475,6 +475,8 @@ def create_app(state: ServerState) -> FastAPI:
                                           prompts[i // req.n] if req.echo else [], 0, req.logprobs)
             out.append({"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason})
+            if req.return_token_ids:
+                out[-1].update(prompt_token_ids=prompts[i // req.n], token_ids=c.token_ids)
             if req.prompt_logprobs is not None:
                 out[-1]["prompt_logprobs"] = _prompt_logprobs(tok, c.prompt_logprobs, req.prompt_logprobs)
             usage["completion_tokens"] += len(c.token_ids)
@@ -611,7 +613,7 @@ def create_app(state: ServerState) -> FastAPI:
         usage = _usage(len(ids))
         if req.stream:
             return len(ids), _chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage,
-                                          fmt, tools, thinking)
+                                          fmt, tools, thinking, ids)
         out, cached = [], {}
         choices = await collect(request, q, reqs, req.n)
         for i, c in enumerate(choices):
@@ -625,6 +627,8 @@ def create_app(state: ServerState) -> FastAPI:
                 message["tool_calls"] = [x.to_json() for x in calls]
             out.append({"index": i, "message": message, "logprobs": lp,
                         "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason})
+            if req.return_token_ids:
+                out[-1]["token_ids"] = c.token_ids
             usage["completion_tokens"] += len(c.token_ids)
             _count_cached(usage, cached, 0, c.cached_tokens)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -632,6 +636,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "choices": out, "usage": usage, "system_fingerprint": None}
         if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
             body["prompt_logprobs"] = _prompt_logprobs(tok, choices[0].prompt_logprobs, req.prompt_logprobs)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
         return len(ids), body
 
     async def encode_pieces(tok: Tokenizer, pieces: list[str | int]) -> list[int]:
@@ -860,14 +866,20 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
                              usage: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def chunk(index: int, text: str, lp: Any, finish: str | None, stop_reason: str | int | None = None
-              ) -> dict[str, Any]:
-        c = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish,
-                          "stop_reason": stop_reason}]}
+    def chunk(index: int, text: str, lp: Any, finish: str | None, stop_reason: str | int | None = None,
+              token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
+        if req.return_token_ids:  # each chunk its tokens; a choice's first chunk its prompt's too
+            choice["token_ids"] = token_ids or []
+            if index not in begun:
+                choice["prompt_token_ids"] = prompts[index // req.n]
+        begun.add(index)
+        c = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
         if include_usage:
             c["usage"] = None
         return c
+
+    begun: set[int] = set()  # choices that have had a chunk
 
     offsets: dict[int, int] = {}  # characters sent per choice (text_offset)
     cached: dict[int, int] = {}  # prefix-cached tokens per prompt
@@ -896,7 +908,7 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
         usage["completion_tokens"] += len(d.token_ids)
         _count_cached(usage, cached, p, d.cached_tokens)
         if text or d.finish_reason or d.token_ids:  # one chunk per token, as OpenAI streams
-            yield chunk(i, text, lp, d.finish_reason, d.stop_reason)
+            yield chunk(i, text, lp, d.finish_reason, d.stop_reason, d.token_ids)
     if include_usage:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
@@ -905,26 +917,32 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
 
 async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: AsyncIterator[Delta], rid: str,
                        created: int, model: str, usage: dict[str, Any], fmt: ToolFormat | None,
-                       tools: list[dict[str, Any]], thinking: bool | None) -> AsyncIterator[dict[str, Any]]:
+                       tools: list[dict[str, Any]], thinking: bool | None, prompt_ids: list[int]
+                       ) -> AsyncIterator[dict[str, Any]]:
     """Chat chunks; a <think> block (thinking not None) as reasoning deltas; with tools, text from the start of a
-    tool call on is held and sent as tool_calls at the end (or as content, when it does not parse)."""
+    tool call on is held and sent as tool_calls at the end (or as content, when it does not parse); with
+    return_token_ids, the prompt's ids on the first chunk (vLLM's)."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     held = [ToolStream(fmt, tools) for _ in range(req.n)] if fmt else None
     minds = [ReasoningSplitter(thinking) for _ in range(req.n)] if thinking is not None else None
     cached: dict[int, int] = {}
 
-    def chunk(index: int, delta: dict[str, Any], lp: Any, finish: str | None, stop_reason: str | int | None = None
-              ) -> dict[str, Any]:
+    def chunk(index: int, delta: dict[str, Any], lp: Any, finish: str | None, stop_reason: str | int | None = None,
+              token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
+        if req.return_token_ids:  # a delta's tokens on the one chunk that carries its logprobs
+            choice["token_ids"] = token_ids or []
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "system_fingerprint": None,
-             "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish,
-                          "stop_reason": stop_reason}]}
+             "system_fingerprint": None, "choices": [choice]}
         if include_usage:
             c["usage"] = None
         return c
 
     for i in range(req.n):
-        yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+        first = chunk(i, {"role": "assistant", "content": ""}, None, None)
+        if req.return_token_ids and i == 0:
+            first["prompt_token_ids"] = prompt_ids
+        yield first
     async for d in deltas:
         if d.error:
             yield _error_event(d.error)
@@ -937,10 +955,11 @@ async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: Async
             more, tail = minds[d.index].finish()
             thought, text = thought + more, text + tail
         if thought:
-            yield chunk(d.index, {"reasoning_content": thought, "reasoning": thought}, lp, None)
+            yield chunk(d.index, {"reasoning_content": thought, "reasoning": thought}, lp, None, token_ids=d.token_ids)
         text = held[d.index].push(text) if held else text
         if text or (d.token_ids and not thought):  # one chunk per token, as OpenAI streams
-            yield chunk(d.index, {"content": text}, None if thought else lp, None)
+            yield chunk(d.index, {"content": text}, None if thought else lp, None,
+                        token_ids=None if thought else d.token_ids)
         if d.finish_reason:
             finish = d.finish_reason
             if held:

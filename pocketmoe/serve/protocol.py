@@ -122,6 +122,8 @@ class SamplingFields(_Body):
     stop_token_ids: Annotated[list[NonNegInt], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = False
+    # vLLM's: each choice's generated token ids (token_ids) and its prompt's (prompt_token_ids), streamed too
+    return_token_ids: bool = False
     structured_outputs: StructuredOutputs | None = None
     json_schema: dict[str, Any] | None = None  # llama.cpp
     grammar: GrammarText | None = None  # llama.cpp (GBNF; Lark also reads)
