@@ -108,13 +108,17 @@ class Tokenizer:
             self.eot_id = next((i for i, t in enumerate(self.tokens) if t in EOT_TEXTS), None)
         eom_id = _opt_id(metadata, "eom_token_id", n, None)
         # fill-in-the-middle tokens by role (pre, suf, mid, pad, rep, sep): the file's, else found by text
+        by_text: dict[str, int] = {}
+        roles = {t: role for role, texts in FIM_TEXTS.items() for t in texts}
+        for i, t in enumerate(self.tokens):
+            if t in roles:
+                by_text.setdefault(roles[t], i)
         self.fim: dict[str, int] = {}
-        for role, texts in FIM_TEXTS.items():
+        for role in FIM_TEXTS:
             tid = _opt_id(metadata, f"fim_{role}_token_id", n, None)
             if tid is None and role in FIM_OLD_KEYS:
                 tid = _opt_id(metadata, f"{FIM_OLD_KEYS[role]}_token_id", n, None)
-            if tid is None:
-                tid = next((i for i, t in enumerate(self.tokens) if t in texts), None)
+            tid = by_text.get(role) if tid is None else tid
             if tid is not None:
                 self.fim[role] = tid
         eog = {i for i, t in enumerate(self.tokens) if t in EOG_TEXTS}
