@@ -120,6 +120,19 @@ def test_previous_response_id_continues_the_stored_conversation(tok: Tokenizer) 
     assert chained == eng.prompts[-1]
 
 
+def test_input_tokens_counts_the_prompt_the_route_runs(tok: Tokenizer) -> None:
+    """POST /v1/responses/input_tokens (the SDK's responses.input_tokens.count): the prompt tokens the same request
+    runs with, a stored conversation it continues included."""
+    c, eng = client_for(tok, THINK + MM_CALL)
+    first = c.responses.create(model="m", instructions="Be brief.", input="weather in Paris?", tools=RESPONSES_TOOLS)
+    assert c.responses.input_tokens.count(model="m", instructions="Be brief.", input="weather in Paris?",
+                                          tools=RESPONSES_TOOLS).input_tokens == len(eng.prompts[-1])
+    ask = {"model": "m", "previous_response_id": first.id, "input": "and Rome?", "tools": RESPONSES_TOOLS}
+    counted = c.responses.input_tokens.count(**ask)
+    c.responses.create(**ask)
+    assert (counted.object, counted.input_tokens) == ("response.input_tokens", len(eng.prompts[-1]))
+
+
 def test_stored_response_is_read_listed_and_deleted(tok: Tokenizer) -> None:
     c, _ = client_for(tok, "Paris.")
     sent = [{"role": "developer", "content": "Be brief."},

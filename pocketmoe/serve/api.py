@@ -72,9 +72,9 @@ from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pocketmoe.serve")
 Body = TypeVar("Body", bound=_Body)  # a request body type
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-             "/v1/messages/count_tokens", "/completion", "/completions", "/infill", "/tokenize", "/detokenize",
-             "/apply-template", "/props", "/health", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens",
+             "/v1/messages", "/v1/messages/count_tokens", "/completion", "/completions", "/infill", "/tokenize",
+             "/detokenize", "/apply-template", "/props", "/health", "/metrics")
 ANTHROPIC_ROUTES = "/v1/messages"
 # the routes --api-key guards (/completions too)
 GATED = ("/v1", "/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props")
@@ -111,7 +111,7 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 def _endpoint(path: str) -> str:
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
-    if path.startswith("/v1/responses/"):
+    if path.startswith("/v1/responses/") and path not in ENDPOINTS:
         return "/v1/responses/{id}"
     return path if path in ENDPOINTS else "other"
 
@@ -496,8 +496,7 @@ def create_app(state: ServerState) -> FastAPI:
         """OpenAI's Responses API over the chat route (serve/responses.py): the whole reply is the last event's."""
         asked = _parse(ResponsesRequest, await request.body())
         store = state.responses
-        items = [*(store.conversation(asked.previous_response_id) if asked.previous_response_id else []),
-                 *asked.items()]
+        items = conversation(asked)
         req = asked.chat_request(items)
         eng, tok, grammar = await checked(req)
         prepared = None
@@ -517,6 +516,21 @@ def create_app(state: ServerState) -> FastAPI:
         if last["type"] == "response.failed":
             raise engine_failed(last["response"]["error"]["message"])
         return JSONResponse(last["response"])
+
+    def conversation(asked: ResponsesRequest) -> list[Any]:
+        """A Responses request's items: the kept conversation it continues (previous_response_id), then its input."""
+        previous = asked.previous_response_id
+        return [*(state.responses.conversation(previous) if previous else []), *asked.items()]
+
+    @app.post("/v1/responses/input_tokens")
+    async def response_input_tokens(request: Request) -> Response:
+        """The input tokens a /v1/responses request would take: its conversation (a stored one before its input)
+        rendered as that route renders it, whole (before any truncation)."""
+        asked = _parse(ResponsesRequest, await request.body())
+        req = asked.chat_request(conversation(asked))
+        eng, tok, grammar = await checked(req)
+        ids, *_ = await chat_ids(req, eng, tok, grammar)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
     async def truncated(asked: ResponsesRequest, items: list[Any], eng: Engine, tok: Tokenizer,
                         grammar: Grammar | None) -> tuple[ChatCompletionRequest, Any]:
@@ -584,11 +598,11 @@ def create_app(state: ServerState) -> FastAPI:
         ids, _ = await chat_prompt(engine().tok, req, req.messages, req.tool_dicts, None)
         return JSONResponse({"input_tokens": len(ids)})
 
-    async def chat_prepared(req: ChatCompletionRequest, eng: Engine, tok: Tokenizer, grammar: Grammar | None
-                            ) -> tuple[list[int], list[SamplingParams], ToolFormat | None, bool | None]:
-        """A chat request made ready to run: its prompt ids, its choices' params, the tool-call format its output
-        is read with and whether it starts inside a reasoning block; a RequestError (context_length_exceeded
-        where it does not fit the context) before anything runs."""
+    async def chat_ids(req: ChatCompletionRequest, eng: Engine, tok: Tokenizer, grammar: Grammar | None
+                       ) -> tuple[list[int], Grammar | None, ToolFormat | None, bool]:
+        """A chat request's prompt ids as the template renders them (not yet checked against the context), the
+        grammar its output keeps to (tool_choice's, where it forces calls), its tool-call format, and whether the
+        output starts inside a reasoning block."""
         tools = req.tool_dicts
         fmt = tool_format(tok.chat_template, eng.runner.bundle.architecture) if tools and req.tool_choice != "none" \
             else None
@@ -596,6 +610,14 @@ def create_app(state: ServerState) -> FastAPI:
         if forced:
             grammar = await tool_call_grammar(fmt, tools, tok, only, req.parallel_tool_calls, grammar)
         ids, thinking = await chat_prompt(tok, req, req.messages, tools, grammar)
+        return ids, grammar, fmt, thinking
+
+    async def chat_prepared(req: ChatCompletionRequest, eng: Engine, tok: Tokenizer, grammar: Grammar | None
+                            ) -> tuple[list[int], list[SamplingParams], ToolFormat | None, bool | None]:
+        """A chat request made ready to run: its prompt ids, its choices' params, the tool-call format its output
+        is read with and whether it starts inside a reasoning block; a RequestError (context_length_exceeded
+        where it does not fit the context) before anything runs."""
+        ids, grammar, fmt, thinking = await chat_ids(req, eng, tok, grammar)
         ids = await encode_prompt(tok, ids)
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
         params = _sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len,
