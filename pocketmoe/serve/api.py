@@ -79,7 +79,10 @@ ANTHROPIC_ROUTES = "/v1/messages"
 # the routes --api-key guards (/completions too)
 GATED = ("/v1", "/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props")
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# a chat request made ready to run: prompt ids, its choices' params, its tool-call format, whether its output starts
+# inside a reasoning block (create_app's chat_prepared)
+Prepared = tuple[list[int], list[SamplingParams], ToolFormat | None, bool | None]  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
 
 @dataclass
@@ -533,7 +536,7 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
     async def truncated(asked: ResponsesRequest, items: list[Any], eng: Engine, tok: Tokenizer,
-                        grammar: Grammar | None) -> tuple[ChatCompletionRequest, Any]:
+                        grammar: Grammar | None) -> tuple[ChatCompletionRequest, Prepared]:
         """truncation "auto": the chat request of the conversation without the fewest leading turns whose prompt
         leaves room for max_output_tokens (one token without it), and chat_prepared's answer for it; where even
         the last turn alone does not fit, its error."""
@@ -613,7 +616,7 @@ def create_app(state: ServerState) -> FastAPI:
         return ids, grammar, fmt, thinking
 
     async def chat_prepared(req: ChatCompletionRequest, eng: Engine, tok: Tokenizer, grammar: Grammar | None
-                            ) -> tuple[list[int], list[SamplingParams], ToolFormat | None, bool | None]:
+                            ) -> Prepared:
         """A chat request made ready to run: its prompt ids, its choices' params, the tool-call format its output
         is read with and whether it starts inside a reasoning block; a RequestError (context_length_exceeded
         where it does not fit the context) before anything runs."""
@@ -625,7 +628,7 @@ def create_app(state: ServerState) -> FastAPI:
         return ids, params, fmt, thinking if state.reasoning_format == "auto" else None
 
     async def chat_reply(request: Request, req: ChatCompletionRequest, eng: Engine, tok: Tokenizer,
-                         grammar: Grammar | None, prepared: Any = None) -> tuple[int, Any]:
+                         grammar: Grammar | None, prepared: Prepared | None = None) -> tuple[int, Any]:
         """Run a chat request (prepared: chat_prepared's answer for it, where the caller has it): (its prompt tokens,
         its completion object or, with stream, the iterator of its chunks)."""
         ids, params, fmt, thinking = prepared or await chat_prepared(req, eng, tok, grammar)
