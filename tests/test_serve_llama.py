@@ -164,6 +164,18 @@ def test_logit_bias_and_penalty_window(server, llm):
 def test_n_predict_zero_and_to_the_context(server, llm):
     out = post(server, {"prompt": "hello", "n_predict": 0}).json()
     assert (out["content"], out["tokens_predicted"], out["stop_type"]) == ("", 0, "limit")
+    # n_predict 0 still computes the prompt, which the prefix cache then gives the next request (llama.vim's
+    # warm-up); with cache_prompt false it is not computed
+    for cache_prompt, text in ((True, "warm the cache " * 20), (False, "leave it cold " * 20)):
+        for stream in (False, True):
+            body = {"prompt": f"{stream} {text}", "n_predict": 0, "cache_prompt": cache_prompt, "stream": stream}
+            if stream:
+                got = [json.loads(line[6:]) for line in events(server, body)]
+                assert len(got) == 1 and (got[0]["content"], got[0]["tokens_predicted"]) == ("", 0)
+            else:
+                assert post(server, body).json()["tokens_predicted"] == 0
+            then = post(server, {"prompt": f"{stream} {text}", "n_predict": 1}).json()
+            assert (then["tokens_cached"] > 0) == cache_prompt, then
     n_prompt = len(llm.encode_prompt("hello"))
     out = post(server, {"prompt": "hello", "n_predict": -1, "temperature": 0, "ignore_eos": True}).json()
     assert out["tokens_predicted"] == MAX_LEN - n_prompt and out["truncated"] is True

@@ -701,7 +701,12 @@ def create_app(state: ServerState) -> FastAPI:
             prompts = [await encode_pieces(tok, p) for p in pieces]
         wanted = [req.max_new_tokens(len(p), state.max_model_len) for p in prompts]
         params = [req.sampling(grammar, max(n, 1), eng.runner.vocab_size) for n in wanted]
-        live = [i for i, n in enumerate(wanted) if n > 0]  # n_predict 0: nothing to generate
+        live = [i for i, n in enumerate(wanted) if n > 0]
+        # n_predict 0: nothing to generate, but with cache_prompt the prompt is still computed (one token drawn and
+        # dropped) so that the prefix cache keeps it for the next request, as llama-server computes it (llama.vim
+        # warms the cache so)
+        warm = {i for i, n in enumerate(wanted) if n == 0 and req.cache_prompt and eng.prefix_caching}
+        ran = live + sorted(warm)
         choices = {i: _Choice() for i in range(len(prompts))}
         for i in set(choices) - set(live):
             choices[i].finish_reason = "length"
@@ -727,17 +732,17 @@ def create_app(state: ServerState) -> FastAPI:
             return pick_fields(req.response_fields, out) if req.response_fields else out
 
         def seen(d: Delta, now: float) -> int:
-            i = live[d.index]
-            if d.token_ids and i not in first:
+            i = ran[d.index]
+            if d.token_ids and i not in first and i not in warm:
                 first[i] = now
             end[i] = now
             return i
 
-        q, reqs = run([prompts[i] for i in live], [[params[i]] for i in live]) \
-            if live else (asyncio.Queue(), [])
+        q, reqs = run([prompts[i] for i in ran], [[params[i]] for i in ran]) \
+            if ran else (asyncio.Queue(), [])
         if req.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
-                for i in set(choices) - set(live):
+                for i in set(choices) - set(ran):
                     yield result(i, "")
                 async for d in deltas(request, q, reqs):
                     if d.error:
@@ -745,6 +750,11 @@ def create_app(state: ServerState) -> FastAPI:
                         return
                     i = seen(d, time.perf_counter())
                     c = choices[i]
+                    if i in warm:  # only the prompt was wanted
+                        c.cached_tokens = d.cached_tokens if d.cached_tokens is not None else c.cached_tokens
+                        if d.finish_reason is not None:
+                            yield result(i, "")
+                        continue
                     c.add(d)
                     if d.text or d.token_ids:
                         chunk = {"index": i, "content": d.text, "tokens": d.token_ids, "stop": False, "id_slot": -1,
@@ -756,9 +766,12 @@ def create_app(state: ServerState) -> FastAPI:
                         yield result(i, "")
 
             return _sse(events(), done=False)
-        for j, c in enumerate(await collect(request, q, reqs, len(live),
-                                            seen=lambda d: seen(d, time.perf_counter()))):
-            choices[live[j]] = c
+        for i, c in zip(ran, await collect(request, q, reqs, len(ran), seen=lambda d: seen(d, time.perf_counter())),
+                        strict=True):
+            if i in warm:
+                choices[i].cached_tokens = c.cached_tokens
+            else:
+                choices[i] = c
         results = [result(i, choices[i].text) for i in range(len(prompts))]
         return JSONResponse(results if req.several() else results[0])
 

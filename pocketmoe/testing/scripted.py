@@ -26,6 +26,7 @@ class ScriptedEngine:
     with logprob -k / 8 - j."""
 
     alive = True
+    prefix_caching = False
 
     def __init__(self, tok: Tokenizer, architecture: str, script: str) -> None:
         self.tok, self.script, self.prompts, self.params = tok, script, [], []
