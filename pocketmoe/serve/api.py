@@ -507,10 +507,10 @@ def create_app(state: ServerState) -> FastAPI:
             req, prepared = await truncated(asked, items, eng, tok, grammar)
         _, chunks = await chat_reply(request, req, eng, tok, grammar, prepared)
         stored = asked.store is not False and store.capacity > 0
-        items = [input_item(x) for x in asked.items()] if stored else []
+        sent = [input_item(x) for x in asked.items()] if stored else []  # as input_items will list them
         events = response_events(chunks, asked.echo(state.model_name, stored),
                                  ResponseUsage(lambda text: len(tok.encode(text, add_bos=False))),
-                                 (lambda r: store.put(r, items, asked.previous_response_id)) if stored else None)
+                                 (lambda r: store.put(r, sent, asked.previous_response_id)) if stored else None)
         if asked.stream:
             return _sse(events, done=False, named=True)
         last: dict[str, Any] = {}
