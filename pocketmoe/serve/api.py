@@ -79,10 +79,10 @@ ANTHROPIC_ROUTES = "/v1/messages"
 # the routes --api-key guards (/completions too)
 GATED = ("/v1", "/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props")
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 # a chat request made ready to run: prompt ids, its choices' params, its tool-call format, whether its output starts
 # inside a reasoning block (create_app's chat_prepared)
-Prepared = tuple[list[int], list[SamplingParams], ToolFormat | None, bool | None]  # OpenAI's default for /v1/completions (chat: the rest of the context)
+Prepared = tuple[list[int], list[SamplingParams], ToolFormat | None, bool | None]
 
 
 @dataclass
