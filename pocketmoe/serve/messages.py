@@ -204,7 +204,7 @@ class MessagesRequest(_Body):
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
                                                                               "schema": fmt.json_schema}}
         if self.thinking is not None and self.thinking.type == "disabled":
-            body["chat_template_kwargs"] = {"enable_thinking": False}
+            body["reasoning_effort"] = "none"
         return chat_request(body)
 
 

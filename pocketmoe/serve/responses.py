@@ -2,7 +2,7 @@
 
 A request's `instructions` and `input` items (messages, function calls and their outputs, reasoning) become the
 chat messages the model's template renders; `tools` (function tools), `tool_choice`, `text.format` and
-`reasoning.effort` "none" become the chat request's tools, tool_choice, response_format and enable_thinking; the
+`reasoning.effort` become the chat request's tools, tool_choice, response_format and reasoning_effort; the
 chat route runs it as it runs any chat request, and its reply (or its stream of chunks) is given back as a
 response object with output items: `reasoning` (the `<think>` block), `message` (`output_text`) and
 `function_call`, or as the Responses stream of events (response.created ... response.completed).
