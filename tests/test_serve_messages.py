@@ -93,6 +93,11 @@ def test_history_renders_as_the_chat_history(tok: Tokenizer) -> None:
     count = a.messages.count_tokens(model="m", messages=ASK, tools=ANTHROPIC_TOOLS, system="Be brief.")
     a.messages.create(model="m", max_tokens=5, messages=ASK, tools=ANTHROPIC_TOOLS, system="Be brief.")
     assert count.input_tokens == len(eng.prompts[-1])
+    # a forced tool decides the output from its first token: the block the template opens is closed, in both
+    forced = {"type": "tool", "name": ANTHROPIC_TOOLS[0]["name"]}
+    count = a.messages.count_tokens(model="m", messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice=forced)
+    a.messages.create(model="m", max_tokens=5, messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice=forced)
+    assert count.input_tokens == len(eng.prompts[-1])
 
 
 def test_settings_reach_the_engine(tok: Tokenizer) -> None:

@@ -595,10 +595,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        """The prompt tokens a /v1/messages request would take (its messages, system and tools rendered)."""
+        """The prompt tokens a /v1/messages request would take (its messages, system and tools rendered as that
+        route renders them, a reasoning block closed where a schema or a forced tool decides the output)."""
         req = _parse(MessagesRequest, await request.body()).chat_request(count_only=True)
-        check_model(req.model)
-        ids, _ = await chat_prompt(engine().tok, req, req.messages, req.tool_dicts, None)
+        eng, tok, grammar = await checked(req)
+        ids, *_ = await chat_ids(req, eng, tok, grammar)
         return JSONResponse({"input_tokens": len(ids)})
 
     async def chat_ids(req: ChatCompletionRequest, eng: Engine, tok: Tokenizer, grammar: Grammar | None
