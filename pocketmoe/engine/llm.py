@@ -202,9 +202,8 @@ class LLM:
             if stopped or sampler.complete:
                 finish = "stop"
                 break
-            if len(out.token_ids) >= params.max_tokens or pos >= self.n_ctx or (
-                    params.max_predict_ms and "\n" in text
-                    and (time.perf_counter() - t_first) * 1e3 > params.max_predict_ms):
+            if len(out.token_ids) >= params.max_tokens or pos >= self.n_ctx or \
+                    params.out_of_time(text, time.perf_counter() - t_first):
                 break
             logits = self.runner.decode(token, pos)
             pos += 1

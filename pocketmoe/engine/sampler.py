@@ -185,6 +185,11 @@ class SamplingParams:
         """Whether any of the three penalties changes a logit."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
+    def out_of_time(self, text: str, since_first_s: float) -> bool:
+        """max_predict_ms: whether the output ends at this token (its text `text`), since_first_s seconds after the
+        first token."""
+        return bool(self.max_predict_ms) and "\n" in text and since_first_s * 1e3 > self.max_predict_ms
+
     def end_ids(self, eot_ids: Sequence[int]) -> frozenset[int]:
         """Token ids that end generation: stop_token_ids, plus the model's EOG ids unless ignore_eos."""
         ids = set(self.stop_token_ids)

@@ -455,8 +455,8 @@ class Engine:
         if stopped or s.sampler.complete:
             delta.stop_reason = s.stop.matched
             self._finish(s, "stop", delta)
-        elif s.generated >= s.params.max_tokens or len(s.tokens) >= self.cfg.max_model_len or (
-                s.params.max_predict_ms and "\n" in text and (now - s.first_token_at) * 1e3 > s.params.max_predict_ms):
+        elif s.generated >= s.params.max_tokens or len(s.tokens) >= self.cfg.max_model_len or \
+                s.params.out_of_time(text, now - s.first_token_at):
             self._finish(s, "length", delta)
         else:
             s.request.put(delta)
