@@ -5,9 +5,10 @@ from typing import TYPE_CHECKING
 from pocketmoe.errors import PocketMoEError
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "Grammar", "PocketMoEError", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Grammar", "PocketMoEError", "ReasoningBudget", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
+    from pocketmoe.engine.budget import ReasoningBudget
     from pocketmoe.engine.llm import LLM
     from pocketmoe.engine.sampler import SamplingParams
     from pocketmoe.engine.structured import Grammar
@@ -27,4 +28,8 @@ def __getattr__(name: str):
         from pocketmoe.engine.structured import Grammar
 
         return Grammar
+    if name == "ReasoningBudget":
+        from pocketmoe.engine.budget import ReasoningBudget
+
+        return ReasoningBudget
     raise AttributeError(f"module 'pocketmoe' has no attribute {name!r}")

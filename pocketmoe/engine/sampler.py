@@ -1,6 +1,7 @@
 """Next-token sampling: penalties -> logit bias -> grammar -> temperature -> top-k -> top-p -> min-p -> draw.
 
-Every request owns a `Sampler` with its own torch.Generator, so the same seed gives the same tokens.
+Every request owns a `Sampler` with its own torch.Generator, so the same seed gives the same tokens. Where its
+reasoning budget is spent, the tokens that close the block are written without a draw (engine/budget.py).
 Sampling runs on the CPU in float32 whatever device the logits come from, so the draw does not depend
 on where the model ran.
 """
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pocketmoe.engine.budget import BudgetTracker, ReasoningBudget
 from pocketmoe.engine.structured import Constraint, Grammar
 from pocketmoe.errors import PocketMoEError
 
@@ -111,6 +113,8 @@ class SamplingParams:
     starts with fewer than this many spaces or tabs, that line's first other character and the rest left out (an
     empty line ends it too; 0: off). max_predict_ms (llama.cpp's t_max_predict_ms): the output ends at a token
     holding a newline once this many milliseconds have passed since its first token (0: off).
+    reasoning_budget: at most this many tokens inside `<think>` blocks, then the sampler closes the block
+    (engine/budget.py; None: no bound). Not with a grammar, which decides the output from its first token.
     """
 
     temperature: float = 1.0
@@ -137,6 +141,7 @@ class SamplingParams:
     n: int = 1
     n_indent: int = 0
     max_predict_ms: float = 0.0
+    reasoning_budget: ReasoningBudget | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -163,6 +168,8 @@ class SamplingParams:
             (self.n_indent >= 0, "n_indent", ">= 0 (0 turns it off)"),
             (math.isfinite(self.max_predict_ms) and self.max_predict_ms >= 0, "max_predict_ms",
              ">= 0 (0 turns it off)"),
+            (self.reasoning_budget is None or self.grammar is None, "reasoning_budget",
+             "None with a grammar (which decides the output from its first token, so no reasoning block is open)"),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -311,6 +318,7 @@ class Sampler:
                 raise SamplingParamsError("a sampler with a grammar needs the model's tokenizer.")
             self.constraint = Constraint(params.grammar, tokenizer)
         self._drawn_from: tuple[torch.Tensor | None, torch.Tensor] | None = None  # the last draw's _candidates
+        self.budget = BudgetTracker(params.reasoning_budget, tokenizer) if params.reasoning_budget else None
         self.generator = torch.Generator(device="cpu")
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -349,7 +357,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         p = self.params
-        if p.greedy and not p.penalized and not p.logit_bias and self.constraint is None and self.drawn >= p.min_tokens:
+        forced = self.budget.forced() if self.budget is not None else None
+        if forced is not None:  # the reasoning budget is spent: its message and closing tag, drawn with probability 1
+            token = forced
+            self._drawn_from = None
+        elif p.greedy and not p.penalized and not p.logit_bias and self.constraint is None and self.drawn >= p.min_tokens:
             token = argmax(logits)  # argmax of the logits as they are
             self._drawn_from = None
         else:
@@ -359,6 +371,8 @@ class Sampler:
             token = token if ids is None else int(ids[token])
             if self.constraint is not None:
                 self.constraint.accept(token)
+        if self.budget is not None:
+            self.budget.accept(token)
         self.drawn += 1
         return token
 
