@@ -1,7 +1,8 @@
 """Chat with a GGUF model in the terminal, turn after turn (llama.cpp's `llama-cli -cnv`).
 
     python -m pocketmoe.chat [--model PATH] [--system TEXT] [--max-tokens N] [--temperature T] [--top-p P]
-        [--top-k K] [--min-p P] [--seed S] [--threads N] [--n-ctx C] [--no-think] [--stats] [--json]
+        [--top-k K] [--min-p P] [--seed S] [--threads N] [--n-ctx C] [--no-think] [--reasoning-budget N]
+        [--reasoning-budget-message TEXT] [--stats] [--json]
         [--device auto|cpu|cuda] [--mode ...] [--gpu-memory-gib G[,G...]] [...]
 
 Each line read is a user turn (a line ending in a backslash goes on in the next); the reply streams as it is
@@ -10,7 +11,8 @@ continues from the KV rows the previous turn left, so a turn computes only what 
 no longer leaves room for a reply of --max-tokens in --n-ctx, its oldest turns are dropped. A thinking model's
 reasoning shows between <think> and </think>; the conversation keeps it as the reply's reasoning_content, which
 templates that keep history's reasoning (MiniMax-M2's) render back as the model wrote it and the others leave out;
---no-think closes a block the template opens. Commands: /reset forgets the conversation, /exit (or the end of the
+--no-think closes a block the template opens; --reasoning-budget N closes it for the model after N tokens of thought
+(after --reasoning-budget-message, if given), as llama-cli does. Commands: /reset forgets the conversation, /exit (or the end of the
 input) ends. Ctrl-C stops a reply (what it wrote so far stays in the conversation); at the prompt it ends.
 --json prints one JSON object per turn instead of the streamed text; --stats a line of counts and speed per turn.
 """
@@ -21,7 +23,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pocketmoe.cli_util import add_placement_args, error_line, placement_from_args, run_cli
@@ -40,10 +42,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_sampling_args(p, max_tokens=512, temperature=0.8)
     add_runtime_args(p)
     p.add_argument("--no-think", action="store_true", help="close a reasoning block the chat template opens")
+    p.add_argument("--reasoning-budget", type=int, default=-1,
+                   help="tokens of thought before the reasoning block is closed for the model (-1: no bound)")
+    p.add_argument("--reasoning-budget-message", default="",
+                   help="text written before the closing tag when the reasoning budget is spent")
     p.add_argument("--stats", action="store_true", help="a line of token counts and speed after each reply")
     p.add_argument("--json", action="store_true", help="one JSON object per turn instead of the streamed text")
     add_placement_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.reasoning_budget < -1:
+        raise PocketMoEError(f"--reasoning-budget must be -1 (no bound) or >= 0, got {args.reasoning_budget}; "
+                             "give the tokens of thought to allow.")
+    return args
 
 
 @dataclass
@@ -64,8 +74,10 @@ class Turn:
 class ChatSession:
     """A conversation over an LLM's single sequence: the messages so far, rendered whole each turn."""
 
-    def __init__(self, llm: Any, params: Any, system: str | None = None, think: bool = True) -> None:
+    def __init__(self, llm: Any, params: Any, system: str | None = None, think: bool = True, budget: int = -1,
+                 budget_message: str = "") -> None:
         self.llm, self.params, self.think = llm, params, think
+        self.budget, self.budget_message = budget, budget_message  # the reasoning budget (-1: none)
         self.system = [{"role": "system", "content": system}] if system else []
         self.history: list[dict[str, str]] = []  # user and assistant messages, in pairs
 
@@ -83,6 +95,7 @@ class ChatSession:
     def ask(self, text: str, on_text: Callable[[str], None] | None = None) -> Turn:
         """Answer one user message; on_text gets the reply's text as it streams (a forced-open reasoning block
         starts with its `<think>`)."""
+        from pocketmoe.engine.budget import ReasoningBudget
         from pocketmoe.engine.kv_cache import ContextLengthError
         from pocketmoe.engine.llm import CompletionOutput
         from pocketmoe.serve.reasoning import OPEN, split
@@ -100,8 +113,12 @@ class ChatSession:
         out = CompletionOutput(prompt_token_ids=[])
         if thinking and on_text is not None:
             on_text(OPEN)
+        params = self.params
+        if self.budget >= 0:
+            params = replace(params, reasoning_budget=ReasoningBudget.for_tokenizer(
+                self.llm.tokenizer, self.budget, self.budget_message, inside=thinking))
         try:
-            for chunk in self.llm.stream(ids, self.params, out):
+            for chunk in self.llm.stream(ids, params, out):
                 if on_text is not None and chunk.text:
                     on_text(chunk.text)
         except KeyboardInterrupt:
@@ -159,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"[pocketmoe] chatting with {llm.bundle.paths[0].name} ({llm.bundle.architecture}); "
               "/help lists the commands, Ctrl-D ends.", file=sys.stderr)
-    session = ChatSession(llm, params, args.system, think=not args.no_think)
+    session = ChatSession(llm, params, args.system, think=not args.no_think, budget=args.reasoning_budget,
+                          budget_message=args.reasoning_budget_message)
 
     def show(text: str) -> None:
         sys.stdout.write(text)

@@ -106,6 +106,7 @@ def test_streamed_text_and_stats(model, ref):
 @pytest.mark.parametrize("flags, needle", [
     (("--temperature", "-1"), "temperature"),
     (("--model", "/nonexistent/model.gguf"), "/nonexistent/model.gguf"),
+    (("--reasoning-budget", "-2"), "--reasoning-budget"),
 ])
 def test_bad_flags_are_one_line(model, flags, needle):
     r = chat(model, "Hi\n", *flags)
@@ -203,3 +204,28 @@ def test_reasoning_shows_and_stays_out_where_the_template_drops_it(model, ref, t
     assert turn.reply == "Paris."
     session.ask("And of Spain?")
     assert "<user>Capital of France?<assistant>Paris.<user>And of Spain?" in tok.decode(llm.prompts[-1])
+
+
+def test_reasoning_budget_closes_the_block_for_the_model(model, ref):
+    """--reasoning-budget: the reply's thought is the unbounded one's first tokens and the message, and the answer is
+    what the model writes after the closing tag (the engine given that text, with no budget)."""
+    from pocketmoe.chat import ChatSession
+
+    template, ref.tokenizer.chat_template = ref.tokenizer.chat_template, THINK_TEMPLATE  # it opens the block
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        free = ChatSession(ref, params).ask("Hi")
+        turn = ChatSession(ref, params, budget=5, budget_message=" Done.").ask("Hi")
+        tok = ref.tokenizer
+        ids, inside = ChatSession(ref, params)._render([{"role": "user", "content": "Hi"}])
+        assert inside
+        thought = ref.generate([ids], SamplingParams(temperature=0, max_tokens=5))[0].token_ids
+        # whole characters (on a cut inside one the count waits for it to end: test_reasoning_budget)
+        assert free.reasoning.startswith(tok.decode(thought).strip()) and "\ufffd" not in tok.decode(thought)
+        assert turn.reasoning == (tok.decode(thought) + " Done.").strip()
+        forced = ids + thought + tok.encode(" Done.</think>", add_bos=False, space_prefix=False)
+        after = ref.generate([forced], SamplingParams(temperature=0, max_tokens=24 - len(forced) + len(ids),
+                                                      ignore_eos=True))[0]
+        assert turn.reply == after.text.strip() and turn.completion_tokens == 24
+    finally:
+        ref.tokenizer.chat_template = template

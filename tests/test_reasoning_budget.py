@@ -64,7 +64,7 @@ def words(tok: Tokenizer, n: int, seed: int) -> list[int]:
     """n tokens of plain text, each whole characters (no '<')."""
     g = torch.Generator().manual_seed(seed)
     pool = [i for i in range(tok.vocab_size) if b"<" not in tok.token_to_piece(i) and i not in tok.eot_ids
-            and _whole(tok.token_to_piece(i))]
+            and tok.token_to_piece(i) and _whole(tok.token_to_piece(i))]
     return [pool[int(i)] for i in torch.randint(len(pool), (n,), generator=g)]
 
 
@@ -73,7 +73,7 @@ def _whole(piece: bytes) -> bool:
         piece.decode("utf-8")
     except UnicodeDecodeError:
         return False
-    return bool(piece)
+    return True
 
 
 def greedy(budget: ReasoningBudget | None = None) -> SamplingParams:
@@ -184,3 +184,94 @@ def test_bad_budgets_are_refused(tok: Tokenizer) -> None:
 def test_matcher_finds_a_tag_after_a_false_start() -> None:
     m = _Matcher((1, 2, 3))
     assert [m.push(t) for t in (1, 1, 2, 3, 2, 1, 2, 4, 1, 2, 3)] == [False] * 3 + [True] + [False] * 6 + [True]
+
+
+def test_live_server_bounds_the_thought(tmp_path) -> None:  # noqa: ANN001
+    """On the real engine, a template that opens the block: the server's --reasoning-budget and a request's own
+    budget (llama.cpp's, vLLM's and Anthropic's field) keep the unbounded output's first tokens (to a whole
+    character), then the message and the closing tag; what follows is what /v1/completions continues that text with,
+    and it comes back as the content."""
+    import anthropic
+    import openai
+
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.testing.live_server import LiveServer
+    from pocketmoe.testing.synth import write_fixture
+    from pocketmoe.testing.vocab import MINIMAX_SHAPED_TEMPLATE
+
+    model = write_fixture("minimax-m2", "tiny", "Q4_K_M", tmp_path / "m.gguf", seed=5)[0]
+    tok = Tokenizer.from_metadata(open_bundle(model).metadata)
+    (tmp_path / "t.jinja").write_text(MINIMAX_SHAPED_TEMPLATE)
+    args = ["--model", str(model), "--served-model-name", "tiny", "--max-model-len", "256", "--threads", "1",
+            "--chat-template", str(tmp_path / "t.jinja"), "--reasoning-budget", "6",
+            "--reasoning-budget-message", " Enough."]
+    msgs = [{"role": "user", "content": "hello world"}]
+    with LiveServer(args) as srv:
+        o = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def chat(**extra) -> tuple[list[int], list[int], openai.types.chat.ChatCompletionMessage]:  # noqa: ANN003
+            r = o.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=0,
+                                          extra_body={"return_token_ids": True, **extra})
+            return r.prompt_token_ids, r.choices[0].token_ids, r.choices[0].message
+
+        prompt, free, m = chat(thinking_budget_tokens=-1)
+        assert tok.decode(prompt).endswith("<think>\n") and len(free) == 30
+        assert m.content == "" and m.model_extra["reasoning_content"]  # all thought: it never closed the block
+        for extra, b, message in [({}, 6, " Enough."), ({"thinking_token_budget": 2}, 2, " Enough."),
+                                  ({"thinking_budget_tokens": 0, "thinking_budget_message": ""}, 0, "")]:
+            _, out, m = chat(**extra)
+            cut = b
+            while not _whole(b"".join(tok.token_to_piece(t) for t in free[:cut])):
+                cut += 1  # a character split over tokens is finished first
+            forced = ids(tok, message + "</think>")
+            assert out[:cut] == free[:cut] and out[cut:cut + len(forced)] == forced, extra
+            then = o.completions.create(model="tiny", prompt=prompt + out[:cut + len(forced)], temperature=0,
+                                        max_tokens=30 - cut - len(forced), extra_body={"return_token_ids": True})
+            assert out[cut + len(forced):] == then.choices[0].token_ids
+            assert m.model_extra["reasoning_content"] == (tok.decode(free[:cut]) + message).strip()
+            assert m.content == then.choices[0].text.lstrip()
+        a = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        r = a.messages.create(model="tiny", messages=msgs, max_tokens=30, thinking={"type": "enabled",
+                              "budget_tokens": 2}, extra_body={"temperature": 0})
+        same = chat(thinking_token_budget=2)[2]
+        assert r.content[0].type == "thinking" and r.content[0].thinking == same.model_extra["reasoning_content"]
+        assert r.content[1].type == "text" and r.content[1].text == same.content
+        with pytest.raises(openai.BadRequestError, match="differ"):
+            chat(thinking_token_budget=2, thinking_budget_tokens=3)
+
+
+def test_server_fields_and_flags(tok: Tokenizer) -> None:
+    """Which budget a request runs with: its own (either name), else the server's; none under a grammar (the block
+    is closed before the output starts); bad values are a 400 or a usage error."""
+    from fastapi.testclient import TestClient
+
+    from pocketmoe.serve.__main__ import parse_args
+    from pocketmoe.serve.api import ServerState, create_app
+    from pocketmoe.testing.scripted import ScriptedEngine
+
+    assert parse_args(["--reasoning-budget", "0"]).reasoning_budget == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--reasoning-budget", "-2"])
+    eng = ScriptedEngine(tok, "minimax-m2", "ok")
+    http = TestClient(create_app(ServerState(model_name="m", max_model_len=4096, engine=eng,  # type: ignore[arg-type]
+                                             tokenizer=tok, reasoning_budget=9, reasoning_budget_message="Hm.")))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+    def budget(body: dict, path: str = "/v1/chat/completions") -> ReasoningBudget | None:
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return eng.params[-1][0].reasoning_budget
+
+    b = budget(chat)
+    assert (b.tokens, b.inside, list(b.forced)) == (9, True, ids(tok, "Hm.</think>"))
+    assert budget({**chat, "thinking_token_budget": 3, "thinking_budget_message": ""}).forced == b.end
+    assert budget({**chat, "thinking_budget_tokens": -1}) is None
+    assert budget({**chat, "response_format": {"type": "json_object"}}) is None
+    assert budget({**chat, "reasoning_effort": "none"}).inside is False  # the block closed: a later one is bounded
+    assert budget({**chat, "thinking": {"type": "enabled", "budget_tokens": 4}}, "/v1/messages").tokens == 4
+    assert budget({**chat, "thinking": {"type": "adaptive"}}, "/v1/messages").tokens == 9
+    for bad, field in [({"thinking_budget_tokens": -2}, "thinking_budget_tokens"),
+                       ({"thinking_budget_message": "x" * 1025}, "thinking_budget_message"),
+                       ({"thinking_budget_tokens": 1, "thinking_token_budget": 2}, "thinking_token_budget")]:
+        r = http.post("/v1/chat/completions", json={**chat, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -464,7 +464,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "stream_options", "response_format", "user", "top_k", "min_p", "repeat_penalty", "ignore_eos", "suffix",
           "best_of", "tools", "tool_choice", "structured_outputs", "json_schema", "grammar", "min_tokens",
           "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "chat_template_kwargs",
-          "return_token_ids", "reasoning_effort",
+          "return_token_ids", "reasoning_effort", "thinking_budget_tokens", "thinking_token_budget",
+          "thinking_budget_message",
           "add_generation_prompt", "continue_final_message"]
 
 

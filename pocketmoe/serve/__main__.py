@@ -3,7 +3,7 @@
     python -m pocketmoe.serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
         [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
         [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N] [--reasoning-format auto|none]
-        [--responses-store-mib M]
+        [--responses-store-mib M] [--reasoning-budget N] [--reasoning-budget-message TEXT]
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 Without --model it serves the built-in demo model. The port opens at once (GET /health answers 503
@@ -67,6 +67,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reasoning-format", default="auto", choices=["auto", "none"],
                    help="auto: a thinking model's <think> block comes back as the message's reasoning_content (and "
                    "reasoning), apart from its content; none: all of it as content")
+    p.add_argument("--reasoning-budget", type=int, default=-1,
+                   help="at most this many tokens of a thinking model's <think> block, after which the block is "
+                   "closed for it and it answers (-1: no bound, the default; 0: closed as it opens); a request's "
+                   "thinking_budget_tokens, thinking_token_budget or Anthropic thinking.budget_tokens overrides it")
+    p.add_argument("--reasoning-budget-message", default="",
+                   help="text written before the closing tag when the reasoning budget is spent (say, ' Time to "
+                   "answer.'); a request's thinking_budget_message overrides it")
     p.add_argument("--responses-store-mib", type=float, default=DEFAULT_RESPONSES_STORE_MIB,
                    help="memory for the /v1/responses replies kept for previous_response_id and GET /v1/responses/ID "
                    f"(default {DEFAULT_RESPONSES_STORE_MIB}; the least recently used go first; 0: keep none)")
@@ -80,6 +87,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.reasoning_budget < -1:
+        p.error(f"--reasoning-budget must be -1 (no bound) or >= 0, got {args.reasoning_budget}")
     if not args.responses_store_mib >= 0:
         p.error(f"--responses-store-mib must be >= 0, got {args.responses_store_mib}")
     if not 0 <= args.port <= 65535:
@@ -251,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
     state = ServerState(model_name=name, max_model_len=0, api_key=args.api_key or None,
                         max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format,
+                        reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
                         responses=ResponseStore(int(args.responses_store_mib * 2**20)))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pocketmoe import __version__
 from pocketmoe.defaults import DEFAULT_RESPONSES_STORE_MIB
+from pocketmoe.engine.budget import ReasoningBudget
 from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError, TokenLogprob, logprob_entry
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError
@@ -100,6 +101,8 @@ class ServerState:
     load_error: str | None = None
     lost_rank: BaseException | None = None  # a tensor-parallel rank died (the server exits 1)
     reasoning_format: str = "auto"  # "auto": <think> blocks come back as reasoning_content; "none": as content
+    reasoning_budget: int = -1  # tokens of thought before the block is closed for the model (-1: no bound)
+    reasoning_budget_message: str = ""  # written before the closing tag when the budget is spent
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_RESPONSES_STORE_MIB << 20))
 
 
@@ -199,8 +202,8 @@ def _parse(model: type[Body], body: bytes) -> Body:
 
 
 def _sampling(req: SamplingFields, grammar: Grammar | None, max_tokens: int, vocab: int, n_prompt: int,
-              max_model_len: int, logprobs: int | None = None, prompt_logprobs: int | None = None
-              ) -> list[SamplingParams]:
+              max_model_len: int, logprobs: int | None = None, prompt_logprobs: int | None = None,
+              reasoning_budget: ReasoningBudget | None = None) -> list[SamplingParams]:
     if n_prompt + max_tokens > max_model_len:
         raise RequestError(f"the prompt has {n_prompt} tokens and max_tokens is {max_tokens}, {n_prompt + max_tokens} "
                            f"in all, but this server's context holds {max_model_len} (--max-model-len); shorten "
@@ -220,7 +223,7 @@ def _sampling(req: SamplingFields, grammar: Grammar | None, max_tokens: int, voc
         max_tokens=max_tokens, stop=req.stop_list(), ignore_eos=req.ignore_eos, logit_bias=tuple(bias), grammar=grammar,
         stop_token_ids=tuple(stop_ids), min_tokens=min(req.min_tokens, max_tokens),
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, reasoning_budget=reasoning_budget)
     return SamplingParams(**base, n=req.n, seed=None if req.seed is None else req.seed % 2**64).choices()
 
 
@@ -624,8 +627,12 @@ def create_app(state: ServerState) -> FastAPI:
         ids, grammar, fmt, thinking = await chat_ids(req, eng, tok, grammar)
         ids = await encode_prompt(tok, ids)
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
+        budget = req.thinking_budget(state.reasoning_budget)
+        message = state.reasoning_budget_message if req.thinking_budget_message is None else req.thinking_budget_message
+        bound = ReasoningBudget.for_tokenizer(tok, budget, message, inside=thinking) \
+            if budget >= 0 and grammar is None else None  # a grammar closes the block before the output starts
         params = _sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(ids), state.max_model_len,
-                           (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs)
+                           (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs, bound)
         return ids, params, fmt, thinking if state.reasoning_format == "auto" else None
 
     async def chat_reply(request: Request, req: ChatCompletionRequest, eng: Engine, tok: Tokenizer,

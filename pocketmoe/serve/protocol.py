@@ -34,6 +34,7 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_GRAMMAR_CHARS = 65536  # a regex or grammar's text (a JSON schema is bounded by the body cap)
 MAX_GRAMMAR_CHOICES = 1024  # structured_outputs.choice
 MAX_STOP_TOKEN_IDS = 64
+MAX_BUDGET_MESSAGE = 1024  # characters of thinking_budget_message
 # set by the request's own fields, or names of the rendering call's parameters
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
                                          "self", "source"})
@@ -275,6 +276,11 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     # OpenAI's; "none" renders the chat with enable_thinking false (a block the template opens is closed empty)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # tokens of thought before the block is closed for the model (-1: no bound; default: --reasoning-budget):
+    # llama.cpp's name and vLLM's, and the text written before the closing tag then
+    thinking_budget_tokens: Annotated[int, Field(ge=-1)] | None = None
+    thinking_token_budget: Annotated[int, Field(ge=-1)] | None = None
+    thinking_budget_message: Annotated[StrictStr, Field(max_length=MAX_BUDGET_MESSAGE)] | None = None
     # vLLM's chat extensions
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -289,6 +295,15 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
         self.forced_tool()
+        self.thinking_budget(-1)
+
+    def thinking_budget(self, default: int) -> int:
+        """The reasoning budget this request asks for (-1: no bound), else `default` (the server's)."""
+        given = {v for v in (self.thinking_budget_tokens, self.thinking_token_budget) if v is not None}
+        if len(given) > 1:
+            raise RequestError(f"thinking_budget_tokens ({self.thinking_budget_tokens}) and thinking_token_budget "
+                               f"({self.thinking_token_budget}) differ; give one of them.", "thinking_token_budget")
+        return given.pop() if given else default
 
     def forced_tool(self) -> tuple[bool, str | None]:
         """Whether tool_choice makes the output tool calls ("required", or a named function), and the name."""
