@@ -64,6 +64,13 @@ def test_models_and_health(server: LiveServer, client: openai.OpenAI) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
+    # llama-server's names for clients whose base URL leaves out /v1: the same answers
+    bare = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    assert [m.id for m in bare.models.list().data] == [NAME]
+    assert httpx.get(server.url + "/v1/health").json() == httpx.get(server.url + "/health").json() == {"status": "ok"}
+    msgs = [{"role": "user", "content": "hi"}]
+    assert bare.chat.completions.create(model=NAME, messages=msgs, max_tokens=4, temperature=0).choices[0].message \
+        == client.chat.completions.create(model=NAME, messages=msgs, max_tokens=4, temperature=0).choices[0].message
 
 
 def test_completion_matches_the_engine_alone(client: openai.OpenAI, llm: LLM) -> None:
@@ -394,7 +401,9 @@ def test_api_key_and_full_queue(model: Path) -> None:
         assert httpx.get(url).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer sekrit"}).status_code == 200
-        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == httpx.get(srv.url + "/v1/health").status_code == 200
+        assert httpx.get(srv.url + "/models").status_code == 401
+        assert httpx.post(srv.url + "/chat/completions", json={"messages": []}).status_code == 401
         assert httpx.post(srv.url + "/tokenize", json={"prompt": "x"}).status_code == 401
         for path in ("/completion", "/completions", "/apply-template"):  # llama.cpp's routes too
             assert httpx.post(srv.url + path, json={"prompt": "x"}).status_code == 401

@@ -75,10 +75,13 @@ log = logging.getLogger("pocketmoe.serve")
 Body = TypeVar("Body", bound=_Body)  # a request body type
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens",
              "/v1/messages", "/v1/messages/count_tokens", "/completion", "/completions", "/infill", "/tokenize",
-             "/detokenize", "/apply-template", "/props", "/health", "/metrics")
+             "/detokenize", "/apply-template", "/props", "/health", "/metrics", "/chat/completions", "/models",
+             "/v1/health")
 ANTHROPIC_ROUTES = "/v1/messages"
-# the routes --api-key guards (/completions too)
-GATED = ("/v1", "/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props")
+# the routes --api-key guards (/completions too), but llama-server's /v1/health
+GATED = ("/v1", "/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props", "/chat/completions",
+         "/models")
+PUBLIC = ("/v1/health",)
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 # a chat request made ready to run: prompt ids, its choices' params, its tool-call format, whether its output starts
@@ -151,7 +154,7 @@ class GateMiddleware:
         st = self.state
         headers = dict(scope["headers"])
         path = scope["path"]
-        if st.api_key is not None and path.startswith(GATED):
+        if st.api_key is not None and path.startswith(GATED) and path not in PUBLIC:
             auth = headers.get(b"authorization", b"").decode("latin-1")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             token = token or headers.get(b"x-api-key", b"").decode("latin-1").strip()  # Anthropic's clients
@@ -304,6 +307,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "max_model_len": state.max_model_len}
 
     @app.get("/health")
+    @app.get("/v1/health")  # llama-server's other name
     async def health() -> Response:
         if state.engine is not None and state.engine.alive:
             return JSONResponse({"status": "ok"})
@@ -314,6 +318,7 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
+    @app.get("/models")  # llama-server's, for clients whose base URL leaves out /v1
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
@@ -492,6 +497,7 @@ def create_app(state: ServerState) -> FastAPI:
                              "choices": out, "usage": usage, "system_fingerprint": None})
 
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")  # llama-server's, as /models
     async def chat(request: Request) -> Response:
         req, eng, tok, grammar = await accept(request, ChatCompletionRequest)
         _, out = await chat_reply(request, req, eng, tok, grammar)
