@@ -335,3 +335,32 @@ def test_infill_needs_fim_tokens():
     assert (r.status_code, r.json()["error"]["param"]) == (501, "suffix") and not eng.prompts
     http, _ = app_for(tok, "x", api_key="k")
     assert http.post("/infill", json={"input_prefix": "a"}).status_code == 401
+
+
+def test_spm_infill_puts_the_suffix_first(llm):
+    """--spm-infill: /infill and a /v1/completions suffix lay the prompt out suffix first (<｜fim▁hole｜> suffix,
+    then <｜fim▁begin｜> prefix, then <｜fim▁end｜>), the extra chunks and BOS where they were."""
+    from fastapi.testclient import TestClient
+
+    from pocketmoe.serve.__main__ import parse_args
+    from pocketmoe.serve.api import ServerState, create_app
+    from pocketmoe.testing.scripted import ScriptedEngine
+
+    assert parse_args(["--spm-infill"]).spm_infill and not parse_args([]).spm_infill
+    tok = llm.tokenizer
+    pre, suf, mid = (tok.tokens.index(t) for t in ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_bos=False, parse_special=False)
+
+    eng = ScriptedEngine(tok, "deepseek2", "x")
+    http = TestClient(create_app(ServerState(model_name="m", max_model_len=MAX_LEN, engine=eng,  # type: ignore[arg-type]
+                                             tokenizer=tok, spm_infill=True)))
+    extra = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}]
+    body = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\nprint(add(1, 2))\n", "prompt": "ret",
+            "input_extra": extra, "n_predict": 4}
+    assert http.post("/infill", json=body).status_code == 200
+    assert eng.prompts[-1] == [*enc("\n\n--- snippet ---\n\n"), *enc(extra[0]["text"]), tok.bos_id,
+                               suf, *enc(body["input_suffix"]), pre, *enc(body["input_prefix"]), *enc("ret"), mid]
+    assert http.post("/v1/completions", json={"prompt": "def f(", "suffix": "):", "max_tokens": 4}).status_code == 200
+    assert eng.prompts[-1] == [tok.bos_id, suf, *enc("):"), pre, *enc("def f("), mid]

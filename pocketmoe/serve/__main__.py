@@ -3,7 +3,7 @@
     python -m pocketmoe.serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
         [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
         [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N] [--reasoning-format auto|none]
-        [--responses-store-mib M] [--reasoning-budget N] [--reasoning-budget-message TEXT]
+        [--responses-store-mib M] [--reasoning-budget N] [--reasoning-budget-message TEXT] [--spm-infill]
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 Without --model it serves the built-in demo model. The port opens at once (GET /health answers 503
@@ -74,6 +74,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reasoning-budget-message", default="",
                    help="text written before the closing tag when the reasoning budget is spent (say, ' Time to "
                    "answer.'); a request's thinking_budget_message overrides it")
+    p.add_argument("--spm-infill", action="store_true",
+                   help="lay out fill-in-the-middle prompts (/infill, a /v1/completions suffix) suffix first, then "
+                   "prefix, then middle, as some code models were trained (default: prefix, suffix, middle)")
     p.add_argument("--responses-store-mib", type=float, default=DEFAULT_RESPONSES_STORE_MIB,
                    help="memory for the /v1/responses replies kept for previous_response_id and GET /v1/responses/ID "
                    f"(default {DEFAULT_RESPONSES_STORE_MIB}; the least recently used go first; 0: keep none)")
@@ -261,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     state = ServerState(model_name=name, max_model_len=0, api_key=args.api_key or None,
                         max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format,
                         reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
+                        spm_infill=args.spm_infill,
                         responses=ResponseStore(int(args.responses_store_mib * 2**20)))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

@@ -106,6 +106,7 @@ class ServerState:
     reasoning_format: str = "auto"  # "auto": <think> blocks come back as reasoning_content; "none": as content
     reasoning_budget: int = -1  # tokens of thought before the block is closed for the model (-1: no bound)
     reasoning_budget_message: str = ""  # written before the closing tag when the budget is spent
+    spm_infill: bool = False  # fill-in-the-middle prompts in suffix-prefix-middle order (--spm-infill)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_RESPONSES_STORE_MIB << 20))
 
 
@@ -459,7 +460,8 @@ def create_app(state: ServerState) -> FastAPI:
         if req.suffix:  # insertion: each prompt the text before, laid out with the suffix as the model fills in
             after = await asyncio.to_thread(tok.encode, req.suffix, False, False)
             prompts = [await encode_prompt(tok, fim_layout(
-                tok, await asyncio.to_thread(tok.encode, p, False, False) if isinstance(p, str) else p, after, "suffix"))
+                tok, await asyncio.to_thread(tok.encode, p, False, False) if isinstance(p, str) else p, after, "suffix",
+                state.spm_infill))
                 for p in req.prompts()]
         else:
             prompts = [await encode_prompt(tok, p) for p in req.prompts()]
@@ -706,7 +708,8 @@ def create_app(state: ServerState) -> FastAPI:
         t0 = time.perf_counter()
         req, eng, tok, grammar = await accept(request, model)
         if isinstance(req, InfillRequest):
-            prompts = [await encode_prompt(tok, await asyncio.to_thread(req.infill_ids, tok, state.max_model_len))]
+            prompts = [await encode_prompt(tok, await asyncio.to_thread(req.infill_ids, tok, state.max_model_len,
+                                                                        state.spm_infill))]
         else:
             pieces = req.prompts()
             if len(pieces) > MAX_COMPLETION_CHOICES:  # refused before any is tokenized

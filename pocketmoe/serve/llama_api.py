@@ -229,11 +229,12 @@ class InfillRequest(LlamaCompletionRequest):
     def prompts(self) -> list[list[str | int]]:
         raise AssertionError("an infill prompt is built from its parts (infill_ids)")
 
-    def infill_ids(self, tok: Tokenizer, n_ctx: int) -> list[int]:
+    def infill_ids(self, tok: Tokenizer, n_ctx: int, spm: bool = False) -> list[int]:
         """The prompt as llama-server lays it out: the extra chunks (a repo token and 'myproject', then per chunk a
         file-separator token and its name, or the snippet separator; then a separator and 'filename'), cut to their
         last tokens that fit, before fim_layout's prefix (its last tokens + the typed prompt) and suffix (its first
-        tokens). Parts are tokenized with no BOS and special-token texts as plain text."""
+        tokens), in suffix-prefix-middle order with spm (--spm-infill). Parts are tokenized with no BOS and
+        special-token texts as plain text."""
         fim = fim_tokens(tok, "input_prefix")
 
         def ids(part: str | list[str | int], field_name: str) -> list[int]:
@@ -257,7 +258,7 @@ class InfillRequest(LlamaCompletionRequest):
         n_prefix = min(len(prefix), 3 * (window // 4))
         n_suffix = min(len(suffix), max(0, window // 4 - (2 + len(typed))))
         n_predict = self.n_predict if self.n_predict is not None else (self.max_tokens or -1)
-        middle = fim_layout(tok, [*prefix[len(prefix) - n_prefix:], *typed], suffix[:n_suffix], "input_prefix")
+        middle = fim_layout(tok, [*prefix[len(prefix) - n_prefix:], *typed], suffix[:n_suffix], "input_prefix", spm)
         # (and never so many that the prompt leaves no room for n_predict, where llama-server would overflow)
         n_extra = min(max(0, n_ctx - window - 2 * n_predict), len(extra),
                       max(0, n_ctx - len(middle) - max(n_predict, 1)))
@@ -276,9 +277,12 @@ def fim_tokens(tok: Tokenizer, field_name: str) -> dict[str, int]:
     return tok.fim
 
 
-def fim_layout(tok: Tokenizer, prefix: list[int], suffix: list[int], field_name: str) -> list[int]:
-    """The fill-in-the-middle prompt (prefix-suffix-middle order): BOS as the file asks, FIM-prefix + prefix,
-    FIM-suffix + suffix, FIM-middle, after which the model writes the text between them."""
+def fim_layout(tok: Tokenizer, prefix: list[int], suffix: list[int], field_name: str, spm: bool = False
+               ) -> list[int]:
+    """The fill-in-the-middle prompt: BOS as the file asks, FIM-prefix + prefix, FIM-suffix + suffix (the two the
+    other way round with spm: llama-server's --spm-infill, the suffix-prefix-middle order some models were trained
+    on), FIM-middle, after which the model writes the text between them."""
     fim = fim_tokens(tok, field_name)
     bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
-    return [*bos, fim["pre"], *prefix, fim["suf"], *suffix, fim["mid"]]
+    before, after = [fim["pre"], *prefix], [fim["suf"], *suffix]
+    return [*bos, *(after + before if spm else before + after), fim["mid"]]
