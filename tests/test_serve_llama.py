@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from pocketmoe.engine.llm import LLM
-from pocketmoe.engine.sampler import SamplingParams
+from pocketmoe.engine.sampler import LLAMA_CHAIN, SamplingParams
 from pocketmoe.testing.live_server import LiveServer
 from pocketmoe.testing.synth import write_fixture
 
 MAX_LEN = 256
-LLAMA = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "penalty_last_n": 64}  # its defaults
+# its defaults, in its order (the filters at temperature 1, then the temperature)
+LLAMA = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "penalty_last_n": 64, "chain": LLAMA_CHAIN}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,33 @@ def test_llama_defaults_are_the_sampling_used(server, llm):
         assert out["stop_type"] == ("eos" if want.finish_reason == "stop" else "limit")
         s = out["generation_settings"]
         assert (s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seed"]) == (0.8, 40, 0.95, 0.05, seed)
+
+
+def test_samplers_set_the_chain(server, llm):
+    """samplers: llama.cpp's chain in the order given, the steps left out not run: llama.vim's ["top_k", "top_p",
+    "infill"] draws at temperature 1 (no temperature step) from what the infill step leaves; names or letters; the
+    samplers this engine lacks (at their off values) leave the chain."""
+    prompt = "def add(a, b):\n    return"
+    for seed in (2, 9):
+        want = llm.generate([prompt], SamplingParams(seed=seed, max_tokens=12, top_k=40, top_p=0.99, min_p=0.05,
+                                                     temperature=0.8, penalty_last_n=64,
+                                                     chain=("top_k", "top_p", "infill")))[0]
+        body = {"prompt": prompt, "n_predict": 12, "seed": seed, "top_k": 40, "top_p": 0.99}
+        out = post(server, {**body, "samplers": ["top_k", "top_p", "infill"]}).json()
+        assert out["content"] == want.text and out["generation_settings"]["samplers"] == ["top_k", "top_p", "infill"]
+        assert post(server, {**body, "samplers": "kpi"}).json()["content"] == want.text
+        assert post(server, {**body, "samplers": ["dry", "top-k", "nucleus", "xtc", "infill"]}).json()["content"] \
+            == want.text
+    want = llm.generate([prompt], SamplingParams(seed=4, max_tokens=8, top_k=5, temperature=0.5, penalty_last_n=64,
+                                                 chain=("temperature", "top_k")))[0]
+    out = post(server, {"prompt": prompt, "n_predict": 8, "seed": 4, "top_k": 5, "temperature": 0.5,
+                        "samplers": ["temperature", "top_k"]}).json()
+    assert out["content"] == want.text
+    for bad in (["top_k", "warp"], ["infill", "top_k"], "kz"):
+        r = post(server, {"prompt": prompt, "samplers": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "samplers", r.text
+    r = post(server, {"prompt": prompt, "samplers": ["top_k", "infill"], "top_k": 0})
+    assert r.status_code == 400 and "top_k" in r.json()["error"]["message"]
 
 
 def test_stop_word_and_stream(server, llm):

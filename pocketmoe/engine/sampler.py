@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 MAX_LOGPROBS = 20  # the most likely tokens one logprobs entry may list (vLLM's max_logprobs, OpenAI's top_logprobs)
 # vLLM's names: the model's own distribution, or the one a token is drawn from (llama.cpp's post_sampling_probs)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+# the steps of llama.cpp's sampler chain this engine runs, in an order a request gives (SamplingParams.chain)
+CHAIN_STEPS = ("penalties", "top_k", "top_p", "min_p", "temperature", "infill")
+LLAMA_CHAIN = ("penalties", "top_k", "top_p", "min_p", "temperature")  # llama.cpp's default order, these of it
+MAX_INFILL_CANDIDATES = 1024  # the infill step compares every pair of candidates' texts: a top_k ahead bounds them
 
 
 class SamplingParamsError(PocketMoEError, ValueError):
@@ -115,6 +119,10 @@ class SamplingParams:
     holding a newline once this many milliseconds have passed since its first token (0: off).
     reasoning_budget: at most this many tokens inside `<think>` blocks, then the sampler closes the block
     (engine/budget.py; None: no bound). Not with a grammar, which decides the output from its first token.
+    chain: llama.cpp's sampler order (its `samplers`), steps of CHAIN_STEPS, after the logit bias and the grammar; a
+    step left out does not run (no temperature step: the draw is at temperature 1, as in llama.cpp; temperature 0
+    there keeps the most likely token). "infill" is llama.cpp's fill-in-the-middle step (apply_infill), after a
+    top_k of at most MAX_INFILL_CANDIDATES. None: penalties, bias, grammar, temperature, top-k, top-p, min-p.
     """
 
     temperature: float = 1.0
@@ -142,11 +150,14 @@ class SamplingParams:
     n_indent: int = 0
     max_predict_ms: float = 0.0
     reasoning_budget: ReasoningBudget | None = None
+    chain: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.chain is not None:
+            object.__setattr__(self, "chain", tuple(self.chain))
         checks = [
             (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", ">= 0"),
             (self.top_k >= 0, "top_k", ">= 0 (0 turns it off)"),
@@ -170,6 +181,12 @@ class SamplingParams:
              ">= 0 (0 turns it off)"),
             (self.reasoning_budget is None or self.grammar is None, "reasoning_budget",
              "None with a grammar (which decides the output from its first token, so no reasoning block is open)"),
+            (self.chain is None or set(self.chain) <= set(CHAIN_STEPS), "chain",
+             f"None or steps of {', '.join(CHAIN_STEPS)}"),
+            (self.chain is None or "infill" not in self.chain or
+             0 < self.top_k <= MAX_INFILL_CANDIDATES and "top_k" in self.chain[:self.chain.index("infill")], "chain",
+             f"with infill after a top_k step, top_k in 1..{MAX_INFILL_CANDIDATES} (infill compares every pair of "
+             "candidates)"),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -185,7 +202,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """The output is the most likely token after the steps (temperature 0; in a chain, a temperature step)."""
+        return self.temperature == 0 if self.chain is None else "temperature" in self.chain and self.temperature <= 0
 
     @property
     def penalized(self) -> bool:
@@ -285,6 +303,65 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return torch.where(logits >= threshold, logits, torch.full_like(logits, -math.inf))
 
 
+def keep_max(logits: torch.Tensor) -> torch.Tensor:
+    """Temperature 0 in llama.cpp's chain: the largest logit alone (the first of ties), the rest -inf."""
+    out = torch.full_like(logits, -math.inf)
+    i = argmax(logits)
+    out[i] = logits[i]
+    return out
+
+
+def infill_vocab(tok: Tokenizer) -> tuple[torch.Tensor, list[bytes], int]:
+    """apply_infill's view of a vocabulary: which ids end generation, each id's text (control tokens none), and the
+    token it falls back to (end of turn, else end of sequence)."""
+    eog = torch.zeros(tok.vocab_size, dtype=torch.bool)
+    eog[list(tok.eot_ids)] = True
+    fallback = tok.eot_id if tok.eot_id is not None else tok.eos_id
+    if fallback is None:
+        raise SamplingParamsError("the infill step needs an end-of-turn or end-of-sequence token, which this model's "
+                                  "vocabulary lacks; leave infill out of samplers.")
+    return eog, [tok.token_to_piece(i, special=False) for i in range(tok.vocab_size)], fallback
+
+
+def apply_infill(logits: torch.Tensor, eog: torch.Tensor, pieces: Sequence[bytes], fallback: int) -> torch.Tensor:
+    """llama.cpp's infill step, for fill-in-the-middle (after a top-k: it compares every pair of candidates).
+    Over the candidates' probabilities: where the end-of-generation tokens hold more than 1 / (3 n) of the text
+    tokens' mass (n candidates), they alone stay. Otherwise, most likely first, a candidate whose text begins
+    another's takes that one's probability into the likelier of the two and the other is dropped; then a text token
+    stays only at probability 0.2 or more, and, among those left (renormalized), 1 / (text tokens left + 1) or more;
+    no text token left: the fallback token alone. The survivors keep their logits (the draw is over those)."""
+    ids = _descending(logits, logits.numel())  # the finite ones, most likely first
+    p = torch.softmax(logits[ids].double(), dim=-1)
+    end = eog[ids]
+    out = torch.full_like(logits, -math.inf)
+    if 3 * float(p[end].sum()) * len(ids) > float(p[~end].sum()):
+        out[ids[end]] = logits[ids[end]]
+        return out
+    prob = p.tolist()
+    text = [pieces[i] for i in ids.tolist()]
+    dropped = [False] * len(ids)
+    for a in range(len(ids)):
+        for b in range(len(ids)):
+            if dropped[a]:
+                break
+            if a == b or dropped[b] or not text[a] or not text[b].startswith(text[a]):
+                continue
+            into, src = (b, a) if prob[b] > prob[a] else (a, b)
+            prob[into] += prob[src]
+            prob[src], dropped[src] = 0.0, True
+    keep = [i for i in range(len(ids)) if end[i] or prob[i] >= 0.2]
+    n_text = sum(1 for i in keep if not end[i])
+    if n_text == 0:
+        out[fallback] = 1.0
+        return out
+    total = sum(prob[i] for i in keep)
+    keep = [i for i in keep if end[i] or prob[i] / total >= 1.0 / (n_text + 1)]
+    for i in keep:
+        if not dropped[i]:
+            out[ids[i]] = logits[ids[i]]
+    return out
+
+
 def argmax(x: torch.Tensor) -> int:
     """The index of the largest value (the first of ties), as torch.argmax gives it; through numpy, which takes
     5 us for a 102400-token row where torch.argmax takes 130 (a CPU vocabulary row, each token of each sequence)."""
@@ -319,6 +396,11 @@ class Sampler:
             self.constraint = Constraint(params.grammar, tokenizer)
         self._drawn_from: tuple[torch.Tensor | None, torch.Tensor] | None = None  # the last draw's _candidates
         self.budget = BudgetTracker(params.reasoning_budget, tokenizer) if params.reasoning_budget else None
+        self._infill: tuple[torch.Tensor, list[bytes], int] | None = None  # apply_infill's view of the vocabulary
+        if params.chain is not None and "infill" in params.chain:
+            if tokenizer is None:
+                raise SamplingParamsError("a sampler with the infill step needs the model's tokenizer.")
+            self._infill = infill_vocab(tokenizer)
         self.generator = torch.Generator(device="cpu")
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -338,7 +420,8 @@ class Sampler:
         """(ids, their processed logits): after top-k (or a grammar) only the tokens still in the draw, ids ascending,
         so top-p, min-p and the draw run on a few values instead of the vocabulary; ids None: x is [V]."""
         p = self.params
-        x = apply_penalties(logits.detach().to("cpu", torch.float32).reshape(-1), history, p)
+        x = logits.detach().to("cpu", torch.float32).reshape(-1)
+        x = apply_penalties(x, history, p) if p.chain is None or "penalties" in p.chain else x.clone()
         if p.logit_bias:
             ids, bias = zip(*p.logit_bias, strict=True)
             x[torch.tensor(ids)] += torch.tensor(bias, dtype=torch.float32)
@@ -346,6 +429,8 @@ class Sampler:
             self.constraint.mask_(x)
         elif self.drawn < p.min_tokens and len(self._end_ids):
             x[self._end_ids[self._end_ids < x.numel()]] = -math.inf
+        if p.chain is not None:
+            return self._chain(x)
         if p.greedy:
             return None, x
         x = apply_top_k(x / p.temperature, p.top_k)
@@ -355,13 +440,32 @@ class Sampler:
             x = x[kept]
         return kept, apply_min_p(apply_top_p(x, p.top_p), p.min_p)
 
+    def _chain(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """_candidates for params.chain: its steps in its order on x [V] (penalized, biased, masked)."""
+        p = self.params
+        for step in p.chain or ():
+            if step == "top_k":
+                x = apply_top_k(x, p.top_k)
+            elif step == "top_p":
+                x = apply_top_p(x, p.top_p)
+            elif step == "min_p":
+                x = apply_min_p(x, p.min_p)
+            elif step == "temperature":
+                x = x / p.temperature if p.temperature > 0 else keep_max(x)
+            elif step == "infill":
+                assert self._infill is not None
+                x = apply_infill(x, *self._infill)
+        kept = torch.nonzero(x > -math.inf).flatten()
+        return kept, x[kept]
+
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         p = self.params
         forced = self.budget.forced() if self.budget is not None else None
         if forced is not None:  # the reasoning budget is spent: its message and closing tag, drawn with probability 1
             token = forced
             self._drawn_from = None
-        elif p.greedy and not p.penalized and not p.logit_bias and self.constraint is None and self.drawn >= p.min_tokens:
+        elif p.greedy and not p.penalized and not p.logit_bias and self.constraint is None and \
+                self.drawn >= p.min_tokens and self._infill is None:
             token = argmax(logits)  # argmax of the logits as they are
             self._drawn_from = None
         else:

@@ -27,7 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pocketmoe import __version__
 from pocketmoe.defaults import DEFAULT_RESPONSES_STORE_MIB
 from pocketmoe.engine.budget import ReasoningBudget
-from pocketmoe.engine.sampler import SamplingParams, SamplingParamsError, TokenLogprob, logprob_entry
+from pocketmoe.engine.sampler import (
+    LLAMA_CHAIN,
+    SamplingParams,
+    SamplingParamsError,
+    TokenLogprob,
+    logprob_entry,
+)
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError
 from pocketmoe.serve.llama_api import DEFAULTS as LLAMA_DEFAULTS
@@ -822,7 +828,7 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({
             "default_generation_settings": {"n_ctx": state.max_model_len, "model": state.model_name,
                                             "params": {**LLAMA_DEFAULTS, "repeat_last_n": 64, "n_predict": -1,
-                                                       "seed": -1, "n_probs": 0}},
+                                                       "seed": -1, "n_probs": 0, "samplers": list(LLAMA_CHAIN)}},
             "total_slots": eng.cfg.max_num_seqs, "model_alias": state.model_name,
             "model_path": eng.runner.bundle.paths[0].name, "chat_template": tok.chat_template or "",
             "bos_token": token(tok.bos_id), "eos_token": token(tok.eos_id),

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictStr
 
-from pocketmoe.engine.sampler import SamplingParams
+from pocketmoe.engine.sampler import LLAMA_CHAIN, MAX_INFILL_CANDIDATES, SamplingParams
 from pocketmoe.engine.structured import Grammar
 from pocketmoe.serve.protocol import MAX_TOP_LOGPROBS, NonNegInt, RequestError, SamplingFields, _Body
 from pocketmoe.tokenizer import Tokenizer
@@ -29,6 +29,14 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repe
 OFF_VALUES = {"mirostat": 0, "typical_p": 1.0, "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
               "top_n_sigma": -1.0}
 RANDOM_SEED = -1  # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF as an int32)
+# `samplers`: llama.cpp's names (and the other spellings it reads) and one-letter codes, to its chain's steps; the
+# steps this engine lacks run only at their off values (OFF_VALUES), so they leave the chain
+SAMPLER_NAMES = {"penalties": "penalties", "top_k": "top_k", "top-k": "top_k", "top_p": "top_p", "top-p": "top_p",
+                 "nucleus": "top_p", "min_p": "min_p", "min-p": "min_p", "temperature": "temperature",
+                 "temp": "temperature", "infill": "infill", "dry": None, "typ_p": None, "typical_p": None,
+                 "typical-p": None, "typical": None, "typ-p": None, "typ": None, "xtc": None, "top_n_sigma": None}
+SAMPLER_CODES = {"e": "penalties", "k": "top_k", "p": "top_p", "m": "min_p", "t": "temperature", "i": "infill",
+                 "d": None, "y": None, "x": None, "s": None}
 # /infill's window for the text around the cursor: llama-server's n_batch (2048), or half the context where that
 # is less; the prefix's last 3/4 of it, the suffix's first 1/4 less the typed prompt; the extra context fills the
 # rest of the context but 2 x n_predict
@@ -62,6 +70,9 @@ class LlamaCompletionRequest(SamplingFields):
     response_fields: Annotated[list[StrictStr], Field(max_length=256)] | None = None
     skip_special_tokens: bool = True  # llama-server writes no control token's text unless started with --special
     t_max_predict_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0  # end at a newline after this long
+    # the sampler chain's order: names (llama.vim sends ["top_k", "top_p", "infill"]) or one-letter codes ("kpmt");
+    # default llama.cpp's (penalties, top_k, top_p, min_p, temperature: the filters before the temperature)
+    samplers: Annotated[list[StrictStr], Field(max_length=32)] | Annotated[StrictStr, Field(max_length=32)] | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -80,6 +91,26 @@ class LlamaCompletionRequest(SamplingFields):
         if self.prompt_logprobs is not None:
             raise RequestError("prompt_logprobs belongs to /v1/completions and /v1/chat/completions; /completion "
                                "reports the generated tokens' probabilities (n_probs).", "prompt_logprobs")
+        self.chain()
+
+    def chain(self) -> tuple[str, ...]:
+        """The sampler chain `samplers` gives (llama.cpp's default without it), in the engine's step names."""
+        if self.samplers is None:
+            return LLAMA_CHAIN
+        table, names = (SAMPLER_CODES, list(self.samplers)) if isinstance(self.samplers, str) else \
+            (SAMPLER_NAMES, self.samplers)
+        unknown = [n for n in names if n not in table]
+        if unknown:
+            raise RequestError(f"samplers has {unknown[0]!r}, which is not one of llama.cpp's ("
+                               f"{', '.join(k for k in table)}).", "samplers")
+        chain = tuple(step for n in names if (step := table[n]) is not None)
+        if "infill" in chain:
+            top_k = DEFAULTS["top_k"] if self.top_k is None else self.top_k
+            if "top_k" not in chain[:chain.index("infill")] or not 0 < top_k <= MAX_INFILL_CANDIDATES:
+                raise RequestError(f"the infill sampler compares every pair of candidates, so it needs a top_k in "
+                                   f"1..{MAX_INFILL_CANDIDATES} ahead of it in samplers (as llama.vim sends "
+                                   "[\"top_k\", \"top_p\", \"infill\"]).", "samplers")
+        return chain
 
     def several(self) -> bool:
         """Whether the prompt is a list of prompts (answered with a list): a list with no token id at its top
@@ -140,7 +171,7 @@ class LlamaCompletionRequest(SamplingFields):
             stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=min(self.min_tokens, max_tokens),
             skip_special_tokens=self.skip_special_tokens, logprobs=self.n_probs or None,
             logprobs_mode="processed_logprobs" if self.post_sampling_probs else "raw_logprobs",
-            n_indent=self.n_indent, max_predict_ms=float(self.t_max_predict_ms))
+            n_indent=self.n_indent, max_predict_ms=float(self.t_max_predict_ms), chain=self.chain())
 
     def settings(self, params: SamplingParams, n_ctx: int, model: str) -> dict[str, Any]:
         """generation_settings: what the request ran with."""
@@ -153,7 +184,7 @@ class LlamaCompletionRequest(SamplingFields):
                 "post_sampling_probs": self.post_sampling_probs, "stream": self.stream,
                 "logit_bias": [[t, b if b != float("-inf") else False] for t, b in params.logit_bias],
                 "grammar": self.grammar or "", "cache_prompt": self.cache_prompt, "n_indent": params.n_indent,
-                "t_max_predict_ms": params.max_predict_ms}
+                "t_max_predict_ms": params.max_predict_ms, "samplers": list(params.chain or ())}
 
 
 def pick_fields(paths: list[str], result: dict[str, Any]) -> dict[str, Any]:

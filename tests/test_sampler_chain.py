@@ -1,0 +1,143 @@
+"""llama.cpp's sampler chain (a request's `samplers`) against llama.cpp's own samplers, run through llama-cpp-python's
+C API on the same candidates: after each chain, in any order, the same tokens are left with the same logits (so the
+draw, a softmax over those, is over the same distribution), the infill step included."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pocketmoe.engine.sampler import Sampler, SamplingParams, SamplingParamsError, apply_infill, infill_vocab
+from pocketmoe.gguf import open_bundle
+from pocketmoe.testing.synth import write_fixture
+from pocketmoe.tokenizer import Tokenizer
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+
+@pytest.fixture(scope="module")
+def vocab(tmp_path_factory):  # noqa: ANN201
+    """(our tokenizer, llama.cpp's vocabulary) of one GGUF file."""
+    path = write_fixture("deepseek2", "tiny", "Q8_0", tmp_path_factory.mktemp("chain") / "m.gguf")[0]
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    assert model
+    yield Tokenizer.from_metadata(open_bundle(path).metadata), llama_cpp.llama_model_get_vocab(model)
+    llama_cpp.llama_model_free(model)
+
+
+def theirs(lib_vocab, logits: torch.Tensor, chain: tuple[str, ...], p: SamplingParams) -> dict[int, float]:  # noqa: ANN001
+    """The candidates llama.cpp's samplers leave, in this order, given the finite logits: {id: logit}."""
+    given = [(i, v) for i, v in enumerate(logits.tolist()) if v > -math.inf]
+    n = len(given)
+    arr = (llama_cpp.llama_token_data * n)(*[llama_cpp.llama_token_data(i, v, 0.0) for i, v in given])
+    cur = llama_cpp.llama_token_data_array(arr, n, -1, False)
+    make = {"top_k": lambda: llama_cpp.llama_sampler_init_top_k(p.top_k),
+            "top_p": lambda: llama_cpp.llama_sampler_init_top_p(p.top_p, 1),
+            "min_p": lambda: llama_cpp.llama_sampler_init_min_p(p.min_p, 1),
+            "temperature": lambda: llama_cpp.llama_sampler_init_temp(p.temperature),
+            "infill": lambda: llama_cpp.llama_sampler_init_infill(lib_vocab)}
+    for step in chain:
+        s = make[step]()
+        llama_cpp.llama_sampler_apply(s, ctypes.byref(cur))
+        llama_cpp.llama_sampler_free(s)
+    return {cur.data[i].id: cur.data[i].logit for i in range(cur.size) if cur.data[i].logit > -math.inf}
+
+
+def ours(tok: Tokenizer, logits: torch.Tensor, p: SamplingParams) -> dict[int, float]:
+    ids, x = Sampler(p, tok)._candidates(logits, [])
+    return dict(zip(ids.tolist(), x.tolist(), strict=True))
+
+
+def scene(tok: Tokenizer, rng: random.Random) -> torch.Tensor:
+    """Logits where tokens whose texts begin one another are among the likeliest, and the end of generation now and
+    then too (so every branch of the infill step is taken)."""
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    x = torch.randn(tok.vocab_size, generator=g) * rng.choice([0.5, 1.0, 3.0])
+    pieces = [tok.token_to_piece(i, special=False) for i in range(tok.vocab_size)]
+    by_text = {t: i for i, t in enumerate(pieces) if t}
+    for _ in range(rng.randrange(1, 5)):
+        long = rng.choice([i for i, t in enumerate(pieces) if len(t) >= 3])
+        for k in range(1, len(pieces[long]) + 1):
+            if pieces[long][:k] in by_text:
+                x[by_text[pieces[long][:k]]] = 4.0 + rng.random() * 3
+    if rng.random() < 0.4:
+        x[list(tok.eot_ids)] = 3.0 + rng.random() * 5
+    return x
+
+
+def test_every_order_leaves_llama_cpps_candidates(vocab) -> None:  # noqa: ANN001
+    tok, lib_vocab = vocab
+    rng = random.Random(0)
+    orders = [o for n in range(1, 6) for o in itertools.permutations(
+        ("top_k", "top_p", "min_p", "temperature", "infill"), n)
+        if "infill" not in o or "top_k" in o[:o.index("infill")]]
+    checked = set()
+    for trial in range(400):
+        chain = rng.choice(orders)
+        p = SamplingParams(temperature=rng.choice([0.0, 0.3, 0.8, 1.7]), top_k=rng.choice([5, 40, 200]),
+                           top_p=rng.choice([0.5, 0.9, 0.99, 1.0]), min_p=rng.choice([0.0, 0.05, 0.2]),
+                           chain=chain)
+        x = scene(tok, rng)
+        want, got = theirs(lib_vocab, x, chain, p), ours(tok, x, p)
+        assert got.keys() == want.keys(), (trial, chain)
+        assert all(math.isclose(got[i], want[i], rel_tol=1e-6, abs_tol=1e-6) for i in got), (trial, chain)
+        checked.add(len(got))
+    assert len(checked) > 5  # from one token left to many
+
+
+def test_infill_branches_against_llama_cpp(vocab) -> None:  # noqa: ANN001
+    """The three ends of the infill step, each seen: the end of generation alone, merged prefixes and thresholds,
+    and no text left (the end-of-turn token alone, whatever the candidates)."""
+    tok, lib_vocab = vocab
+    eog, pieces, fallback = infill_vocab(tok)
+    rng = random.Random(1)
+    seen = set()
+    for _ in range(300):
+        x = scene(tok, rng)
+        x = torch.where(x >= torch.topk(x, 40).values[-1], x, torch.full_like(x, -math.inf))
+        got = apply_infill(x, eog, pieces, fallback)
+        kept = {i: v for i, v in enumerate(got.tolist()) if v > -math.inf}
+        assert kept == pytest.approx(theirs(lib_vocab, x, ("infill",), SamplingParams()))
+        seen.add("eog" if set(kept) <= set(tok.eot_ids) and kept != {fallback: 1.0} else
+                 "fallback" if kept == {fallback: 1.0} else "text")
+    assert seen == {"eog", "fallback", "text"}
+
+
+def test_chain_rules(vocab) -> None:  # noqa: ANN001
+    tok, _ = vocab
+    with pytest.raises(SamplingParamsError, match="chain"):
+        SamplingParams(chain=("top_k", "dry"))
+    with pytest.raises(SamplingParamsError, match="infill"):
+        SamplingParams(top_k=40, chain=("infill", "top_k"))
+    with pytest.raises(SamplingParamsError, match="infill"):
+        SamplingParams(top_k=0, chain=("top_k", "infill"))
+    with pytest.raises(SamplingParamsError, match="tokenizer"):
+        Sampler(SamplingParams(top_k=40, chain=("top_k", "infill")))
+    x = scene(tok, random.Random(2))
+    # no temperature step: temperature 0 is not greedy (llama.cpp then draws at temperature 1)
+    p = SamplingParams(temperature=0.0, top_k=40, chain=("top_k",))
+    assert not p.greedy and len(ours(tok, x, p)) == 40
+    # with one, temperature 0 keeps the most likely token, wherever the step is
+    p = SamplingParams(temperature=0.0, top_k=40, chain=("temperature", "top_k"))
+    assert p.greedy and list(ours(tok, x, p)) == [int(x.argmax())]
+    # penalties run only where the chain has them
+    hist = [int(x.argmax())] * 3
+    plain = SamplingParams(temperature=1.0, repetition_penalty=1.5, chain=("temperature",))
+    assert Sampler(plain, tok)._candidates(x, hist)[1].tolist() == x.tolist()
+    assert Sampler(SamplingParams(temperature=1.0, repetition_penalty=1.5, chain=("penalties", "temperature")),
+                   tok)._candidates(x, hist)[1].tolist() != x.tolist()
+
+
+def test_fixture_has_what_the_checks_need(vocab, tmp_path: Path) -> None:  # noqa: ANN001
+    tok, _ = vocab
+    pieces = [tok.token_to_piece(i, special=False) for i in range(tok.vocab_size)]
+    assert sum(1 for a in pieces for b in pieces if a and a != b and b.startswith(a)) > 100
+    assert tok.eot_id is not None and not pieces[tok.eot_id]
