@@ -653,6 +653,17 @@ def test_vllm_sampling_and_template_extras(server: LiveServer, client: openai.Op
         assert e.status_code == 400 and e.json()["error"]["param"] == param, (extra, e.text)
 
 
+def test_llama_server_flag_spellings() -> None:
+    from pocketmoe.serve.__main__ import parse_args
+
+    theirs = parse_args(["-m", "x.gguf", "-c", "8192", "-np", "4", "-t", "2", "-a", "foo", "--chat-template-file", "t"])
+    ours = parse_args(["--model", "x.gguf", "--max-model-len", "8192", "--max-num-seqs", "4", "--threads", "2",
+                       "--served-model-name", "foo", "--chat-template", "t"])
+    assert vars(theirs) == vars(ours) and ours.max_model_len == 8192
+    assert vars(parse_args(["--ctx-size", "64", "--parallel", "2", "--alias", "a"])) == vars(parse_args(
+        ["--max-model-len", "64", "--max-num-seqs", "2", "--served-model-name", "a"]))
+
+
 def test_prefix_caching_flag() -> None:
     from pocketmoe.serve.__main__ import parse_args
 
