@@ -11,7 +11,9 @@ computing them again (`attach`), the way vLLM's automatic prefix caching and lla
 Pages are reference-counted (each sequence holding a page, and the index, count one); a page only the
 index holds is evictable: it counts as free, and `reserve` takes the least recently used of them when
 the free list runs out. Only full pages are shared, and a sequence writes only positions past the pages
-it attached, so a shared page is never written.
+it attached, so a shared page is never written. With a `store` (engine/prefix_store.py) each page the index
+takes is also kept in a file, and `attach` reads the pages the pool no longer holds (or never held: a restarted
+server's) from there into free pages.
 
 Legend: L layers, P cache rows (pages * page size), W values per row.
 """
@@ -21,11 +23,15 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pocketmoe.errors import PocketMoEError
+
+if TYPE_CHECKING:
+    from pocketmoe.engine.prefix_store import PrefixStore
 
 PAGE = 16  # positions per page
 
@@ -71,6 +77,7 @@ class PagedKVCache:
         self._page_key: dict[int, bytes] = {}  # indexed page -> its digest
         self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed pages no sequence holds, oldest first
         self._committed: dict[object, tuple[int, bytes]] = {}  # seq -> (its pages looked at by commit, last digest)
+        self.store: PrefixStore | None = None  # the index's pages kept in files too (the second tier)
 
     @classmethod
     def for_bytes(cls, n_layer: int, width: int, budget_bytes: int, max_seq_len: int,
@@ -170,6 +177,8 @@ class PagedKVCache:
             self._index[digest] = page
             self._page_key[page] = digest
             self._ref[page] += 1
+            if self.store is not None and digest not in self.store:
+                self.store.save(digest, self.page_rows(page))
         if full > done:
             self._committed[seq] = (full, digest)
 
@@ -183,18 +192,39 @@ class PagedKVCache:
         for i in range(len(tokens) // self.page):
             nxt = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
             page = self._index.get(nxt)
-            if page is None:
+            if page is None and (page := self._load(nxt)) is None:
                 break
+            self._hold(page)  # held as found: reading the next from the store may evict an unheld one
             found.append(page)
             digest = nxt
         if not found:
             return 0
-        for page in found:
-            self._hold(page)
         self._pages[seq] = found
         self._length[seq] = len(found) * self.page
         self._committed[seq] = (len(found), digest)
         return len(found) * self.page
+
+    def _load(self, digest: bytes) -> int | None:
+        """A page holding the store's rows for `digest`, indexed under it (None: the store lacks them, or no page is
+        free or evictable)."""
+        if self.store is None or digest not in self.store or not (self._free or self._evictable):
+            return None
+        rows = self.store.load(digest)
+        if rows is None:
+            return None
+        if not self._free:
+            self._evict_one()
+        page = self._free.pop()
+        for layer, layer_rows in zip(self._layers, rows, strict=True):
+            layer[page * self.page:(page + 1) * self.page] = layer_rows.to(layer.device, layer.dtype)
+        self._ref[page] = 1  # the index's
+        self._index[digest] = page
+        self._page_key[page] = digest
+        return page
+
+    def page_rows(self, page: int) -> torch.Tensor:
+        """[L, page, W] on the CPU: one page's rows in every layer."""
+        return torch.stack([layer[page * self.page:(page + 1) * self.page].cpu() for layer in self._layers])
 
     @staticmethod
     def _digest(parent: bytes, tokens: Sequence[int]) -> bytes:

@@ -18,6 +18,7 @@ import torch
 
 from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
 from pocketmoe.engine.kv_cache import PAGE, ContextLengthError, PagedKVCache
+from pocketmoe.engine.prefix_store import PrefixStore, model_key
 from pocketmoe.engine.step import SeqChunk, Step, StepContext
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.gguf import GGUFBundle
@@ -62,6 +63,9 @@ class RunnerConfig:
     placement: RunPlacement | None = None
     expert_rates: Any = None           # experts.Rates for the dispatcher's cost model; None: calibrated
     copy_delay: Callable[[int, int], None] | None = None  # called before each staged copy (tests)
+    # the prefix cache's pages kept in files under this directory too, within this many bytes (prefix_store.py)
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
         if self.n_ctx <= 0 or self.chunk_size <= 0 or self.max_seqs <= 0:
@@ -79,6 +83,8 @@ class RunnerConfig:
             object.__setattr__(self, "cache_roles", tuple(Role(r) for r in self.cache_roles))
         if self.kv_dtype not in KV_DTYPES:
             raise PocketMoEError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}.")
+        if self.prefix_cache_disk_bytes < 0:
+            raise PocketMoEError(f"prefix_cache_disk_bytes must be >= 0, got {self.prefix_cache_disk_bytes}.")
 
 
 def load_spec(bundle: GGUFBundle) -> ModelSpec:
@@ -162,6 +168,7 @@ class ModelRunner:
         if len(set(layer_devices)) > 1 and self.parallel.world == 1:
             kv_device = layer_devices
         self._kv_layout = (self.model.n_layer, width, KV_DTYPES[cfg.kv_dtype], kv_device)
+        self.store = self._prefix_store()
         self.cache = self._new_cache(cfg.kv_cache_bytes)
         self.numa = self._place_host_experts()
         # Embedding rows are read one per token in no order: without this, each new token id of a large
@@ -173,13 +180,32 @@ class ModelRunner:
             self._hello()
 
     def _new_cache(self, kv_cache_bytes: int | None) -> PagedKVCache:
-        """A KV pool of kv_cache_bytes (None: cfg.max_seqs sequences of n_ctx)."""
+        """A KV pool of kv_cache_bytes (None: cfg.max_seqs sequences of n_ctx), over the runner's prefix store."""
         n_layer, width, dtype, device = self._kv_layout
         n_ctx = self.cfg.n_ctx
         if kv_cache_bytes is None:
             pages = self.cfg.max_seqs * -(-n_ctx // PAGE)
-            return PagedKVCache(n_layer, width, pages, n_ctx, dtype, device=device)
-        return PagedKVCache.for_bytes(n_layer, width, kv_cache_bytes, n_ctx, dtype, device=device)
+            cache = PagedKVCache(n_layer, width, pages, n_ctx, dtype, device=device)
+        else:
+            cache = PagedKVCache.for_bytes(n_layer, width, kv_cache_bytes, n_ctx, dtype, device=device)
+        cache.store = self.store
+        return cache
+
+    def _prefix_store(self) -> PrefixStore | None:
+        """cfg.prefix_cache_dir's store for this model, backend and KV layout (None without the directory)."""
+        if self.cfg.prefix_cache_dir is None:
+            return None
+        if self.parallel.world > 1:
+            raise PocketMoEError("a prefix cache directory is not available with tensor parallelism (each rank holds "
+                                 "a shard of every KV row); leave --prefix-cache-dir out.")
+        n_layer, width, dtype, _ = self._kv_layout
+        key = model_key(self.bundle, type(self.ops).__name__, (n_layer, PAGE, width, dtype))
+        try:
+            return PrefixStore(self.cfg.prefix_cache_dir, key, (n_layer, PAGE, width), dtype,
+                               self.cfg.prefix_cache_disk_bytes)
+        except OSError as e:
+            raise PocketMoEError(f"the prefix cache directory {self.cfg.prefix_cache_dir} cannot be used ({e}); give "
+                                 "a directory this user can write.") from None
 
     def resize_kv(self, kv_cache_bytes: int) -> None:
         """Replace the KV pool by one of kv_cache_bytes; every sequence's rows are dropped (LLM's first batch)."""

@@ -4,6 +4,7 @@
         [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
         [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N] [--reasoning-format auto|none]
         [--responses-store-mib M] [--reasoning-budget N] [--reasoning-budget-message TEXT] [--spm-infill]
+        [--prefix-cache-dir DIR] [--prefix-cache-disk-gib G]
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 llama-server's spellings of the same flags work too: -m, -a / --alias, -c / --ctx-size (the context of each
@@ -65,6 +66,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "turns, a shared system prompt) (default: on with the native CPU kernels, whose rows are bitwise "
                    "the same however a prompt is chunked; off with the torch reference and CUDA ops, whose rows "
                    "can differ in the last bits)")
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="keep the prefix cache's KV pages in files here too, so a restarted server (or one whose pool "
+                   "dropped them) reads a long prompt's rows instead of computing them again; needs prefix caching")
+    p.add_argument("--prefix-cache-disk-gib", type=float, default=16.0,
+                   help="bytes the files in --prefix-cache-dir may take, GiB (default 16; least recently used go "
+                   "first)")
     p.add_argument("--reasoning-format", default="auto", choices=["auto", "none"],
                    help="auto: a thinking model's <think> block comes back as the message's reasoning_content (and "
                    "reasoning), apart from its content; none: all of it as content")
@@ -93,6 +100,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if args.reasoning_budget < -1:
         p.error(f"--reasoning-budget must be -1 (no bound) or >= 0, got {args.reasoning_budget}")
+    if not args.prefix_cache_disk_gib >= 0:
+        p.error(f"--prefix-cache-disk-gib must be >= 0, got {args.prefix_cache_disk_gib}")
     if not args.responses_store_mib >= 0:
         p.error(f"--responses-store-mib must be >= 0, got {args.responses_store_mib}")
     if not 0 <= args.port <= 65535:
@@ -133,7 +142,8 @@ def runner_config(args: argparse.Namespace, budget: int, max_len: int):  # noqa:
 
     return RunnerConfig(n_ctx=max_len, chunk_size=args.chunk_size, threads=args.threads, backend=args.backend,
                         kv_dtype=args.kv_dtype, kv_cache_bytes=budget, max_seqs=args.max_num_seqs,
-                        placement=placement_from_args(args))
+                        placement=placement_from_args(args), prefix_cache_dir=args.prefix_cache_dir,
+                        prefix_cache_disk_bytes=int(args.prefix_cache_disk_gib * 2**30))
 
 
 def from_rank0(value: object) -> object:
@@ -181,6 +191,10 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     bar.close()
     engine = Engine(runner, tok, EngineConfig(args.max_num_seqs, args.max_queue, args.chunk_size, max_len,
                                               args.enable_prefix_caching), state.metrics)
+    if runner.store is not None and not engine.prefix_caching:
+        raise PocketMoEError(f"--prefix-cache-dir keeps the prefix cache's pages, but prefix caching is off with these "
+                             f"kernels ({runner.describe}: their rows can differ in the last bits with the chunking); "
+                             "add --enable-prefix-caching to reuse them anyway, or leave --prefix-cache-dir out.")
     state.metrics.kv_pages.set(runner.cache.n_pages)
     state.metrics.kv_bytes.set(runner.cache.nbytes)
     state.metrics.watch_experts(runner)
@@ -196,7 +210,9 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     print(f"ready on http://{host}:{port} (model {state.model_name}, {bundle.architecture}, kernels {runner.describe}, "
           f"max-model-len {max_len}, KV pool {kv.nbytes / 2**30:.2f} GiB = {kv.n_pages * kv.page} positions, "
           f"max-num-seqs {args.max_num_seqs}, placement {runner.plan.mode}, prefix caching "
-          f"{'on' if engine.prefix_caching else 'off'})", flush=True)
+          f"{'on' if engine.prefix_caching else 'off'}"
+          f"{f', {len(runner.store)} pages in {args.prefix_cache_dir}' if runner.store is not None else ''})",
+          flush=True)
 
 
 LOST_GRACE_S = 2.0  # rank 0 keeps answering 503 this long after a rank is lost, then exits 1

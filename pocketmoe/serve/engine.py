@@ -351,7 +351,12 @@ class Engine:
         computed, since its logits are sampled."""
         if not self.prefix_caching or s.want_prompt_logprobs:
             return 0
-        return self.cache.attach(s.key, s.tokens[:-1])
+        store = self.cache.store
+        loaded = store.loaded if store is not None else 0
+        reused = self.cache.attach(s.key, s.tokens[:-1])
+        if store is not None and not s.admitted:
+            self.metrics.prefix_cache_disk_hits.inc((store.loaded - loaded) * self.cache.page)
+        return reused
 
     def _preempt(self) -> Seq:
         """Give the newest running sequence's pages back; it waits at the head of the queue to be recomputed."""
@@ -482,3 +487,5 @@ class Engine:
         m.waiting.set(len(self.waiting))
         m.kv_used.set(self.cache.used_pages / self.cache.n_pages)
         m.kv_cached_pages.set(self.cache.cached_pages)
+        if self.cache.store is not None:
+            m.prefix_cache_disk_bytes.set(self.cache.store.bytes)

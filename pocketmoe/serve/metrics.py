@@ -21,6 +21,10 @@ class Metrics:
                                             "cache at admission", registry=r)
         self.prefix_cache_hits = Counter(p + "prefix_cache_hits", "Prompt tokens whose KV rows came from the prefix "
                                          "cache instead of a prefill", registry=r)
+        self.prefix_cache_disk_hits = Counter(p + "prefix_cache_disk_hits", "Prompt tokens whose KV rows the prefix "
+                                              "cache read from --prefix-cache-dir", registry=r)
+        self.prefix_cache_disk_bytes = Gauge(p + "prefix_cache_disk_bytes", "Bytes of KV pages kept in "
+                                             "--prefix-cache-dir", registry=r)
         self.kv_cached_pages = Gauge(p + "kv_cache_prefix_pages", "KV pages the prefix cache holds (those no "
                                      "sequence uses count as free)", registry=r)
         self.preemptions = Counter(p + "preemptions", "Sequences preempted (recomputed later) for KV pages",

@@ -1,0 +1,128 @@
+"""The prefix cache's second tier: computed KV pages kept in files, so a restarted server (or one whose pool evicted
+them) takes a long system prompt's rows from disk instead of computing them again.
+
+On a CPU a 20k-token agent prompt (Claude Code's, a coding assistant's) takes minutes to prefill; its KV rows take a
+few hundred MB (DeepSeek-V2-Lite: 31 KB a token in f16). Each page the prefix index takes (PagedKVCache.commit) is
+also written to a file named by its digest, which chains every token from position 0 to the page's end; a prompt
+whose pages the pool no longer holds finds them there (PagedKVCache.attach) and reads them into free pages. Rows are
+only reused where they are bitwise the rows a prefill would write, so the files sit under a key of the model (its
+metadata, tensor layout, sizes and a sample of every tensor's bytes), the op backend and the KV layout; another
+model, quantization, backend or KV dtype never sees them. A file that is short, from another key or unreadable is a
+miss and is removed. The files are kept within a byte budget, least recently used first.
+
+File: MAGIC, the key (16 bytes), the digest (16), then the page's rows [L, page, W] as the pool stores them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pocketmoe.gguf import GGUFBundle
+
+log = logging.getLogger("pocketmoe.prefix_store")
+MAGIC = b"PMKVPAGE1\0"
+SUFFIX = ".kv"
+SAMPLE = 4096  # bytes of each tensor's start and end that go into the model's key
+
+
+def model_key(bundle: GGUFBundle, backend: str, layout: tuple[int, int, int, torch.dtype]) -> bytes:
+    """16 bytes that differ wherever the rows a prefill writes could: the GGUF metadata, every tensor's name, type,
+    shape and a sample of its bytes, the file sizes, the op backend, and the KV layout (layers, page, width, dtype)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((backend, layout[:3], str(layout[3]))).encode())
+    h.update(repr(sorted((k, repr(v)) for k, v in bundle.metadata.items())).encode())
+    h.update(repr([p.stat().st_size for p in bundle.paths]).encode())
+    for name in sorted(bundle.tensors):
+        info = bundle.tensors[name]
+        h.update(repr((name, info.ggml_type, info.ne)).encode())
+        raw = bundle.raw(name)
+        h.update(raw[:SAMPLE].tobytes())
+        h.update(raw[-SAMPLE:].tobytes())
+    return h.digest()
+
+
+class PrefixStore:
+    """Pages of one model's KV rows in files under `root`, within `budget_bytes` (all keys' files count)."""
+
+    def __init__(self, root: str | Path, key: bytes, shape: tuple[int, int, int], dtype: torch.dtype,
+                 budget_bytes: int) -> None:
+        self.root, self.key = Path(root), key
+        self.shape, self.dtype = shape, dtype  # a page's rows: [L, page, W]
+        self.budget = budget_bytes
+        self.page_bytes = shape[0] * shape[1] * shape[2] * torch.tensor([], dtype=dtype).element_size()
+        self.dir = self.root / key.hex()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.loaded = self.saved = 0  # pages read into the pool, pages written
+        self._files: OrderedDict[Path, int] = OrderedDict()  # every file under root, least recently used first
+        found = []
+        for path in self.root.glob(f"*/*{SUFFIX}"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            found.append((st.st_mtime, path, st.st_size))
+        for _, path, size in sorted(found):
+            self._files[path] = size
+        self.bytes = sum(self._files.values())
+
+    def _path(self, digest: bytes) -> Path:
+        return self.dir / (digest.hex() + SUFFIX)
+
+    def __len__(self) -> int:
+        """Pages of this key kept."""
+        return sum(1 for path in self._files if path.parent == self.dir)
+
+    def __contains__(self, digest: bytes) -> bool:
+        return self._path(digest) in self._files
+
+    def load(self, digest: bytes) -> torch.Tensor | None:
+        """The page's rows [L, page, W] (None: not kept, or a file that does not hold them, which goes)."""
+        path = self._path(digest)
+        if path not in self._files:
+            return None
+        head = MAGIC + self.key + digest
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            log.warning("prefix store: %s could not be read (%s); computing the page instead", path, e)
+            data = b""
+        if len(data) != len(head) + self.page_bytes or not data.startswith(head):
+            self._drop(path)
+            return None
+        self._files.move_to_end(path)
+        os.utime(path)  # the order survives a restart
+        self.loaded += 1
+        rows = torch.frombuffer(bytearray(data[len(head):]), dtype=torch.uint8)
+        return rows.view(self.dtype).reshape(self.shape)
+
+    def save(self, digest: bytes, rows: torch.Tensor) -> None:
+        """Keep a page's rows [L, page, W] (a page kept already is left as it is), then trim to the budget."""
+        path = self._path(digest)
+        if path in self._files or self.page_bytes > self.budget:
+            return
+        data = rows.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        try:
+            tmp.write_bytes(MAGIC + self.key + digest + data)
+            os.replace(tmp, path)
+        except OSError as e:  # a full or read-only disk costs the next prompt a prefill, nothing more
+            log.warning("prefix store: %s could not be written (%s)", path, e)
+            tmp.unlink(missing_ok=True)
+            return
+        self._files[path] = path.stat().st_size
+        self.bytes += self._files[path]
+        self.saved += 1
+        while self.bytes > self.budget and self._files:
+            self._drop(next(iter(self._files)))
+
+    def _drop(self, path: Path) -> None:
+        self.bytes -= self._files.pop(path, 0)
+        path.unlink(missing_ok=True)

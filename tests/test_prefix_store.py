@@ -1,0 +1,150 @@
+"""The prefix cache's pages in files: a new pool (a restarted server) attaches the pages an earlier one computed,
+bitwise; files of another model, backend or KV layout, or damaged ones, are misses; the files stay in their budget;
+and end to end, a restarted server answers a repeated prompt from the files with the same tokens and logprobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from pocketmoe.engine.kv_cache import PagedKVCache
+from pocketmoe.engine.prefix_store import PrefixStore, model_key
+from pocketmoe.gguf import open_bundle
+from pocketmoe.testing.live_server import LiveServer
+from pocketmoe.testing.synth import write_fixture
+
+L, W, PAGE = 3, 8, 16
+
+
+def pool(tmp: Path, pages: int = 16, key: bytes = b"k" * 16, dtype: torch.dtype = torch.float32,
+         budget: int = 1 << 30) -> PagedKVCache:
+    cache = PagedKVCache(L, W, pages, pages * PAGE, dtype)
+    cache.store = PrefixStore(tmp, key, (L, PAGE, W), dtype, budget)
+    return cache
+
+
+def compute(cache: PagedKVCache, seq: object, tokens: list[int], seed: int = 0) -> torch.Tensor:
+    """Reserve and 'compute' a sequence: random rows written where its positions live, then committed."""
+    cache.reserve(seq, len(tokens))
+    rows = torch.from_numpy(cache.rows(seq, 0, len(tokens))).long()
+    values = torch.randn(L, len(tokens), W, generator=torch.Generator().manual_seed(seed)).to(cache.dtype)
+    for layer in range(L):
+        cache.layer_rows(layer)[rows] = values[layer]
+    cache.commit(seq, tokens, len(tokens))
+    return values
+
+
+def rows_of(cache: PagedKVCache, seq: object, n: int) -> torch.Tensor:
+    rows = torch.from_numpy(cache.rows(seq, 0, n)).long()
+    return torch.stack([cache.layer_rows(layer)[rows] for layer in range(L)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_new_pool_attaches_the_pages_from_files_bitwise(tmp_path: Path, dtype: torch.dtype) -> None:
+    tokens = list(range(100, 100 + 5 * PAGE + 3))
+    first = pool(tmp_path, dtype=dtype)
+    values = compute(first, "a", tokens)
+    assert len(first.store) == 5 and first.store.saved == 5
+    again = pool(tmp_path, dtype=dtype)  # a restart: an empty pool over the same directory
+    assert again.attach("b", tokens[:-1]) == 5 * PAGE and again.store.loaded == 5
+    assert torch.equal(rows_of(again, "b", 5 * PAGE).view(torch.uint8), values[:, :5 * PAGE].view(torch.uint8))
+    # a prompt that shares three pages, then differs: three from the pool (no file read), then a miss
+    other = tokens[:3 * PAGE] + [7] * (2 * PAGE)
+    assert again.attach("c", other) == 3 * PAGE and again.store.loaded == 5
+    # another key (model, backend or KV layout) sees none of them
+    assert pool(tmp_path, key=b"x" * 16, dtype=dtype).attach("d", tokens) == 0
+
+
+def test_damaged_files_are_misses_and_go(tmp_path: Path) -> None:
+    tokens = list(range(3 * PAGE + 1))
+    first = pool(tmp_path)
+    compute(first, "a", tokens)
+    files = sorted(first.store.dir.glob("*.kv"), key=lambda p: p.stat().st_mtime)
+    assert len(files) == 3
+    second_page = PagedKVCache._digest(PagedKVCache._digest(b"", tokens[:PAGE]), tokens[PAGE:2 * PAGE]).hex()
+    damaged = first.store.dir / f"{second_page}.kv"
+    damaged.write_bytes(damaged.read_bytes()[:-5])  # cut short
+    again = pool(tmp_path)
+    assert again.attach("b", tokens) == PAGE  # the first page, then the damaged one is a miss
+    assert not damaged.exists() and len(again.store) == 2
+    (again.store.dir / f"{second_page}.kv").write_bytes(b"not a page")
+    assert pool(tmp_path).attach("c", tokens) == PAGE
+
+
+def test_files_stay_within_their_budget_oldest_first(tmp_path: Path) -> None:
+    page_file = len(b"PMKVPAGE1\0") + 32 + L * PAGE * W * 4
+    cache = pool(tmp_path, pages=32, budget=4 * page_file)
+    compute(cache, "a", list(range(3 * PAGE)))
+    compute(cache, "b", list(range(1000, 1000 + 3 * PAGE)), seed=1)
+    assert cache.store.bytes <= 4 * page_file and len(cache.store) == 4
+    fresh = pool(tmp_path, budget=4 * page_file)
+    assert fresh.attach("c", list(range(3 * PAGE))) == 0  # its first page went first: the chain is broken
+    assert fresh.attach("d", list(range(1000, 1000 + 3 * PAGE))) == 3 * PAGE
+
+
+def test_reading_files_into_a_full_pool_never_takes_a_held_page(tmp_path: Path) -> None:
+    tokens = list(range(6 * PAGE + 1))
+    compute(pool(tmp_path, pages=8), "a", tokens)
+    small = pool(tmp_path, pages=4)
+    compute(small, "busy", list(range(500, 500 + 2 * PAGE)), seed=3)  # two pages held by a running sequence
+    held = rows_of(small, "busy", 2 * PAGE).clone()
+    assert small.attach("b", tokens) == 2 * PAGE  # the two free pages, then no page is left
+    assert torch.equal(rows_of(small, "busy", 2 * PAGE), held)
+    small.free("b")
+    small.free("busy")  # its pages now only indexed: evictable, so a longer run fits
+    assert small.attach("c", tokens) == 4 * PAGE
+
+
+def test_model_key_tells_models_and_layouts_apart(tmp_path: Path) -> None:
+    a = open_bundle(write_fixture("deepseek2", "tiny", "Q8_0", tmp_path / "a.gguf", seed=1)[0])
+    b = open_bundle(write_fixture("deepseek2", "tiny", "Q8_0", tmp_path / "b.gguf", seed=2)[0])
+    layout = (4, PAGE, 320, torch.float16)
+    assert model_key(a, "NativeOps", layout) == model_key(a, "NativeOps", layout)
+    assert len({model_key(a, "NativeOps", layout), model_key(b, "NativeOps", layout),
+                model_key(a, "ReferenceOps", layout), model_key(a, "NativeOps", (*layout[:3], torch.float32))}) == 4
+
+
+def test_a_restarted_server_answers_from_the_files(tmp_path: Path) -> None:
+    model = write_fixture("deepseek2", "tiny", "Q4_K_M", tmp_path / "m.gguf", seed=11)[0]
+    store = tmp_path / "store"
+    args = ["--model", str(model), "--served-model-name", "tiny", "--max-model-len", "512", "--threads", "1",
+            "--prefix-cache-dir", str(store)]
+    prompt = "the quick brown fox jumps over the lazy dog " * 12
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+
+    def ask(srv: LiveServer) -> tuple:
+        r = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(**body)
+        lp = r.choices[0].logprobs
+        return r.choices[0].text, lp.token_logprobs, lp.top_logprobs, r.usage
+
+    with LiveServer(args) as srv:
+        text, lps, tops, usage = ask(srv)
+        assert usage.prompt_tokens_details is None or not usage.prompt_tokens_details.cached_tokens
+    n_full = (usage.prompt_tokens - 1) // PAGE * PAGE
+    assert n_full > 0 and len(list(store.glob("*/*.kv"))) >= n_full // PAGE
+    with LiveServer(args) as srv:
+        assert f"{len(list(store.glob('*/*.kv')))} pages in" in "".join(srv.stdout)
+        again = ask(srv)
+        assert again[:3] == (text, lps, tops)  # bitwise the same logprobs
+        assert again[3].prompt_tokens_details.cached_tokens == n_full
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert f"pocketmoe_prefix_cache_disk_hits_total {float(n_full)}" in metrics
+    with LiveServer([*args, "--kv-dtype", "f16"]) as srv:  # another KV layout (f32 the default): none of those
+        usage = ask(srv)[3]
+        assert usage.prompt_tokens_details is None or not usage.prompt_tokens_details.cached_tokens
+        assert "pocketmoe_prefix_cache_disk_hits_total 0.0" in httpx.get(srv.url + "/metrics").text
+
+
+def test_without_prefix_caching_the_directory_is_one_error(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    model = write_fixture("deepseek2", "tiny", "Q8_0", tmp_path / "m.gguf")[0]
+    r = subprocess.run([sys.executable, "-m", "pocketmoe.serve", "--model", str(model), "--port", "0", "--threads", "1",
+                        "--backend", "reference", "--prefix-cache-dir", str(tmp_path / "s")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--enable-prefix-caching" in r.stderr.splitlines()[-1]
