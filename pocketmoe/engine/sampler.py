@@ -9,6 +9,7 @@ on where the model ran.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -311,9 +312,19 @@ def keep_max(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_INFILL_VOCABS: weakref.WeakKeyDictionary[Tokenizer, tuple[torch.Tensor, list[bytes], int]] = \
+    weakref.WeakKeyDictionary()
+
+
 def infill_vocab(tok: Tokenizer) -> tuple[torch.Tensor, list[bytes], int]:
     """apply_infill's view of a vocabulary: which ids end generation, each id's text (control tokens none), and the
-    token it falls back to (end of turn, else end of sequence)."""
+    token it falls back to (end of turn, else end of sequence); built once per tokenizer."""
+    if tok not in _INFILL_VOCABS:
+        _INFILL_VOCABS[tok] = _infill_vocab(tok)
+    return _INFILL_VOCABS[tok]
+
+
+def _infill_vocab(tok: Tokenizer) -> tuple[torch.Tensor, list[bytes], int]:
     eog = torch.zeros(tok.vocab_size, dtype=torch.bool)
     eog[list(tok.eot_ids)] = True
     fallback = tok.eot_id if tok.eot_id is not None else tok.eos_id
