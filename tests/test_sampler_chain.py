@@ -103,8 +103,8 @@ def test_infill_branches_against_llama_cpp(vocab) -> None:  # noqa: ANN001
     for _ in range(300):
         x = scene(tok, rng)
         x = torch.where(x >= torch.topk(x, 40).values[-1], x, torch.full_like(x, -math.inf))
-        got = apply_infill(x, eog, pieces, fallback)
-        kept = {i: v for i, v in enumerate(got.tolist()) if v > -math.inf}
+        ids, got = apply_infill(torch.arange(x.numel()), x, eog, pieces, fallback)
+        kept = {i: v for i, v in zip(ids.tolist(), got.tolist(), strict=True) if v > -math.inf}
         assert kept == pytest.approx(theirs(lib_vocab, x, ("infill",), SamplingParams()))
         seen.add("eog" if set(kept) <= set(tok.eot_ids) and kept != {fallback: 1.0} else
                  "fallback" if kept == {fallback: 1.0} else "text")

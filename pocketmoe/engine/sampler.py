@@ -334,25 +334,28 @@ def _infill_vocab(tok: Tokenizer) -> tuple[torch.Tensor, list[bytes], int]:
     return eog, [tok.token_to_piece(i, special=False) for i in range(tok.vocab_size)], fallback
 
 
-def apply_infill(logits: torch.Tensor, eog: torch.Tensor, pieces: Sequence[bytes], fallback: int) -> torch.Tensor:
-    """llama.cpp's infill step, for fill-in-the-middle (after a top-k: it compares every pair of candidates).
+def apply_infill(ids: torch.Tensor, logits: torch.Tensor, eog: torch.Tensor, pieces: Sequence[bytes], fallback: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's infill step, for fill-in-the-middle (after a top-k: it compares every pair of candidates), on the
+    candidates `ids` (token ids, ascending) with `logits` (-inf: out); returns the candidates it leaves the same way.
     Over the candidates' probabilities: where the end-of-generation tokens hold more than 1 / (3 n) of the text
     tokens' mass (n candidates), they alone stay. Otherwise, most likely first, a candidate whose text begins
     another's takes that one's probability into the likelier of the two and the other is dropped; then a text token
     stays only at probability 0.2 or more, and, among those left (renormalized), 1 / (text tokens left + 1) or more;
     no text token left: the fallback token alone. The survivors keep their logits (the draw is over those)."""
-    ids = _descending(logits, logits.numel())  # the finite ones, most likely first
-    p = torch.softmax(logits[ids].double(), dim=-1)
-    end = eog[ids]
+    at = _descending(logits, logits.numel())  # positions of the finite ones, most likely first
+    tid = ids[at]
+    p = torch.softmax(logits[at].double(), dim=-1)
+    end = eog[tid]
     out = torch.full_like(logits, -math.inf)
-    if 3 * float(p[end].sum()) * len(ids) > float(p[~end].sum()):
-        out[ids[end]] = logits[ids[end]]
-        return out
+    if 3 * float(p[end].sum()) * len(at) > float(p[~end].sum()):
+        out[at[end]] = logits[at[end]]
+        return ids, out
     prob = p.tolist()
-    text = [pieces[i] for i in ids.tolist()]
-    dropped = [False] * len(ids)
-    for a in range(len(ids)):
-        for b in range(len(ids)):
+    text = [pieces[i] for i in tid.tolist()]
+    dropped = [False] * len(at)
+    for a in range(len(at)):
+        for b in range(len(at)):
             if dropped[a]:
                 break
             if a == b or dropped[b] or not text[a] or not text[b].startswith(text[a]):
@@ -360,17 +363,15 @@ def apply_infill(logits: torch.Tensor, eog: torch.Tensor, pieces: Sequence[bytes
             into, src = (b, a) if prob[b] > prob[a] else (a, b)
             prob[into] += prob[src]
             prob[src], dropped[src] = 0.0, True
-    keep = [i for i in range(len(ids)) if end[i] or prob[i] >= 0.2]
+    keep = [i for i in range(len(at)) if end[i] or prob[i] >= 0.2]
     n_text = sum(1 for i in keep if not end[i])
     if n_text == 0:
-        out[fallback] = 1.0
-        return out
+        return torch.tensor([fallback]), torch.tensor([1.0])
     total = sum(prob[i] for i in keep)
-    keep = [i for i in keep if end[i] or prob[i] / total >= 1.0 / (n_text + 1)]
     for i in keep:
-        if not dropped[i]:
-            out[ids[i]] = logits[ids[i]]
-    return out
+        if not dropped[i] and (end[i] or prob[i] / total >= 1.0 / (n_text + 1)):
+            out[at[i]] = logits[at[i]]
+    return ids, out
 
 
 def argmax(x: torch.Tensor) -> int:
@@ -452,11 +453,16 @@ class Sampler:
         return kept, apply_min_p(apply_top_p(x, p.top_p), p.min_p)
 
     def _chain(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """_candidates for params.chain: its steps in its order on x [V] (penalized, biased, masked)."""
+        """_candidates for params.chain: its steps in its order on x [V] (penalized, biased, masked); after a top-k
+        the rest run on the candidates it leaves, not the vocabulary."""
         p = self.params
+        ids = torch.arange(x.numel())
         for step in p.chain or ():
             if step == "top_k":
                 x = apply_top_k(x, p.top_k)
+                if p.top_k:
+                    keep = x > -math.inf
+                    ids, x = ids[keep], x[keep]
             elif step == "top_p":
                 x = apply_top_p(x, p.top_p)
             elif step == "min_p":
@@ -465,9 +471,9 @@ class Sampler:
                 x = x / p.temperature if p.temperature > 0 else keep_max(x)
             elif step == "infill":
                 assert self._infill is not None
-                x = apply_infill(x, *self._infill)
-        kept = torch.nonzero(x > -math.inf).flatten()
-        return kept, x[kept]
+                ids, x = apply_infill(ids, x, *self._infill)
+        keep = x > -math.inf
+        return ids[keep], x[keep]
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         p = self.params
