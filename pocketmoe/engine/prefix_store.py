@@ -91,6 +91,8 @@ class PrefixStore:
         head = MAGIC + self.key + digest
         try:
             data = path.read_bytes()
+        except FileNotFoundError:  # another server over the same directory trimmed it
+            data = b""
         except OSError as e:
             log.warning("prefix store: %s could not be read (%s); computing the page instead", path, e)
             data = b""
