@@ -718,3 +718,45 @@ def test_stop_reason_names_what_ended_a_choice(server: LiveServer, llm: LLM) -> 
     with httpx.stream("POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as r:
         last = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")][-1]["choices"][0]
     assert (last["finish_reason"], last["stop_reason"]) == (c["finish_reason"], c["stop_reason"])
+
+
+def test_cors_only_for_the_allowed_origins(model: Path) -> None:
+    """--allowed-origins: a browser page of an allowed origin gets CORS headers, its preflight answered before the
+    API key is asked for (a preflight carries none); other origins, and every origin by default, get none."""
+    from fastapi.testclient import TestClient
+
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.serve.__main__ import origins, parse_args
+    from pocketmoe.serve.api import ServerState, create_app
+    from pocketmoe.testing.scripted import ScriptedEngine
+    from pocketmoe.tokenizer import Tokenizer
+
+    assert parse_args(["--allowed-origins", "http://localhost:5173, https://a.example"]).allowed_origins == (
+        "http://localhost:5173", "https://a.example")
+    assert origins('["*"]') == ("*",) and origins(None) == ()
+    for bad in ("localhost:5173", "http://a.example/path", '["http://a.example", 3]', "[nope"):
+        with pytest.raises(ValueError):
+            origins(bad)
+    tok = Tokenizer.from_metadata(open_bundle(model).metadata)
+    site, other = "http://localhost:5173", "http://evil.example"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for allowed in ((), (site,)):
+        state = ServerState(model_name="m", max_model_len=4096, engine=ScriptedEngine(tok, "deepseek2", "ok"),  # type: ignore[arg-type]
+                            tokenizer=tok, api_key="k", allowed_origins=allowed)
+        http = TestClient(create_app(state))
+        pre = http.options("/v1/chat/completions", headers={"Origin": site, **preflight})
+        r = http.post("/v1/chat/completions", json=body, headers={"Origin": site, "Authorization": "Bearer k"})
+        assert r.status_code == 200
+        no_key = http.post("/v1/chat/completions", json=body, headers={"Origin": site})
+        assert no_key.status_code == 401
+        if allowed:
+            assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == site
+            assert r.headers["access-control-allow-origin"] == site
+            assert no_key.headers["access-control-allow-origin"] == site  # the page can read why it failed
+            evil = http.post("/v1/chat/completions", json=body, headers={"Origin": other, "Authorization": "Bearer k"})
+            assert "access-control-allow-origin" not in evil.headers
+            assert http.options("/v1/chat/completions", headers={"Origin": other, **preflight}).status_code == 400
+        else:
+            assert pre.status_code != 200 and "access-control-allow-origin" not in pre.headers
+            assert "access-control-allow-origin" not in r.headers

@@ -4,7 +4,7 @@
         [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
         [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N] [--reasoning-format auto|none]
         [--responses-store-mib M] [--reasoning-budget N] [--reasoning-budget-message TEXT] [--spm-infill]
-        [--prefix-cache-dir DIR] [--prefix-cache-disk-gib G]
+        [--prefix-cache-dir DIR] [--prefix-cache-disk-gib G] [--allowed-origins ORIGIN[,ORIGIN...]]
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 llama-server's spellings of the same flags work too: -m, -a / --alias, -c / --ctx-size (the context of each
@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -46,6 +48,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one; the ready line says which)")
     p.add_argument("--served-model-name", "--alias", "-a", default=None, help="the model id clients send (default: the file name)")
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="browser origins (scheme://host[:port], or * for any) whose pages may call this server: "
+                   "answered with CORS headers, preflights included (default none: only same-origin pages and "
+                   "non-browser clients); a JSON list as vLLM takes it works too")
     p.add_argument("--api-key", default=os.environ.get("POCKETMOE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $POCKETMOE_API_KEY; unset: open)")
     p.add_argument("--max-num-seqs", "--parallel", "-np", type=int, default=16, help="sequences decoding at once (default 16)")
@@ -100,6 +106,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if args.reasoning_budget < -1:
         p.error(f"--reasoning-budget must be -1 (no bound) or >= 0, got {args.reasoning_budget}")
+    try:
+        args.allowed_origins = origins(args.allowed_origins)
+    except ValueError as e:
+        p.error(f"--allowed-origins: {e}")
     if not args.prefix_cache_disk_gib >= 0:
         p.error(f"--prefix-cache-disk-gib must be >= 0, got {args.prefix_cache_disk_gib}")
     if not args.responses_store_mib >= 0:
@@ -135,6 +145,17 @@ def kv_budget(bundle, spec, args: argparse.Namespace) -> tuple[int, int]:  # noq
             f"sequence of --max-model-len {max_len} needs {max_len * per_pos / 2**30:.3f} GiB; raise --kv-cache-gib "
             "or lower --max-model-len.")
     return budget, max_len
+
+
+def origins(text: str | None) -> tuple[str, ...]:
+    """--allowed-origins: comma-separated origins or a JSON list of them (ValueError naming a bad one)."""
+    if text is None:
+        return ()
+    items = json.loads(text) if text.lstrip().startswith("[") else [t.strip() for t in text.split(",") if t.strip()]
+    for o in items:
+        if not isinstance(o, str) or not (o == "*" or re.fullmatch(r"https?://[^/\s]+", o)):
+            raise ValueError(f"{o!r} is not an origin (scheme://host[:port], no path) nor *")
+    return tuple(items)
 
 
 def runner_config(args: argparse.Namespace, budget: int, max_len: int):  # noqa: ANN201
@@ -281,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     state = ServerState(model_name=name, max_model_len=0, api_key=args.api_key or None,
                         max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format,
                         reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
-                        spm_infill=args.spm_infill,
+                        spm_infill=args.spm_infill, allowed_origins=args.allowed_origins,
                         responses=ResponseStore(int(args.responses_store_mib * 2**20)))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

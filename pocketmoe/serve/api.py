@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from pocketmoe import __version__
 from pocketmoe.defaults import DEFAULT_RESPONSES_STORE_MIB
@@ -113,6 +114,7 @@ class ServerState:
     reasoning_budget: int = -1  # tokens of thought before the block is closed for the model (-1: no bound)
     reasoning_budget_message: str = ""  # written before the closing tag when the budget is spent
     spm_infill: bool = False  # fill-in-the-middle prompts in suffix-prefix-middle order (--spm-infill)
+    allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers (--allowed-origins)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_RESPONSES_STORE_MIB << 20))
 
 
@@ -843,7 +845,12 @@ def create_app(state: ServerState) -> FastAPI:
         _check_vocab(req.tokens, len(tok.tokens), "tokens", "token id")
         return JSONResponse({"prompt": await asyncio.to_thread(tok.decode, req.tokens)})
 
-    return GateMiddleware(app, state)  # type: ignore[return-value]
+    gated = GateMiddleware(app, state)
+    if not state.allowed_origins:
+        return gated  # type: ignore[return-value]
+    # outside the gate: a browser's preflight carries no API key, and the gate's 401 / 413 carry the CORS headers
+    return CORSMiddleware(gated, allow_origins=list(state.allowed_origins), allow_methods=["*"],  # type: ignore[return-value]
+                          allow_headers=["*"])
 
 
 def _check_vocab(ids: list[int], vocab: int, field: str, what: str) -> None:
