@@ -474,7 +474,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "best_of", "tools", "tool_choice", "structured_outputs", "json_schema", "grammar", "min_tokens",
           "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "chat_template_kwargs",
           "return_token_ids", "reasoning_effort", "thinking_budget_tokens", "thinking_token_budget",
-          "thinking_budget_message",
+          "thinking_budget_message", "return_progress",
           "add_generation_prompt", "continue_final_message"]
 
 
@@ -760,3 +760,47 @@ def test_cors_only_for_the_allowed_origins(model: Path) -> None:
         else:
             assert pre.status_code != 200 and "access-control-allow-origin" not in pre.headers
             assert "access-control-allow-origin" not in r.headers
+
+
+def _sse_objects(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+
+
+def test_return_progress_streams_the_prompts_progress(model: Path) -> None:
+    """llama.cpp's return_progress: with stream, chunks of prompt_progress as each prefill chunk is computed (the
+    first at admission, processed = what the prefix cache gave; the last processed = total), before the first
+    token, on every stream route; the tokens are those of the same request without it."""
+    prompt = " ".join(f"w{i}" for i in range(60))
+    with LiveServer(["--model", str(model), "--served-model-name", NAME, "--max-model-len", "256", "--threads", "1",
+                     "--chunk-size", "32"]) as srv:
+        def progress_of(objs: list[dict], key: str = "prompt_progress") -> list[dict]:
+            return [o[key] for o in objs if key in o]
+
+        chat = {"model": NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        for attempt in range(2):  # the second time the prefix cache gives most of the prompt
+            objs = _sse_objects(srv.url + "/v1/chat/completions", {**chat, "return_progress": True})
+            plain = _sse_objects(srv.url + "/v1/chat/completions", chat)
+            got = progress_of(objs)
+            total = objs[-1]["usage"]["prompt_tokens"]
+            assert {p["total"] for p in got} == {total} and got[-1]["processed"] == total
+            assert got[0]["processed"] == got[0]["cache"] and [p["processed"] for p in got] == sorted(
+                p["processed"] for p in got)
+            assert (got[0]["cache"] > 0) == (attempt == 1) and len(got) >= (2 if attempt else 5)
+            assert all(o["choices"] == [] for o in objs if "prompt_progress" in o)
+            first_token = next(i for i, o in enumerate(objs) if o["choices"] and o["choices"][0]["delta"].get("content"))
+            assert max(i for i, o in enumerate(objs) if "prompt_progress" in o) < first_token
+            text = "".join(o["choices"][0]["delta"].get("content") or "" for o in objs if o["choices"])
+            assert text == "".join(o["choices"][0]["delta"].get("content") or "" for o in plain if o["choices"])
+        comp = _sse_objects(srv.url + "/v1/completions", {"model": NAME, "prompt": prompt + " again", "max_tokens": 3,
+                                                          "stream": True, "return_progress": True})
+        assert progress_of(comp)[-1]["processed"] == progress_of(comp)[-1]["total"]
+        native = _sse_objects(srv.url + "/completion", {"prompt": prompt + " once more", "n_predict": 3,
+                                                        "stream": True, "return_progress": True})
+        assert progress_of(native)[-1]["processed"] == progress_of(native)[-1]["total"] > 0
+        assert all(o["content"] == "" and not o["stop"] for o in native if "prompt_progress" in o)
+        whole = httpx.post(srv.url + "/v1/chat/completions", json={**chat, "stream": False, "return_progress": True,
+                                                                   "stream_options": None}, timeout=120).json()
+        assert whole["choices"][0]["message"]["content"] == text  # no stream: nothing changes

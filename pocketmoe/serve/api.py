@@ -347,14 +347,16 @@ def create_app(state: ServerState) -> FastAPI:
                                "shorten the prompt.", "prompt", code="context_length_exceeded")
         return ids
 
-    def run(prompts: list[list[int]], params: list[list[SamplingParams]]) -> tuple[asyncio.Queue, list]:
-        """Submit one engine request per prompt; their deltas (global choice index) share one queue."""
+    def run(prompts: list[list[int]], params: list[list[SamplingParams]], progress: bool = False
+            ) -> tuple[asyncio.Queue, list]:
+        """Submit one engine request per prompt; their deltas (global choice index) share one queue (with progress,
+        each prompt's progress deltas too)."""
         eng = engine()
         q: asyncio.Queue[Delta | None] = asyncio.Queue()
         reqs = []
         try:
             for i, (ids, ps) in enumerate(zip(prompts, params, strict=True)):
-                reqs.append(eng.submit(ids, ps, out=q, index_base=i * len(ps)))
+                reqs.append(eng.submit(ids, ps, out=q, index_base=i * len(ps), progress=progress))
         except QueueFullError as e:
             for r in reqs:
                 eng.abort(r)
@@ -444,6 +446,8 @@ def create_app(state: ServerState) -> FastAPI:
         """Each choice's output, whole (seen: called with every delta as it comes)."""
         choices = [_Choice() for _ in range(n)]
         async for d in deltas(request, q, reqs):
+            if d.progress is not None:
+                continue
             choices[d.index].add(d)
             if seen is not None:
                 seen(d)
@@ -479,7 +483,7 @@ def create_app(state: ServerState) -> FastAPI:
                        default=None)
         params = [_sampling(req, grammar, max_tokens, eng.runner.vocab_size, len(p), state.max_model_len,
                             req.logprobs, prompt_k) for p in prompts]
-        q, reqs = run(prompts, params)
+        q, reqs = run(prompts, params, req.stream and req.return_progress)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         n_choices = len(prompts) * req.n
         prompt_text = [tok.decode(p) for p in prompts]
@@ -657,7 +661,7 @@ def create_app(state: ServerState) -> FastAPI:
         its completion object or, with stream, the iterator of its chunks)."""
         ids, params, fmt, thinking = prepared or await chat_prepared(req, eng, tok, grammar)
         tools = req.tool_dicts
-        q, reqs = run([ids], [params])
+        q, reqs = run([ids], [params], req.stream and req.return_progress)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = _usage(len(ids))
         if req.stream:
@@ -763,7 +767,7 @@ def create_app(state: ServerState) -> FastAPI:
             end[i] = now
             return i
 
-        q, reqs = run([prompts[i] for i in ran], [[params[i]] for i in ran]) \
+        q, reqs = run([prompts[i] for i in ran], [[params[i]] for i in ran], req.stream and req.return_progress) \
             if ran else (asyncio.Queue(), [])
         if req.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
@@ -773,6 +777,10 @@ def create_app(state: ServerState) -> FastAPI:
                     if d.error:
                         yield _error_event(d.error)
                         return
+                    if d.progress is not None:  # llama-server's progress chunk
+                        yield {"index": ran[d.index], "content": "", "tokens": [], "stop": False, "id_slot": -1,
+                               "prompt_progress": d.progress}
+                        continue
                     i = seen(d, time.perf_counter())
                     c = choices[i]
                     if i in warm:  # only the prompt was wanted
@@ -956,6 +964,10 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
         if d.error:
             yield _error_event(d.error)
             return
+        if d.progress is not None:
+            yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                   "prompt_progress": d.progress}
+            continue
         i, p = d.index, d.index // req.n
         if d.prompt_logprobs is not None:  # echo with logprobs: the prompt goes out whole, as the first chunk
             got = prompt_lps.setdefault(i, [])
@@ -1015,6 +1027,10 @@ async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: Async
         if d.error:
             yield _error_event(d.error)
             return
+        if d.progress is not None:
+            yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "system_fingerprint": None, "choices": [], "prompt_progress": d.progress}
+            continue
         usage["completion_tokens"] += len(d.token_ids)
         _count_cached(usage, cached, 0, d.cached_tokens)
         lp = {"content": [_chat_logprob(tok, x) for x in d.logprobs]} if req.logprobs and d.logprobs else None

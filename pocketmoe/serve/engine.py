@@ -81,6 +81,9 @@ class Delta:
     error: str | None = None
     cached_tokens: int | None = None  # on the last delta: prompt tokens whose KV rows the prefix cache gave
     stop_reason: str | int | None = None  # on a "stop" delta: the stop string, or the end token id (vLLM's field)
+    # llama.cpp's return_progress: a delta of its own (no text or tokens) as the prompt is computed, {"total",
+    # "cache", "processed" (cached ones included), "time_ms" (since its prefill began)}
+    progress: dict[str, int] | None = None
 
 
 @dataclass
@@ -105,6 +108,8 @@ class Seq:
     finished: bool = False
     admitted: bool = False
     cached: int = 0  # prompt positions the prefix cache gave at its first admission
+    want_progress: bool = False  # send progress deltas while the prompt is computed (Delta.progress)
+    admitted_at: float = 0.0
 
     @property
     def decoding(self) -> bool:
@@ -191,11 +196,11 @@ class Engine:
     def submit(self, prompt: Sequence[int], params: Sequence[SamplingParams], *,
                loop: asyncio.AbstractEventLoop | None = None,
                out: asyncio.Queue[Delta | None] | None = None, index_base: int = 0,
-               sink: Callable[[Delta | None], None] | None = None, samplers: Sequence[Sampler] | None = None
-               ) -> Request:
+               sink: Callable[[Delta | None], None] | None = None, samplers: Sequence[Sampler] | None = None,
+               progress: bool = False) -> Request:
         """Queue one request of len(params) choices over `prompt` (QueueFullError past max_queue). Its deltas
         (choice indices from index_base) go to `sink` (called in the engine's thread), else to `out` (default:
-        its own queue), then one None. A grammar in the params that does not compile raises GrammarError here
+        its own queue), then one None; with `progress`, the first choice's progress deltas too. A grammar in the params that does not compile raises GrammarError here
         (`samplers`: the choices' samplers, built by the caller)."""
         if samplers is None:
             samplers = [Sampler(p, self.tok) for p in params]
@@ -211,7 +216,8 @@ class Engine:
             req.seqs.append(Seq(
                 key=(req.id, i), request=req, index=index_base + i, prompt_len=len(prompt), tokens=list(prompt), params=p,
                 sampler=sampler, stop=StopChecker(p.stop, p.include_stop_str_in_output, p.n_indent),
-                decoder=self.tok.stream_decoder(p.skip_special_tokens), want_prompt_logprobs=p.prompt_logprobs is not None))
+                decoder=self.tok.stream_decoder(p.skip_special_tokens), want_prompt_logprobs=p.prompt_logprobs is not None,
+                want_progress=progress and i == 0))
         req.open = len(req.seqs)
         self._inbox.put(("add", req))
         return req
@@ -330,7 +336,8 @@ class Engine:
                 return
             s.computed = reused
             if not s.admitted:
-                s.admitted, s.cached = True, reused
+                s.admitted, s.cached, s.admitted_at = True, reused, time.perf_counter()
+                self._progress(s)  # 0 computed yet (but what the prefix cache gave)
                 if self.prefix_caching:
                     self.metrics.prefix_cache_queries.inc(len(s.tokens))
                     self.metrics.prefix_cache_hits.inc(reused)
@@ -418,11 +425,19 @@ class Engine:
                 self.cache.commit(s.key, s.tokens, s.computed)
             if c.logits == "all":
                 self._prompt_logprobs(s, c, rows)
+            if c.start < s.prompt_len:
+                self._progress(s)
             if s.computed == len(s.tokens) and not s.finished:
                 try:
                     self._sample(s, rows[-1], now)
                 except GrammarError as e:  # a grammar at a dead end fails its sequence alone
                     self._finish(s, "length", error=str(e))
+
+    def _progress(self, s: Seq) -> None:
+        if s.want_progress:
+            s.request.put(Delta(s.index, progress={
+                "total": s.prompt_len, "cache": s.cached, "processed": min(s.computed, s.prompt_len),
+                "time_ms": int((time.perf_counter() - s.admitted_at) * 1e3)}))
 
     def _prompt_logprobs(self, s: Seq, c: SeqChunk, rows: torch.Tensor) -> None:
         """Echo with logprobs: entry p is the logprob of prompt token p given the ones before it (from the

@@ -125,6 +125,8 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = False
     # vLLM's: each choice's generated token ids (token_ids) and its prompt's (prompt_token_ids), streamed too
     return_token_ids: bool = False
+    # llama.cpp's: with stream, chunks of prompt_progress {total, cache, processed, time_ms} as the prompt is computed
+    return_progress: bool = False
     structured_outputs: StructuredOutputs | None = None
     json_schema: dict[str, Any] | None = None  # llama.cpp
     grammar: GrammarText | None = None  # llama.cpp (GBNF; Lark also reads)

@@ -33,7 +33,7 @@ class ScriptedEngine:
         self.runner = type("R", (), {"vocab_size": tok.vocab_size,
                                      "bundle": type("B", (), {"architecture": architecture})()})()
 
-    def submit(self, ids, params, *, out=None, index_base=0):  # noqa: ANN001, ANN201
+    def submit(self, ids, params, *, out=None, index_base=0, progress=False):  # noqa: ANN001, ANN201
         self.prompts.append(list(ids))
         self.params.append(list(params))
         for i, ps in enumerate(params):
