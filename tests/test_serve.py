@@ -804,3 +804,22 @@ def test_return_progress_streams_the_prompts_progress(model: Path) -> None:
         whole = httpx.post(srv.url + "/v1/chat/completions", json={**chat, "stream": False, "return_progress": True,
                                                                    "stream_options": None}, timeout=120).json()
         assert whole["choices"][0]["message"]["content"] == text  # no stream: nothing changes
+
+
+def test_chat_carries_llama_servers_timings(server: LiveServer, client: openai.OpenAI) -> None:
+    """llama-server's timings on a chat reply (the body, and the stream's last chunk): the prompt and generated
+    token counts the usage gives, the prefix cache's apart, and rates that follow from the times."""
+    msgs = [{"role": "user", "content": "timings please"}]
+    whole = httpx.post(server.url + "/v1/chat/completions", json={"model": NAME, "messages": msgs, "max_tokens": 5,
+                                                                 "temperature": 0}, timeout=60).json()
+    t, u = whole["timings"], whole["usage"]
+    assert t["predicted_n"] == u["completion_tokens"] and t["prompt_n"] + t["cache_n"] == u["prompt_tokens"]
+    assert t["cache_n"] == u["prompt_tokens_details"]["cached_tokens"] and t["prompt_ms"] > 0
+    assert t["predicted_per_second"] == pytest.approx(t["predicted_n"] / t["predicted_ms"] * 1e3)
+    objs = _sse_objects(server.url + "/v1/chat/completions", {"model": NAME, "messages": msgs, "max_tokens": 5,
+                                                             "temperature": 0, "stream": True, "n": 2})
+    timed = [o for o in objs if "timings" in o]
+    assert len(timed) == 1 and timed[0]["choices"][0]["finish_reason"] and objs.index(timed[0]) == len(objs) - 1
+    assert timed[0]["timings"]["predicted_n"] == 2 * t["predicted_n"]  # both choices
+    assert timed[0]["timings"]["cache_n"] > 0  # the prompt was computed once before
+    assert client.chat.completions.create(model=NAME, messages=msgs, max_tokens=5, temperature=0).model_extra["timings"]

@@ -661,14 +661,16 @@ def create_app(state: ServerState) -> FastAPI:
         its completion object or, with stream, the iterator of its chunks)."""
         ids, params, fmt, thinking = prepared or await chat_prepared(req, eng, tok, grammar)
         tools = req.tool_dicts
+        t0 = time.perf_counter()
         q, reqs = run([ids], [params], req.stream and req.return_progress)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = _usage(len(ids))
         if req.stream:
             return len(ids), _chat_stream(tok, req, deltas(request, q, reqs), rid, created, state.model_name, usage,
-                                          fmt, tools, thinking, ids)
+                                          fmt, tools, thinking, ids, t0)
         out, cached = [], {}
-        choices = await collect(request, q, reqs, req.n)
+        clock = _Clock(t0)
+        choices = await collect(request, q, reqs, req.n, seen=clock.see)
         for i, c in enumerate(choices):
             lp = {"content": [_chat_logprob(tok, x) for x in c.logprobs]} if req.logprobs else None
             thought, answer = split_reasoning(c.text, thinking) if thinking is not None else (None, c.text)
@@ -686,7 +688,7 @@ def create_app(state: ServerState) -> FastAPI:
             _count_cached(usage, cached, 0, c.cached_tokens)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         body = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                "choices": out, "usage": usage, "system_fingerprint": None}
+                "choices": out, "usage": usage, "system_fingerprint": None, "timings": clock.timings(usage)}
         if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
             body["prompt_logprobs"] = _prompt_logprobs(tok, choices[0].prompt_logprobs, req.prompt_logprobs)
         if req.return_token_ids:
@@ -872,6 +874,22 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+class _Clock:
+    """When a request's tokens came, for llama-server's timings (the prompt from submission to the first token, the
+    rest as generation)."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0, self.first = t0, None
+
+    def see(self, d: Delta) -> None:
+        if d.token_ids and self.first is None:
+            self.first = time.perf_counter()
+
+    def timings(self, usage: dict[str, Any]) -> dict[str, float | int]:
+        return llama_timings(usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
+                             usage["completion_tokens"], self.t0, self.first, time.perf_counter())
+
+
 def _usage(n_prompt: int) -> dict[str, Any]:
     return {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt,
             "prompt_tokens_details": {"cached_tokens": 0}}
@@ -997,11 +1015,13 @@ async def _completion_stream(tok: Tokenizer, req: CompletionRequest, deltas: Asy
 
 async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: AsyncIterator[Delta], rid: str,
                        created: int, model: str, usage: dict[str, Any], fmt: ToolFormat | None,
-                       tools: list[dict[str, Any]], thinking: bool | None, prompt_ids: list[int]
+                       tools: list[dict[str, Any]], thinking: bool | None, prompt_ids: list[int], t0: float
                        ) -> AsyncIterator[dict[str, Any]]:
     """Chat chunks; a <think> block (thinking not None) as reasoning deltas; with tools, text from the start of a
     tool call on is held and sent as tool_calls at the end (or as content, when it does not parse); with
-    return_token_ids, the prompt's ids on the first chunk (vLLM's)."""
+    return_token_ids, the prompt's ids on the first chunk (vLLM's); llama-server's timings on the last choice's
+    finishing chunk (t0: when the request was submitted)."""
+    clock, open_choices = _Clock(t0), req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     held = [ToolStream(fmt, tools) for _ in range(req.n)] if fmt else None
     minds = [ReasoningSplitter(thinking) for _ in range(req.n)] if thinking is not None else None
@@ -1031,6 +1051,7 @@ async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: Async
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "system_fingerprint": None, "choices": [], "prompt_progress": d.progress}
             continue
+        clock.see(d)
         usage["completion_tokens"] += len(d.token_ids)
         _count_cached(usage, cached, 0, d.cached_tokens)
         lp = {"content": [_chat_logprob(tok, x) for x in d.logprobs]} if req.logprobs and d.logprobs else None
@@ -1053,7 +1074,11 @@ async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: Async
                 if calls:
                     yield chunk(d.index, {"tool_calls": [c.to_json(k) for k, c in enumerate(calls)]}, None, None)
                     finish = "tool_calls"
-            yield chunk(d.index, {}, None, finish, d.stop_reason)
+            last = chunk(d.index, {}, None, finish, d.stop_reason)
+            open_choices -= 1
+            if not open_choices:
+                last["timings"] = clock.timings(usage)
+            yield last
     if include_usage:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
