@@ -148,3 +148,16 @@ def test_without_prefix_caching_the_directory_is_one_error(tmp_path: Path) -> No
                         "--backend", "reference", "--prefix-cache-dir", str(tmp_path / "s")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--enable-prefix-caching" in r.stderr.splitlines()[-1]
+
+
+def test_only_its_own_files_are_counted_or_removed(tmp_path: Path) -> None:
+    """A directory given by mistake (a home directory) loses nothing: files not named as pages are never counted
+    against the budget nor trimmed."""
+    (tmp_path / "notes").mkdir()
+    mine = tmp_path / "notes" / "draft.kv"
+    mine.write_bytes(b"x" * 10_000)
+    page_file = len(b"PMKVPAGE1\0") + 32 + L * PAGE * W * 4
+    cache = pool(tmp_path, pages=32, budget=2 * page_file)
+    assert cache.store.bytes == 0
+    compute(cache, "a", list(range(4 * PAGE)))
+    assert mine.read_bytes() == b"x" * 10_000 and len(cache.store) == 2

@@ -15,9 +15,12 @@ File: MAGIC, the key (16 bytes), the digest (16), then the page's rows [L, page,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import re
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +34,7 @@ log = logging.getLogger("pocketmoe.prefix_store")
 MAGIC = b"PMKVPAGE1\0"
 SUFFIX = ".kv"
 SAMPLE = 4096  # bytes of each tensor's start and end that go into the model's key
+_HEX32 = re.compile(r"[0-9a-f]{32}")  # a key's directory and a page's file name (before SUFFIX)
 
 
 def model_key(bundle: GGUFBundle, backend: str, layout: tuple[int, int, int, torch.dtype]) -> bytes:
@@ -61,14 +65,20 @@ class PrefixStore:
         self.dir = self.root / key.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.loaded = self.saved = 0  # pages read into the pool, pages written
-        self._files: OrderedDict[Path, int] = OrderedDict()  # every file under root, least recently used first
+        self._files: OrderedDict[Path, int] = OrderedDict()  # every page file under root, least recently used first
         found = []
         for path in self.root.glob(f"*/*{SUFFIX}"):
+            if not (_HEX32.fullmatch(path.parent.name) and _HEX32.fullmatch(path.name.removesuffix(SUFFIX))):
+                continue  # not a page of ours: never counted, never removed
             try:
                 st = path.stat()
             except OSError:
                 continue
             found.append((st.st_mtime, path, st.st_size))
+        for tmp in self.dir.glob(f"*{SUFFIX}.tmp*"):  # a write a crash cut short (not one in flight elsewhere)
+            with contextlib.suppress(OSError):
+                if time.time() - tmp.stat().st_mtime > 60:
+                    tmp.unlink()
         for _, path, size in sorted(found):
             self._files[path] = size
         self.bytes = sum(self._files.values())
@@ -111,7 +121,7 @@ class PrefixStore:
         if path in self._files or self.page_bytes > self.budget:
             return
         data = rows.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         try:
             tmp.write_bytes(MAGIC + self.key + digest + data)
             os.replace(tmp, path)

@@ -200,8 +200,9 @@ class Engine:
                progress: bool = False) -> Request:
         """Queue one request of len(params) choices over `prompt` (QueueFullError past max_queue). Its deltas
         (choice indices from index_base) go to `sink` (called in the engine's thread), else to `out` (default:
-        its own queue), then one None; with `progress`, the first choice's progress deltas too. A grammar in the params that does not compile raises GrammarError here
-        (`samplers`: the choices' samplers, built by the caller)."""
+        its own queue), then one None; with `progress`, the first choice's progress deltas too. A grammar in the
+        params that does not compile raises GrammarError here (`samplers`: the choices' samplers, built by the
+        caller)."""
         if samplers is None:
             samplers = [Sampler(p, self.tok) for p in params]
         with self._lock:
