@@ -593,9 +593,25 @@ def test_tokenize_and_detokenize(server: LiveServer, client: openai.OpenAI, llm:
     assert chat["count"] == client.chat.completions.create(model=NAME, messages=messages, max_tokens=1).usage.prompt_tokens
     opened = post("/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
     assert opened == llm.encode_chat(messages, add_generation_prompt=False)
-    assert post("/detokenize", {"model": NAME, "tokens": want}).json() == {"prompt": llm.tokenizer.decode(want)}
+    text = llm.tokenizer.decode(want)
+    assert post("/detokenize", {"model": NAME, "tokens": want}).json() == {"prompt": text, "content": text}
+    # llama-server's fields: content (no BOS unless add_special), parse_special, with_pieces
+    tok = llm.tokenizer
+    special = tok.tokens[tok.eos_id]
+    for body, add_bos, parse in [({}, False, True), ({"add_special": True}, True, True),
+                                 ({"parse_special": False}, False, False)]:
+        got = post("/tokenize", {"content": f"hello {special} world", **body}).json()["tokens"]
+        assert got == tok.encode(f"hello {special} world", add_bos=None if add_bos else False, parse_special=parse)
+    han = post("/tokenize", {"content": "héllo 中", "with_pieces": True}).json()["tokens"]
+    assert [x["id"] for x in han] == tok.encode("héllo 中", add_bos=False)
+    pieces = [tok.token_to_piece(x["id"]) for x in han]
+    assert [bytes(x["piece"]) if isinstance(x["piece"], list) else x["piece"].encode() for x in han] == pieces
+    assert any(isinstance(x["piece"], list) for x in han)  # a character split over tokens comes as bytes
     assert "hello world" in llm.tokenizer.decode(want)
-    for path, body, param in [("/tokenize", {}, "messages"), ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+    for path, body, param in [("/tokenize", {}, "messages"), ("/tokenize", {"prompt": "a", "messages": messages}, "messages"),
+                              ("/tokenize", {"prompt": "a", "content": "b"}, "content"),
+                              ("/tokenize", {"content": "a", "add_special": True, "add_special_tokens": False},
+                               "add_special"), ("/apply-template", {"messages": messages, "content": "x"}, "messages"),
                               ("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
                               ("/detokenize", {"tokens": [-1]}, "tokens.0"), ("/detokenize", {}, "tokens")]:
         e = post(path, body)

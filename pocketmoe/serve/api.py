@@ -820,8 +820,11 @@ def create_app(state: ServerState) -> FastAPI:
         if req.messages is not None:
             ids, _ = await chat_prompt(tok, req, req.messages, [], None)
         else:
-            ids = await asyncio.to_thread(tok.encode, req.prompt, None if req.add_special_tokens else False)
-        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+            ids = await asyncio.to_thread(tok.encode, req.text, None if req.add_bos else False, req.parse_special)
+        tokens: list[Any] = ids
+        if req.with_pieces:  # llama-server's: each piece as text, or as its bytes where it is not whole UTF-8
+            tokens = [{"id": t, "piece": _piece_or_bytes(tok.token_to_piece(t))} for t in ids]
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": tokens})
 
     @app.post("/apply-template")
     async def apply_template(request: Request) -> Response:
@@ -853,7 +856,8 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(req.model)
         tok = engine().tok
         _check_vocab(req.tokens, len(tok.tokens), "tokens", "token id")
-        return JSONResponse({"prompt": await asyncio.to_thread(tok.decode, req.tokens)})
+        text = await asyncio.to_thread(tok.decode, req.tokens)
+        return JSONResponse({"prompt": text, "content": text})  # vLLM's key and llama-server's
 
     gated = GateMiddleware(app, state)
     if not state.allowed_origins:
@@ -888,6 +892,13 @@ class _Clock:
     def timings(self, usage: dict[str, Any]) -> dict[str, float | int]:
         return llama_timings(usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
                              usage["completion_tokens"], self.t0, self.first, time.perf_counter())
+
+
+def _piece_or_bytes(piece: bytes) -> str | list[int]:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
 
 
 def _usage(n_prompt: int) -> dict[str, Any]:

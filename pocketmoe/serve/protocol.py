@@ -402,21 +402,41 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 class TokenizeRequest(_Body):
-    """POST /tokenize (vLLM's route): a prompt's token ids, or those of chat messages the template renders."""
+    """POST /tokenize (vLLM's route, and llama-server's): a prompt's token ids, or those of chat messages the template
+    renders. llama-server's fields: `content` (the text; BOS only with add_special, as it does), `parse_special`
+    (special-token texts become their tokens; default true) and `with_pieces` (each id with its text)."""
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
+    content: StrictStr | None = None  # llama-server's prompt
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_special_tokens: bool = True     # prompt: BOS (and EOS) as the file asks; false: none
+    add_special_tokens: bool | None = None  # BOS (and EOS) as the file asks (prompt: default true); false: none
+    add_special: bool | None = None  # llama-server's name of it (content: default false)
+    parse_special: bool = True
+    with_pieces: bool = False
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opening, as a chat request does
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         check_template_options(self)
-        if (self.prompt is None) == (self.messages is None):
-            raise RequestError("give either prompt (text) or messages (a chat), not both or neither.",
-                               "prompt" if self.prompt is not None else "messages")
+        given = [name for name in ("prompt", "content", "messages") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise RequestError("give one of prompt or content (text) or messages (a chat), not "
+                               f"{' and '.join(given) if given else 'none'}.", given[-1] if given else "messages")
+        if self.add_special is not None and self.add_special_tokens is not None \
+                and self.add_special != self.add_special_tokens:
+            raise RequestError("add_special and add_special_tokens differ; give one of them.", "add_special")
+
+    @property
+    def text(self) -> str | None:
+        return self.prompt if self.prompt is not None else self.content
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether the text gets the file's BOS (and EOS): vLLM's default for prompt, llama-server's for content."""
+        asked = self.add_special_tokens if self.add_special_tokens is not None else self.add_special
+        return asked if asked is not None else self.prompt is not None
 
 
 class ApplyTemplateRequest(TokenizeRequest):
@@ -424,7 +444,7 @@ class ApplyTemplateRequest(TokenizeRequest):
 
     def check(self) -> None:
         check_template_options(self)
-        if self.messages is None or self.prompt is not None:
+        if self.messages is None or self.text is not None:
             raise RequestError("/apply-template renders messages; give messages (and no prompt).", "messages")
 
 
