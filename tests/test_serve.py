@@ -474,7 +474,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "best_of", "tools", "tool_choice", "structured_outputs", "json_schema", "grammar", "min_tokens",
           "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "chat_template_kwargs",
           "return_token_ids", "reasoning_effort", "thinking_budget_tokens", "thinking_token_budget",
-          "thinking_budget_message", "return_progress",
+          "thinking_budget_message", "return_progress", "timings_per_token",
           "add_generation_prompt", "continue_final_message"]
 
 
@@ -839,3 +839,9 @@ def test_chat_carries_llama_servers_timings(server: LiveServer, client: openai.O
     assert timed[0]["timings"]["predicted_n"] == 2 * t["predicted_n"]  # both choices
     assert timed[0]["timings"]["cache_n"] > 0  # the prompt was computed once before
     assert client.chat.completions.create(model=NAME, messages=msgs, max_tokens=5, temperature=0).model_extra["timings"]
+    every = _sse_objects(server.url + "/v1/chat/completions", {"model": NAME, "messages": msgs, "max_tokens": 5,
+                                                              "temperature": 0, "stream": True,
+                                                              "timings_per_token": True})
+    counts = [o["timings"]["predicted_n"] for o in every if o["choices"] and o["choices"][0]["delta"].get("content")]
+    assert counts == sorted(set(counts)) and len(counts) > 1 and counts[-1] <= 5  # more tokens each chunk
+    assert "timings" not in every[0]  # before the first token there is no speed yet

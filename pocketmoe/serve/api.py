@@ -1047,6 +1047,8 @@ async def _chat_stream(tok: Tokenizer, req: ChatCompletionRequest, deltas: Async
              "system_fingerprint": None, "choices": [choice]}
         if include_usage:
             c["usage"] = None
+        if req.timings_per_token and clock.first is not None:  # llama-server's: the speed so far, on every chunk
+            c["timings"] = clock.timings(usage)
         return c
 
     for i in range(req.n):

@@ -127,6 +127,8 @@ class SamplingFields(_Body):
     return_token_ids: bool = False
     # llama.cpp's: with stream, chunks of prompt_progress {total, cache, processed, time_ms} as the prompt is computed
     return_progress: bool = False
+    # llama.cpp's: with stream, the timings so far on every chat chunk after the first token (else on the last)
+    timings_per_token: bool = False
     structured_outputs: StructuredOutputs | None = None
     json_schema: dict[str, Any] | None = None  # llama.cpp
     grammar: GrammarText | None = None  # llama.cpp (GBNF; Lark also reads)
