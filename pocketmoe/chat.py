@@ -2,7 +2,7 @@
 
     python -m pocketmoe.chat [--model PATH] [--system TEXT] [--max-tokens N] [--temperature T] [--top-p P]
         [--top-k K] [--min-p P] [--seed S] [--threads N] [--n-ctx C] [--no-think] [--reasoning-budget N]
-        [--reasoning-budget-message TEXT] [--stats] [--json]
+        [--reasoning-budget-message TEXT] [--prefix-cache-dir DIR] [--stats] [--json]
         [--device auto|cpu|cuda] [--mode ...] [--gpu-memory-gib G[,G...]] [...]
 
 Each line read is a user turn (a line ending in a backslash goes on in the next); the reply streams as it is
@@ -166,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         args.model = str(demo_model_path())
     llm = LLM(args.model, n_ctx=args.n_ctx, threads=args.threads, chunk_size=args.chunk_size,
-              backend=args.backend, kv_dtype=args.kv_dtype, placement=placement_from_args(args), max_num_seqs=1)
+              backend=args.backend, kv_dtype=args.kv_dtype, placement=placement_from_args(args), max_num_seqs=1,
+              prefix_cache_dir=args.prefix_cache_dir)
     if not llm.runner.parallel.is_lead:  # torchrun: rank 0 chats, the other ranks run its steps
         llm.runner.serve_steps()
         return 0

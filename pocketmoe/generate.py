@@ -2,7 +2,7 @@
 
     python -m pocketmoe.generate [--model PATH] (--prompt TEXT | --chat TEXT | --token-ids 1,2,3)
         [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S]
-        [--threads N] [--n-ctx C] [--stop STR ...] [--json] [--dump-logits FILE.npy]
+        [--threads N] [--n-ctx C] [--stop STR ...] [--json] [--dump-logits FILE.npy] [--prefix-cache-dir DIR]
         [--json-schema SCHEMA | --json-schema-file FILE | --grammar GBNF | --grammar-file FILE | --regex RE]
         [--device auto|cpu|cuda] [--mode auto|all-device|heterogeneous|cpu] [--gpu-memory-gib G[,G...]]
         [--expert-policy auto|cache|stage|cpu] [--expert-cache-slots N]
@@ -75,6 +75,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                    help=f"prefill tokens per forward pass (default {DEFAULT_CHUNK_SIZE})")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="keep the prompt's computed KV pages in files here, so a later run with the same start reads "
+                   "them instead of computing them again (llama-cli's --prompt-cache, by content)")
 
 
 def sampling_params(args: argparse.Namespace, grammar: Grammar | None = None):  # noqa: ANN201
@@ -133,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model = str(demo_model_path())
     placement = placement_from_args(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, threads=args.threads, chunk_size=args.chunk_size,
-              backend=args.backend, kv_dtype=args.kv_dtype, placement=placement, max_num_seqs=1)
+              backend=args.backend, kv_dtype=args.kv_dtype, placement=placement, max_num_seqs=1,
+              prefix_cache_dir=args.prefix_cache_dir)
     if not llm.runner.parallel.is_lead:  # torchrun: rank 0 generates, the other ranks run its steps
         llm.runner.serve_steps()
         return 0

@@ -13,6 +13,7 @@ import torch
 
 from pocketmoe.engine.kv_cache import PagedKVCache
 from pocketmoe.engine.prefix_store import PrefixStore, model_key
+from pocketmoe.errors import PocketMoEError
 from pocketmoe.gguf import open_bundle
 from pocketmoe.testing.live_server import LiveServer
 from pocketmoe.testing.synth import write_fixture
@@ -161,3 +162,49 @@ def test_only_its_own_files_are_counted_or_removed(tmp_path: Path) -> None:
     assert cache.store.bytes == 0
     compute(cache, "a", list(range(4 * PAGE)))
     assert mine.read_bytes() == b"x" * 10_000 and len(cache.store) == 2
+
+
+def test_the_single_sequence_reads_and_keeps_its_pages(tmp_path: Path) -> None:
+    """LLM's single sequence (generate, chat, one prompt of the API): a later process given the directory reads a
+    prompt's start back, and the tokens and logprobs are bitwise those computed; a prompt that shares only part of a
+    page, then the first again, still gives the tokens computed without the store; a reply's pages are kept too."""
+    from pocketmoe.engine.llm import LLM
+    from pocketmoe.engine.sampler import SamplingParams
+
+    model = write_fixture("deepseek2", "tiny", "Q4_K_M", tmp_path / "m.gguf", seed=11)[0]
+    store = tmp_path / "store"
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    a, b = list(range(20, 120)), list(range(20, 40)) + list(range(300, 380))
+    ref = LLM(model, n_ctx=512, threads=1, max_num_seqs=1)
+    want = {k: ref.generate([p], greedy)[0] for k, p in (("a", a), ("b", b))}
+    ref.close()
+    first = LLM(model, n_ctx=512, threads=1, max_num_seqs=1, prefix_cache_dir=store)
+    out = first.generate([a], greedy)[0]
+    assert (out.token_ids, out.logprobs, out.cached_tokens) == (want["a"].token_ids, want["a"].logprobs, 0)
+    first.close()
+    second = LLM(model, n_ctx=512, threads=1, max_num_seqs=1, prefix_cache_dir=store)
+    for name, prompt, cached in (("a", a, 96), ("b", b, 20), ("a", a, 96)):  # b: the 20 rows a left
+        out = second.generate([prompt], greedy)[0]
+        assert (out.token_ids, out.logprobs) == (want[name].token_ids, want[name].logprobs), name
+        assert out.cached_tokens == cached, name
+    # a reply's pages are kept too: a later process given the conversation so far reads them
+    reply = second.generate([a], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].token_ids
+    second.close()
+    third = LLM(model, n_ctx=512, threads=1, max_num_seqs=1, prefix_cache_dir=store)
+    assert third.generate([a + reply[:39] + [7]], greedy)[0].cached_tokens == (len(a) + 39) // PAGE * PAGE == 128
+    with pytest.raises(PocketMoEError, match="enable_prefix_caching"):
+        LLM(model, n_ctx=512, threads=1, backend="reference", prefix_cache_dir=store)
+
+
+def test_generate_cli_reads_the_prompt_back(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    model = write_fixture("deepseek2", "tiny", "Q8_0", tmp_path / "m.gguf")[0]
+    cmd = [sys.executable, "-m", "pocketmoe.generate", "--model", str(model), "--threads", "1", "--json",
+           "--max-tokens", "6", "--temperature", "0", "--prompt", "the quick brown fox " * 20,
+           "--prefix-cache-dir", str(tmp_path / "store")]
+    runs = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300).stdout)
+            for _ in range(2)]
+    assert runs[0]["text"] == runs[1]["text"] and runs[0]["cached_tokens"] == 0 < runs[1]["cached_tokens"]

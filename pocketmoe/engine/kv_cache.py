@@ -222,6 +222,54 @@ class PagedKVCache:
         self._page_key[page] = digest
         return page
 
+    # -- the store for a sequence of its own (the single-sequence path: its pages are never shared) ----------------
+    def stored_prefix(self, tokens: Sequence[int]) -> int:
+        """Positions of `tokens`, from the start, whose full pages the store keeps (0 without a store)."""
+        if self.store is None:
+            return 0
+        digest, n = b"", 0
+        for i in range(len(tokens) // self.page):
+            digest = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
+            if digest not in self.store:
+                break
+            n += self.page
+        return n
+
+    def restore(self, seq: object, tokens: Sequence[int]) -> int:
+        """Start a new `seq` with the store's rows for the longest run of full pages of `tokens`, read into pages of
+        its own (not indexed: it may write over them later); returns the positions they cover."""
+        if seq in self._pages:
+            raise ValueError(f"sequence {seq!r} already holds pages; restore starts a new one")
+        n = self.stored_prefix(tokens)
+        if not n:
+            return 0
+        self.reserve(seq, n)
+        pages, digest = self._pages[seq], b""
+        for i, page in enumerate(pages):
+            digest = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
+            rows = self.store.load(digest) if self.store is not None else None
+            if rows is None:  # a file that went bad since it was counted: keep the pages read before it
+                for extra in pages[i:]:
+                    self._release(extra)
+                del pages[i:]
+                self._length[seq] = i * self.page
+                if not i:
+                    self.free(seq)
+                return i * self.page
+            for layer, layer_rows in zip(self._layers, rows, strict=True):
+                layer[page * self.page:(page + 1) * self.page] = layer_rows.to(layer.device, layer.dtype)
+        return n
+
+    def persist(self, seq: object, tokens: Sequence[int], n_computed: int) -> None:
+        """Keep `seq`'s full pages of computed rows (holding `tokens`) in the store, those it lacks."""
+        if self.store is None or seq not in self._pages:
+            return
+        digest = b""
+        for i in range(min(n_computed // self.page, len(self._pages[seq]))):
+            digest = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
+            if digest not in self.store:
+                self.store.save(digest, self.page_rows(self._pages[seq][i]))
+
     def page_rows(self, page: int) -> torch.Tensor:
         """[L, page, W] on the CPU: one page's rows in every layer."""
         return torch.stack([layer[page * self.page:(page + 1) * self.page].cpu() for layer in self._layers])

@@ -94,14 +94,17 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, n_ctx: int = 4096, threads: int | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, backend: str = "auto", kv_dtype: str = "f32", placement: Any = None,
                  max_num_seqs: int | None = None, kv_cache_bytes: int | None = None,
-                 enable_prefix_caching: bool | None = None) -> None:
+                 enable_prefix_caching: bool | None = None, prefix_cache_dir: str | Path | None = None,
+                 prefix_cache_disk_bytes: int = 16 << 30) -> None:
         """placement: a placement.run.RunPlacement (the --device/--mode/... flags); None: CPU only.
         max_num_seqs: sequences a batch of prompts decodes at once (1: one prompt after another; default 8 on
         the CPU, 1 with a placement, whose plan reserves device memory for every sequence's KV cache).
         kv_cache_bytes: the KV pool (default: one sequence's until the first batch, then the server's rule for
         max_num_seqs sequences of n_ctx; with a placement, that up front).
         enable_prefix_caching: prompt starts computed before are not computed again, in a batch and by the single
-        sequence (None: where the ops are chunk-invariant, so that the tokens are the same either way)."""
+        sequence (None: where the ops are chunk-invariant, so that the tokens are the same either way).
+        prefix_cache_dir: computed pages are also kept in files there (engine/prefix_store.py, within
+        prefix_cache_disk_bytes), so a later run, in this process or another, reads a prompt's start back."""
         if max_num_seqs is None:
             max_num_seqs = 8 if placement is None else 1
         if max_num_seqs <= 0:
@@ -117,7 +120,9 @@ class LLM:
         self._pool_later = placement is None and kv_cache_bytes is None and max_num_seqs > 1
         cfg = RunnerConfig(n_ctx=n_ctx, chunk_size=chunk_size, threads=threads, kv_dtype=kv_dtype, backend=backend,
                            placement=placement, max_seqs=1 if self._pool_later else max_num_seqs,
-                           kv_cache_bytes=kv_cache_bytes)
+                           kv_cache_bytes=kv_cache_bytes,
+                           prefix_cache_dir=None if prefix_cache_dir is None else str(prefix_cache_dir),
+                           prefix_cache_disk_bytes=prefix_cache_disk_bytes)
         if kv_cache_bytes is None and max_num_seqs > 1 and not self._pool_later:
             cfg = replace(cfg, kv_cache_bytes=self._batch_pool_bytes(load_spec(self.bundle), n_ctx, max_num_seqs,
                                                                      kv_dtype))
@@ -127,6 +132,10 @@ class LLM:
         self.max_num_seqs, self.enable_prefix_caching = max_num_seqs, enable_prefix_caching
         # the single sequence continues from the rows its last run left where they hold the prompt's start
         self._reuse_prefix = self.runner.reuses_rows(enable_prefix_caching)
+        if prefix_cache_dir is not None and not self._reuse_prefix:
+            raise PocketMoEError(f"a prefix cache directory keeps rows to reuse, but these kernels "
+                                 f"({self.runner.describe}) do not reuse rows by default (they can differ in the last "
+                                 "bits with the chunking); pass enable_prefix_caching=True, or no directory.")
         self._engine: Any = None  # serve.engine.Engine, built at the first batch
 
     # -- prompts -------------------------------------------------------------------------------
@@ -175,8 +184,9 @@ class LLM:
 
         t0 = time.perf_counter()
         if params.prompt_logprobs is None:
-            start = self.runner.solo_prefix(ids) if self._reuse_prefix else 0
+            start = self.runner.solo_restore(ids) if self._reuse_prefix else 0
             logits = self.runner.forward(ids[start:], start, last_only=True)[0]
+            self.runner.solo_persist()
         else:
             start, logits, out.prompt_logprobs = 0, *self._prompt_logprobs(ids, params.prompt_logprobs)
         out.prefill_s, out.cached_tokens = time.perf_counter() - t0, start
@@ -207,6 +217,7 @@ class LLM:
                 break
             logits = self.runner.decode(token, pos)
             pos += 1
+        self.runner.solo_persist()  # the reply's pages too: a conversation's next turn continues from them
         tail = stop.end(decoder.flush())
         out.text += tail
         out.finish_reason = "length" if stop.limited else finish  # a line under n_indent is a limit

@@ -377,6 +377,21 @@ class ModelRunner:
             n += 1
         return n
 
+    def solo_restore(self, tokens: Sequence[int]) -> int:
+        """Where the prefix store keeps more of `tokens`' start than the single sequence's rows hold (solo_prefix),
+        restart the sequence from the store's rows: the position to continue it from either way."""
+        held = self.solo_prefix(tokens)
+        if self.cache.stored_prefix(tokens[:-1]) <= held:
+            return held
+        self.free(SOLO)
+        n = self.cache.restore(SOLO, tokens[:-1])
+        self.solo_tokens = list(tokens[:n])
+        return n
+
+    def solo_persist(self) -> None:
+        """Keep the single sequence's full pages in the prefix store (those it lacks)."""
+        self.cache.persist(SOLO, self.solo_tokens, len(self.solo_tokens))
+
     @torch.inference_mode()
     def decode(self, token: int, pos: int) -> torch.Tensor:
         """One token of the single sequence at position pos -> logits [V] (StepContext.decode_one: the
