@@ -845,3 +845,46 @@ def test_chat_carries_llama_servers_timings(server: LiveServer, client: openai.O
     counts = [o["timings"]["predicted_n"] for o in every if o["choices"] and o["choices"][0]["delta"].get("content")]
     assert counts == sorted(set(counts)) and len(counts) > 1 and counts[-1] <= 5  # more tokens each chunk
     assert "timings" not in every[0]  # before the first token there is no speed yet
+
+
+def test_a_stream_waiting_on_a_long_prefill_keeps_alive(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While no event comes (a prompt prefilling for minutes on a CPU), the stream sends SSE comment lines, which
+    the SDKs skip: the chunks that follow are the same."""
+    import asyncio
+
+    from fastapi.testclient import TestClient
+
+    import pocketmoe.serve.api as api
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.serve.api import ServerState, create_app
+    from pocketmoe.testing.scripted import ScriptedEngine
+    from pocketmoe.tokenizer import Tokenizer
+
+    class SlowEngine(ScriptedEngine):
+        def submit(self, ids, params, *, out=None, index_base=0, progress=False):  # noqa: ANN001, ANN201
+            later: asyncio.Queue = asyncio.Queue()
+            req = super().submit(ids, params, out=later, index_base=index_base)
+
+            async def relay() -> None:
+                await asyncio.sleep(0.35)  # the prefill
+                while not later.empty():
+                    out.put_nowait(later.get_nowait())
+
+            asyncio.get_running_loop().create_task(relay())
+            return req
+
+    monkeypatch.setattr(api, "KEEPALIVE_S", 0.1)
+    tok = Tokenizer.from_metadata(open_bundle(model).metadata)
+    http = TestClient(create_app(ServerState(model_name="m", max_model_len=4096,  # type: ignore[arg-type]
+                                             engine=SlowEngine(tok, "deepseek2", "Hello there."), tokenizer=tok)))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    alive = [i for i, line in enumerate(lines) if line.startswith(":")]
+    assert len(alive) >= 2 and lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines
+                   if line.startswith("data: {") and json.loads(line[6:])["choices"])
+    assert text == "Hello there."
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+    chunks = list(client.chat.completions.create(model="m", messages=body["messages"], max_tokens=5, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there."

@@ -91,6 +91,7 @@ GATED = ("/v1", "/completion", "/infill", "/tokenize", "/detokenize", "/apply-te
 PUBLIC = ("/v1/health",)
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
+KEEPALIVE_S = 10.0  # a stream with no event this long gets an SSE comment line (nginx's default idle timeout is 60 s)
 # a chat request made ready to run: prompt ids, its choices' params, its tool-call format, whether its output starts
 # inside a reasoning block (create_app's chat_prepared)
 Prepared = tuple[list[int], list[SamplingParams], ToolFormat | None, bool | None]
@@ -950,11 +951,30 @@ def _prompt_logprobs(tok: Tokenizer, lps: list[TokenLogprob | None], k: int) -> 
 
 def _sse(events: AsyncIterator[dict[str, Any]], done: bool = True, named: bool = False) -> StreamingResponse:
     """Server-sent events, one JSON object each; OpenAI's streams end with `data: [DONE]` (done), llama.cpp's and
-    the Responses API's not; named: each event also has an `event:` line, its type (the Responses API's)."""
+    the Responses API's not; named: each event also has an `event:` line, its type (the Responses API's). While no
+    event comes for KEEPALIVE_S (a long prompt prefilling on a CPU), an SSE comment line keeps proxies and clients
+    with idle timeouts from dropping the stream; every SSE reader skips it."""
     async def body() -> AsyncIterator[bytes]:
-        async for e in events:
-            name = f"event: {e.get('type', 'error')}\n".encode() if named else b""
-            yield name + b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n"
+        it = events.__aiter__()
+        pending: asyncio.Future[dict[str, Any]] | None = None
+        try:
+            while True:
+                pending = pending or asyncio.ensure_future(it.__anext__())
+                finished, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
+                if not finished:
+                    yield b": keep-alive\n\n"
+                    continue
+                try:
+                    e = pending.result()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    pending = None
+                name = f"event: {e.get('type', 'error')}\n".encode() if named else b""
+                yield name + b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n"
+        finally:
+            if pending is not None:  # the client went away mid-wait: the events' own cleanup (an abort) runs
+                pending.cancel()
         if done:
             yield b"data: [DONE]\n\n"
 
