@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pocketmoe.engine.sampler import Sampler, SamplingParams, SamplingParamsError, apply_infill, infill_vocab
+from pocketmoe.engine.structured import Grammar
 from pocketmoe.gguf import open_bundle
 from pocketmoe.testing.synth import write_fixture
 from pocketmoe.tokenizer import Tokenizer
@@ -119,6 +120,9 @@ def test_chain_rules(vocab) -> None:  # noqa: ANN001
         SamplingParams(top_k=40, chain=("infill", "top_k"))
     with pytest.raises(SamplingParamsError, match="infill"):
         SamplingParams(top_k=0, chain=("top_k", "infill"))
+    for bad in ({"grammar": Grammar.json_object()}, {"min_tokens": 3}):
+        with pytest.raises(SamplingParamsError, match="infill ends it"):
+            SamplingParams(top_k=40, chain=("top_k", "infill"), **bad)
     with pytest.raises(SamplingParamsError, match="tokenizer"):
         Sampler(SamplingParams(top_k=40, chain=("top_k", "infill")))
     x = scene(tok, random.Random(2))

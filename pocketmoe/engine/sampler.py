@@ -188,6 +188,9 @@ class SamplingParams:
              0 < self.top_k <= MAX_INFILL_CANDIDATES and "top_k" in self.chain[:self.chain.index("infill")], "chain",
              f"with infill after a top_k step, top_k in 1..{MAX_INFILL_CANDIDATES} (infill compares every pair of "
              "candidates)"),
+            (self.chain is None or "infill" not in self.chain or (self.grammar is None and not self.min_tokens),
+             "chain", "without infill where a grammar or min_tokens decides when the output may end (infill ends it "
+             "with the end-of-turn token where no text is likely enough)"),
         ]
         for ok, name, rule in checks:
             if not ok:
