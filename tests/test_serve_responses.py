@@ -287,7 +287,8 @@ def test_format_effort_and_max_tokens(tok: Tokenizer) -> None:
 
 @pytest.mark.parametrize("body,param", [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),  # never stored
-    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation"),
+    ({"input": "x", "conversation": {"name": "conv_1"}}, "conversation.id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input.0.content.0.type"),

@@ -93,6 +93,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "prefix, then middle, as some code models were trained (default: prefix, suffix, middle)")
     p.add_argument("--responses-store-mib", type=float, default=DEFAULT_RESPONSES_STORE_MIB,
                    help="memory for the /v1/responses replies kept for previous_response_id and GET /v1/responses/ID "
+                   "and, as much again, for /v1/conversations "
                    f"(default {DEFAULT_RESPONSES_STORE_MIB}; the least recently used go first; 0: keep none)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -287,6 +288,7 @@ def worker(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from pocketmoe.serve.api import ServerState, create_app
+    from pocketmoe.serve.conversations import ConversationStore
     from pocketmoe.serve.responses import ResponseStore
 
     if args.model is None:
@@ -303,7 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format,
                         reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
                         spm_infill=args.spm_infill, allowed_origins=args.allowed_origins,
-                        responses=ResponseStore(int(args.responses_store_mib * 2**20)))
+                        responses=ResponseStore(int(args.responses_store_mib * 2**20)),
+                        conversations=ConversationStore(int(args.responses_store_mib * 2**20)))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

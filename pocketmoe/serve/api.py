@@ -8,6 +8,8 @@ stopped engine. The body cap and the API key are checked by one ASGI middleware 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import hmac
 import json
 import logging
@@ -36,6 +38,8 @@ from pocketmoe.engine.sampler import (
     logprob_entry,
 )
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
+from pocketmoe.serve.conversations import ConversationStore
+from pocketmoe.serve.conversations import add_routes as add_conversation_routes
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError
 from pocketmoe.serve.llama_api import DEFAULTS as LLAMA_DEFAULTS
 from pocketmoe.serve.llama_api import (
@@ -70,6 +74,7 @@ from pocketmoe.serve.responses import (
     ResponsesRequest,
     ResponseStore,
     input_item,
+    item_page,
     response_events,
     turn_starts,
 )
@@ -117,6 +122,8 @@ class ServerState:
     spm_infill: bool = False  # fill-in-the-middle prompts in suffix-prefix-middle order (--spm-infill)
     allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers (--allowed-origins)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_RESPONSES_STORE_MIB << 20))
+    conversations: ConversationStore = field(
+        default_factory=lambda: ConversationStore(DEFAULT_RESPONSES_STORE_MIB << 20))
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -132,6 +139,8 @@ def _endpoint(path: str) -> str:
         return "/v1/models/{id}"
     if path.startswith("/v1/responses/") and path not in ENDPOINTS:
         return "/v1/responses/{id}"
+    if path.startswith("/v1/conversations"):
+        return "/v1/conversations"
     return path if path in ENDPOINTS else "other"
 
 
@@ -531,10 +540,19 @@ def create_app(state: ServerState) -> FastAPI:
             req, prepared = await truncated(asked, items, eng, tok, grammar)
         _, chunks = await chat_reply(request, req, eng, tok, grammar, prepared)
         stored = asked.store is not False and store.capacity > 0
-        sent = [input_item(x) for x in asked.items()] if stored else []  # as input_items will list them
+        conv = asked.conversation_id
+        sent = [input_item(x) for x in asked.items()] if stored or conv else []  # as input_items will list them
+
+        def keep(r: dict[str, Any]) -> None:
+            if stored:
+                store.put(r, sent, asked.previous_response_id)
+            if conv:  # the turn joins the conversation (unless it was deleted or dropped meanwhile)
+                with contextlib.suppress(RequestError):
+                    state.conversations.add(conv, copy.deepcopy([*sent, *r["output"]]))
+
         events = response_events(chunks, asked.echo(state.model_name, stored),
                                  ResponseUsage(lambda text: len(tok.encode(text, add_bos=False))),
-                                 (lambda r: store.put(r, sent, asked.previous_response_id)) if stored else None)
+                                 keep if stored or conv else None)
         if asked.stream:
             return _sse(events, done=False, named=True)
         last: dict[str, Any] = {}
@@ -545,9 +563,12 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(last["response"])
 
     def conversation(asked: ResponsesRequest) -> list[Any]:
-        """A Responses request's items: the kept conversation it continues (previous_response_id), then its input."""
-        previous = asked.previous_response_id
-        return [*(state.responses.conversation(previous) if previous else []), *asked.items()]
+        """A Responses request's items: the kept conversation it continues (previous_response_id, or a Conversations
+        API conversation), then its input."""
+        previous, conv = asked.previous_response_id, asked.conversation_id
+        before = state.responses.conversation(previous) if previous else \
+            state.conversations.history(conv) if conv else []
+        return [*before, *asked.items()]
 
     @app.post("/v1/responses/input_tokens")
     async def response_input_tokens(request: Request) -> Response:
@@ -592,20 +613,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
                           ) -> Response:
         """The items a stored response's request gave as input, a page at a time (OpenAI's list shape)."""
-        if not 1 <= limit <= 100:
-            raise RequestError(f"limit is {limit}; give 1 to 100.", "limit")
-        if order not in ("asc", "desc"):
-            raise RequestError(f"order is {order!r}; give 'asc' or 'desc'.", "order")
-        items = state.responses.get(response_id).items
-        items = items if order == "asc" else items[::-1]
-        if after is not None:
-            at = next((k for k, x in enumerate(items) if x["id"] == after), None)
-            if at is None:
-                raise RequestError(f"after is {after!r}, which is not an input item of {response_id!r}.", "after")
-            items = items[at + 1:]
-        page = items[:limit]
-        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+        return JSONResponse(item_page(state.responses.get(response_id).items, limit, order, after, response_id))
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
@@ -860,6 +868,7 @@ def create_app(state: ServerState) -> FastAPI:
         text = await asyncio.to_thread(tok.decode, req.tokens)
         return JSONResponse({"prompt": text, "content": text})  # vLLM's key and llama-server's
 
+    add_conversation_routes(app, state.conversations, _parse)
     gated = GateMiddleware(app, state)
     if not state.allowed_origins:
         return gated  # type: ignore[return-value]

@@ -9,8 +9,8 @@ response object with output items: `reasoning` (the `<think>` block), `message` 
 
 A reply that is not asked to be forgotten (`store`, true by default as on OpenAI's API) is kept in a
 ResponseStore, in memory and bounded, for `previous_response_id` (the kept conversation goes before the new
-input) and for `GET` / `DELETE /v1/responses/{id}` and its `input_items`. `conversation` (OpenAI's Conversations
-API) is refused; a client can always send the whole conversation, its earlier output items included, in `input`.
+input) and for `GET` / `DELETE /v1/responses/{id}` and its `input_items`; `conversation` (OpenAI's Conversations
+API, serve/conversations.py) puts a kept conversation's items before the input and adds the turn to it.
 
 The whole reply is the stream's last event's response: both come from one function, so they cannot differ.
 """
@@ -187,9 +187,11 @@ class ResponsesRequest(_Body):
     def check(self) -> None:
         if not self.input:
             raise RequestError("input is empty; give a string or at least one item.", "input")
-        if self.conversation is not None:
-            raise RequestError("conversation needs OpenAI's Conversations API, which this server does not have; "
-                               "use previous_response_id, or send the whole conversation in input.", "conversation")
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise RequestError("conversation and previous_response_id both name what this input continues; give one "
+                               "of them.", "conversation")
+        if not isinstance(self.conversation, (str, dict, type(None))):
+            raise RequestError("conversation is a conversation's id, or {\"id\": ...}.", "conversation")
         if self.background:
             raise RequestError("background responses are not supported; leave background out.", "background")
         for i, t in enumerate(self.tools or []):
@@ -197,6 +199,16 @@ class ResponsesRequest(_Body):
                 raise RequestError(f"tools[{i}] is of type {t.type!r}; this server runs function tools only.",
                                    f"tools.{i}.type")
         self.messages()  # the input's items and parts, each one this server reads
+
+    @property
+    def conversation_id(self) -> str | None:
+        """`conversation` (an id, or {"id": ...}) as its id."""
+        c = self.conversation
+        if isinstance(c, dict):
+            if not isinstance(c.get("id"), str):
+                raise RequestError("conversation is a conversation's id, or {\"id\": ...}.", "conversation.id")
+            return c["id"]
+        return c
 
     @property
     def logprobs(self) -> bool:
@@ -286,12 +298,30 @@ class ResponsesRequest(_Body):
                 "text": {"format": fmt}, "reasoning": {"effort": self.reasoning.effort if self.reasoning else None,
                                                        "summary": None},
                 "top_logprobs": self.top_logprobs or 0, "previous_response_id": self.previous_response_id,
+                "conversation": {"id": self.conversation_id} if self.conversation_id else None,
                 "store": stored, "background": False, "truncation": self.truncation,
                 "metadata": self.metadata or {}, "user": self.user, "error": None, "incomplete_details": None}
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def item_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None, owner: str) -> dict[str, Any]:
+    """A page of items in OpenAI's list shape (`limit` 1..100, `order` asc or desc, `after` an item id of `owner`)."""
+    if not 1 <= limit <= 100:
+        raise RequestError(f"limit is {limit}; give 1 to 100.", "limit")
+    if order not in ("asc", "desc"):
+        raise RequestError(f"order is {order!r}; give 'asc' or 'desc'.", "order")
+    items = items if order == "asc" else items[::-1]
+    if after is not None:
+        at = next((k for k, x in enumerate(items) if x["id"] == after), None)
+        if at is None:
+            raise RequestError(f"after is {after!r}, which is not an item of {owner!r}.", "after")
+        items = items[at + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 def turn_starts(items: Sequence[Any]) -> list[int]:
