@@ -77,8 +77,9 @@ def test_what_cannot_be_kept_or_read(tok: Tokenizer) -> None:
         c.responses.create(model="m", conversation="conv_nope", input="hi")
     with pytest.raises(openai.BadRequestError, match="items"):
         c.conversations.create(items=[{"role": "user", "content": "x"}] * 21)
-    with pytest.raises(openai.BadRequestError, match="items.0"):
-        c.conversations.create(items=[{"type": "image_generation_call", "id": "x"}])
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.conversations.create(items=[{"role": "user", "content": "ok"}, {"type": "image_generation_call", "id": "x"}])
+    assert bad.value.body["param"] == "items.1.type" and "items[1]" in bad.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="limit"):
         c.conversations.items.list(c.conversations.create().id, limit=0)
     assert not eng.prompts

@@ -59,8 +59,8 @@ def _readable(items: list[Any], field: str) -> list[dict[str, Any]]:
     """The items as stored (ids given where missing); a 400 naming `field` for one a chat cannot render."""
     try:
         ResponsesRequest(input=items).messages()
-    except RequestError as e:
-        raise RequestError(e.message.replace("input", field), field) from None
+    except RequestError as e:  # its words and field name the Responses request's input
+        raise RequestError(e.message.replace("input", field), (e.param or "input").replace("input", field)) from None
     return [input_item(x) for x in items]
 
 
@@ -106,8 +106,9 @@ class ConversationStore:
         return conv
 
     def remove_item(self, conversation_id: str, item_id: str) -> Conversation:
+        gone = self.item(conversation_id, item_id)
         conv = self.get(conversation_id)
-        conv.items = [x for x in conv.items if x["id"] != self.item(conversation_id, item_id)["id"]]
+        conv.items = [x for x in conv.items if x is not gone]
         self._resize(conv)
         return conv
 
