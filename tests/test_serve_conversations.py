@@ -101,3 +101,5 @@ def test_store_keeps_the_most_recently_used_within_its_bytes() -> None:
         store.add(third.id, [item] * 20)
     with pytest.raises(RequestError, match="no conversation"):
         store.get(third.id)
+    with pytest.raises(RequestError, match="keeps no conversations"):
+        ConversationStore(0).create([], {})

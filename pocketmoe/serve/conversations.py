@@ -75,6 +75,9 @@ class ConversationStore:
         return len(self._kept)
 
     def create(self, items: list[dict[str, Any]], metadata: dict[str, str]) -> Conversation:
+        if not self.capacity:
+            raise RequestError("this server keeps no conversations (--responses-store-mib 0); send the conversation "
+                               "in input instead.")
         conv = Conversation(_id("conv"), int(time.time()), metadata, [])
         self._kept[conv.id] = conv
         self.add(conv.id, items)
