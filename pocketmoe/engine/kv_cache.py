@@ -21,8 +21,9 @@ Legend: L layers, P cache rows (pages * page size), W values per row.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -167,18 +168,18 @@ class PagedKVCache:
             return
         done, digest = self._committed.get(seq, (0, b""))
         full = min(n_computed // self.page, len(pages))
-        for i in range(done, full):
-            digest = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
-            if digest in self._index:  # the same rows already live in another page: keep that one
-                if self._index[digest] in self._evictable:
-                    self._evictable.move_to_end(self._index[digest])
+        for i, key in self._digests(tokens[:full * self.page], done, digest):
+            digest = key  # the last page's, where the next commit goes on from
+            if key in self._index:  # the same rows already live in another page: keep that one
+                if self._index[key] in self._evictable:
+                    self._evictable.move_to_end(self._index[key])
                 continue
             page = pages[i]
-            self._index[digest] = page
-            self._page_key[page] = digest
+            self._index[key] = page
+            self._page_key[page] = key
             self._ref[page] += 1
-            if self.store is not None and digest not in self.store:
-                self.store.save(digest, self.page_rows(page))
+            if self.store is not None and key not in self.store:
+                self.store.save(key, self.page_rows(page))
         if full > done:
             self._committed[seq] = (full, digest)
 
@@ -189,8 +190,7 @@ class PagedKVCache:
             raise ValueError(f"sequence {seq!r} already holds pages; attach starts a new one")
         found: list[int] = []
         digest = b""
-        for i in range(len(tokens) // self.page):
-            nxt = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
+        for _, nxt in self._digests(tokens):
             page = self._index.get(nxt)
             if page is None and (page := self._load(nxt)) is None:
                 break
@@ -215,39 +215,31 @@ class PagedKVCache:
         if not self._free:
             self._evict_one()
         page = self._free.pop()
-        for layer, layer_rows in zip(self._layers, rows, strict=True):
-            layer[page * self.page:(page + 1) * self.page] = layer_rows.to(layer.device, layer.dtype)
+        self._write_page(page, rows)
         self._ref[page] = 1  # the index's
         self._index[digest] = page
         self._page_key[page] = digest
         return page
 
     # -- the store for a sequence of its own (the single-sequence path: its pages are never shared) ----------------
-    def stored_prefix(self, tokens: Sequence[int]) -> int:
-        """Positions of `tokens`, from the start, whose full pages the store keeps (0 without a store)."""
+    def stored_digests(self, tokens: Sequence[int]) -> list[bytes]:
+        """The digests of the longest run of full pages of `tokens`, from the start, that the store keeps (none
+        without a store)."""
         if self.store is None:
-            return 0
-        digest, n = b"", 0
-        for i in range(len(tokens) // self.page):
-            digest = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
-            if digest not in self.store:
-                break
-            n += self.page
-        return n
+            return []
+        return [d for _, d in itertools.takewhile(lambda x: x[1] in self.store, self._digests(tokens))]
 
-    def restore(self, seq: object, tokens: Sequence[int]) -> int:
-        """Start a new `seq` with the store's rows for the longest run of full pages of `tokens`, read into pages of
-        its own (not indexed: it may write over them later); returns the positions they cover."""
+    def restore(self, seq: object, digests: Sequence[bytes]) -> int:
+        """Start a new `seq` with the store's rows for the pages `digests` name (stored_digests' answer), read into
+        pages of its own (not indexed: it may write over them later); returns the positions they cover."""
         if seq in self._pages:
             raise ValueError(f"sequence {seq!r} already holds pages; restore starts a new one")
-        n = self.stored_prefix(tokens)
-        if not n:
+        if not digests or self.store is None:
             return 0
-        self.reserve(seq, n)
-        pages, digest = self._pages[seq], b""
-        for i, page in enumerate(pages):
-            digest = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
-            rows = self.store.load(digest) if self.store is not None else None
+        self.reserve(seq, len(digests) * self.page)
+        pages = self._pages[seq]
+        for i, (page, digest) in enumerate(zip(pages, digests, strict=True)):
+            rows = self.store.load(digest)
             if rows is None:  # a file that went bad since it was counted: keep the pages read before it
                 for extra in pages[i:]:
                     self._release(extra)
@@ -256,23 +248,33 @@ class PagedKVCache:
                 if not i:
                     self.free(seq)
                 return i * self.page
-            for layer, layer_rows in zip(self._layers, rows, strict=True):
-                layer[page * self.page:(page + 1) * self.page] = layer_rows.to(layer.device, layer.dtype)
-        return n
+            self._write_page(page, rows)
+        return len(digests) * self.page
 
     def persist(self, seq: object, tokens: Sequence[int], n_computed: int) -> None:
         """Keep `seq`'s full pages of computed rows (holding `tokens`) in the store, those it lacks."""
         if self.store is None or seq not in self._pages:
             return
-        digest = b""
-        for i in range(min(n_computed // self.page, len(self._pages[seq]))):
-            digest = self._digest(digest, tokens[i * self.page:(i + 1) * self.page])
+        full = min(n_computed // self.page, len(self._pages[seq]))
+        for i, digest in self._digests(tokens[:full * self.page]):
             if digest not in self.store:
                 self.store.save(digest, self.page_rows(self._pages[seq][i]))
 
     def page_rows(self, page: int) -> torch.Tensor:
         """[L, page, W] on the CPU: one page's rows in every layer."""
         return torch.stack([layer[page * self.page:(page + 1) * self.page].cpu() for layer in self._layers])
+
+    def _write_page(self, page: int, rows: torch.Tensor) -> None:
+        """Write [L, page, W] rows (page_rows' shape, from the store) into one page of every layer."""
+        for layer, layer_rows in zip(self._layers, rows, strict=True):
+            layer[page * self.page:(page + 1) * self.page] = layer_rows.to(layer.device, layer.dtype)
+
+    def _digests(self, tokens: Sequence[int], first: int = 0, parent: bytes = b"") -> Iterator[tuple[int, bytes]]:
+        """(i, the digest of the prefix through page i) for each full page of `tokens` from page `first` on, chained
+        from `parent` (the digest of the pages before it)."""
+        for i in range(first, len(tokens) // self.page):
+            parent = self._digest(parent, tokens[i * self.page:(i + 1) * self.page])
+            yield i, parent
 
     @staticmethod
     def _digest(parent: bytes, tokens: Sequence[int]) -> bytes:

@@ -381,10 +381,11 @@ class ModelRunner:
         """Where the prefix store keeps more of `tokens`' start than the single sequence's rows hold (solo_prefix),
         restart the sequence from the store's rows: the position to continue it from either way."""
         held = self.solo_prefix(tokens)
-        if self.cache.stored_prefix(tokens[:-1]) <= held:
+        digests = self.cache.stored_digests(tokens[:-1])
+        if len(digests) * self.cache.page <= held:
             return held
         self.free(SOLO)
-        n = self.cache.restore(SOLO, tokens[:-1])
+        n = self.cache.restore(SOLO, digests)
         self.solo_tokens = list(tokens[:n])
         return n
 
