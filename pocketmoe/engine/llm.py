@@ -132,10 +132,6 @@ class LLM:
         self.max_num_seqs, self.enable_prefix_caching = max_num_seqs, enable_prefix_caching
         # the single sequence continues from the rows its last run left where they hold the prompt's start
         self._reuse_prefix = self.runner.reuses_rows(enable_prefix_caching)
-        if prefix_cache_dir is not None and not self._reuse_prefix:
-            raise PocketMoEError(f"a prefix cache directory keeps rows to reuse, but these kernels "
-                                 f"({self.runner.describe}) do not reuse rows by default (they can differ in the last "
-                                 "bits with the chunking); pass enable_prefix_caching=True, or no directory.")
         self._engine: Any = None  # serve.engine.Engine, built at the first batch
 
     # -- prompts -------------------------------------------------------------------------------

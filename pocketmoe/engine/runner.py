@@ -364,8 +364,15 @@ class ModelRunner:
 
     def reuses_rows(self, asked: bool | None) -> bool:
         """Whether cached KV rows stand in for computed ones (prefix caching, the single sequence's reuse): as
-        asked, else where the ops are chunk-invariant, so a cached row is bitwise the row a prefill writes."""
-        return asked if asked is not None else bool(getattr(self.ops, "chunk_invariant", False))
+        asked, else where the ops are chunk-invariant, so a cached row is bitwise the row a prefill writes. With a
+        prefix store, whose rows are only ever for reuse, not reusing them is a PocketMoEError."""
+        reuse = asked if asked is not None else bool(getattr(self.ops, "chunk_invariant", False))
+        if self.store is not None and not reuse:
+            raise PocketMoEError(f"a prefix cache directory keeps the pages of prompts to reuse, but prefix caching is "
+                                 f"off with these kernels ({self.describe}: their rows can differ in the last bits "
+                                 "with the chunking); turn it on to reuse them anyway (--enable-prefix-caching, or "
+                                 "enable_prefix_caching=True), or give no directory (--prefix-cache-dir).")
+        return reuse
 
     def solo_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens`, from the start, the single sequence's KV rows already hold (at most all but the

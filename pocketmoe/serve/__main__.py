@@ -213,10 +213,6 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     bar.close()
     engine = Engine(runner, tok, EngineConfig(args.max_num_seqs, args.max_queue, args.chunk_size, max_len,
                                               args.enable_prefix_caching), state.metrics)
-    if runner.store is not None and not engine.prefix_caching:
-        raise PocketMoEError(f"--prefix-cache-dir keeps the prefix cache's pages, but prefix caching is off with these "
-                             f"kernels ({runner.describe}: their rows can differ in the last bits with the chunking); "
-                             "add --enable-prefix-caching to reuse them anyway, or leave --prefix-cache-dir out.")
     state.metrics.kv_pages.set(runner.cache.n_pages)
     state.metrics.kv_bytes.set(runner.cache.nbytes)
     state.metrics.watch_experts(runner)
