@@ -10,3 +10,7 @@ DEFAULT_CHUNK_SIZE = 512
 # MiB of /v1/responses replies the server keeps for previous_response_id (their JSON; the least recently used go
 # first): a reply of a few thousand tokens is tens of KiB, so the default holds thousands of turns.
 DEFAULT_RESPONSES_STORE_MIB = 64
+
+# GiB the prefix cache's pages may take in --prefix-cache-dir (engine/prefix_store.py): a V2-Lite-shaped model's f32
+# rows are 62 KB a token, so the default keeps about 270k tokens of prompts.
+DEFAULT_PREFIX_CACHE_DISK_GIB = 16

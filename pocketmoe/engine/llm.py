@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
+from pocketmoe.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX_CACHE_DISK_GIB
 from pocketmoe.engine.kv_cache import PAGE, ContextLengthError
 from pocketmoe.engine.runner import SOLO, ModelRunner, RunnerConfig, default_kv_pool_bytes, load_spec
 from pocketmoe.engine.sampler import (
@@ -95,7 +95,7 @@ class LLM:
                  chunk_size: int = DEFAULT_CHUNK_SIZE, backend: str = "auto", kv_dtype: str = "f32", placement: Any = None,
                  max_num_seqs: int | None = None, kv_cache_bytes: int | None = None,
                  enable_prefix_caching: bool | None = None, prefix_cache_dir: str | Path | None = None,
-                 prefix_cache_disk_bytes: int = 16 << 30) -> None:
+                 prefix_cache_disk_bytes: int = DEFAULT_PREFIX_CACHE_DISK_GIB << 30) -> None:
         """placement: a placement.run.RunPlacement (the --device/--mode/... flags); None: CPU only.
         max_num_seqs: sequences a batch of prompts decodes at once (1: one prompt after another; default 8 on
         the CPU, 1 with a placement, whose plan reserves device memory for every sequence's KV cache).

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
+from pocketmoe.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX_CACHE_DISK_GIB
 from pocketmoe.engine.kv_cache import PAGE, ContextLengthError, PagedKVCache
 from pocketmoe.engine.prefix_store import PrefixStore, model_key
 from pocketmoe.engine.step import SeqChunk, Step, StepContext
@@ -65,7 +65,7 @@ class RunnerConfig:
     copy_delay: Callable[[int, int], None] | None = None  # called before each staged copy (tests)
     # the prefix cache's pages kept in files under this directory too, within this many bytes (prefix_store.py)
     prefix_cache_dir: str | None = None
-    prefix_cache_disk_bytes: int = 16 << 30
+    prefix_cache_disk_bytes: int = DEFAULT_PREFIX_CACHE_DISK_GIB << 30
 
     def __post_init__(self) -> None:
         if self.n_ctx <= 0 or self.chunk_size <= 0 or self.max_seqs <= 0:

@@ -35,7 +35,7 @@ from pathlib import Path
 import uvicorn
 
 from pocketmoe.cli_util import EXIT_USER_ERROR, add_placement_args, error_line, placement_from_args, run_cli
-from pocketmoe.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_RESPONSES_STORE_MIB
+from pocketmoe.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX_CACHE_DISK_GIB, DEFAULT_RESPONSES_STORE_MIB
 from pocketmoe.errors import PocketMoEError
 
 log = logging.getLogger("pocketmoe.serve")
@@ -75,9 +75,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
                    help="keep the prefix cache's KV pages in files here too, so a restarted server (or one whose pool "
                    "dropped them) reads a long prompt's rows instead of computing them again; needs prefix caching")
-    p.add_argument("--prefix-cache-disk-gib", type=float, default=16.0,
-                   help="bytes the files in --prefix-cache-dir may take, GiB (default 16; least recently used go "
-                   "first)")
+    p.add_argument("--prefix-cache-disk-gib", type=float, default=float(DEFAULT_PREFIX_CACHE_DISK_GIB),
+                   help="bytes the files in --prefix-cache-dir may take, GiB (default "
+                   f"{DEFAULT_PREFIX_CACHE_DISK_GIB}; least recently used go first)")
     p.add_argument("--reasoning-format", default="auto", choices=["auto", "none"],
                    help="auto: a thinking model's <think> block comes back as the message's reasoning_content (and "
                    "reasoning), apart from its content; none: all of it as content")
