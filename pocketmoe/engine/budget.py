@@ -102,7 +102,6 @@ class BudgetTracker:
         self._owed = 0              # UTF-8 continuation bytes the output still owes
         self._tok = tok
         self._start, self._end = _Matcher(budget.start), _Matcher(budget.end)
-        self.closed = 0             # blocks this tracker closed for the model
         if self.inside and self.left == 0:
             self._spend()
 
@@ -122,7 +121,6 @@ class BudgetTracker:
             self._forcing += 1
             if self._forcing == len(self.budget.forced):
                 self._forcing, self.inside, self.spent = -1, False, False
-                self.closed += 1
                 self._start.at = self._end.at = 0
             return
         if self._tok is not None:
