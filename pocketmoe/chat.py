@@ -12,8 +12,8 @@ no longer leaves room for a reply of --max-tokens in --n-ctx, its oldest turns a
 reasoning shows between <think> and </think>; the conversation keeps it as the reply's reasoning_content, which
 templates that keep history's reasoning (MiniMax-M2's) render back as the model wrote it and the others leave out;
 --no-think closes a block the template opens; --reasoning-budget N closes it for the model after N tokens of thought
-(after --reasoning-budget-message, if given), as llama-cli does. Commands: /reset forgets the conversation, /exit (or the end of the
-input) ends. Ctrl-C stops a reply (what it wrote so far stays in the conversation); at the prompt it ends.
+(after --reasoning-budget-message, if given), as llama-cli does. Commands: /reset forgets the conversation, /exit
+(or the end of the input) ends. Ctrl-C stops a reply (what it wrote so far stays in the conversation); at the prompt it ends.
 --json prints one JSON object per turn instead of the streamed text; --stats a line of counts and speed per turn.
 """
 

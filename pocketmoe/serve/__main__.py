@@ -8,8 +8,8 @@
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 llama-server's spellings of the same flags work too: -m, -a / --alias, -c / --ctx-size (the context of each
-sequence), -np / --parallel, -t, --chat-template-file. Without --model it serves the built-in demo model. The port opens at once (GET /health answers 503
-while the model loads); one line `ready on http://HOST:PORT (...)` follows when requests are taken.
+sequence), -np / --parallel, -t, --chat-template-file. Without --model it serves the built-in demo model. The port
+opens at once (GET /health answers 503 while the model loads); one line `ready on http://HOST:PORT (...)` follows when requests are taken.
 SIGINT or SIGTERM stops taking requests, ends in-flight streams with a final chunk and exits 0.
 
 Tensor parallel: `torchrun --nproc-per-node N -m pocketmoe.serve --model X.gguf`. Rank 0 runs this server
@@ -47,14 +47,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "(default: the built-in demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one; the ready line says which)")
-    p.add_argument("--served-model-name", "--alias", "-a", default=None, help="the model id clients send (default: the file name)")
+    p.add_argument("--served-model-name", "--alias", "-a", default=None,
+                   help="the model id clients send (default: the file name)")
     p.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
                    help="browser origins (scheme://host[:port], or * for any) whose pages may call this server: "
                    "answered with CORS headers, preflights included (default none: only same-origin pages and "
                    "non-browser clients); a JSON list as vLLM takes it works too")
     p.add_argument("--api-key", default=os.environ.get("POCKETMOE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $POCKETMOE_API_KEY; unset: open)")
-    p.add_argument("--max-num-seqs", "--parallel", "-np", type=int, default=16, help="sequences decoding at once (default 16)")
+    p.add_argument("--max-num-seqs", "--parallel", "-np", type=int, default=16,
+                   help="sequences decoding at once (default 16)")
     p.add_argument("--max-model-len", "--ctx-size", "-c", type=int, default=None,
                    help="prompt + generated tokens of one sequence (default: the file's context length, capped "
                    "by the KV budget)")
@@ -62,7 +64,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="KV pool shared by all sequences, GiB (default: the placement plan's KV reserve for "
                    "max-num-seqs sequences of max-model-len, capped at half the host memory the weights leave)")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads for the kernels (default: all cores)")
-    p.add_argument("--chat-template", "--chat-template-file", default=None, metavar="FILE", help="Jinja chat template replacing the file's")
+    p.add_argument("--chat-template", "--chat-template-file", default=None, metavar="FILE",
+                   help="Jinja chat template replacing the file's")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting before new ones get 503")
     p.add_argument("--max-body-mib", type=float, default=16.0, help="largest request body, MiB (larger: 413)")
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,

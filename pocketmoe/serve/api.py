@@ -873,8 +873,8 @@ def create_app(state: ServerState) -> FastAPI:
     if not state.allowed_origins:
         return gated  # type: ignore[return-value]
     # outside the gate: a browser's preflight carries no API key, and the gate's 401 / 413 carry the CORS headers
-    return CORSMiddleware(gated, allow_origins=list(state.allowed_origins), allow_methods=["*"],  # type: ignore[return-value]
-                          allow_headers=["*"])
+    cors = CORSMiddleware(gated, allow_origins=list(state.allowed_origins), allow_methods=["*"], allow_headers=["*"])
+    return cors  # type: ignore[return-value]
 
 
 def _check_vocab(ids: list[int], vocab: int, field: str, what: str) -> None:

@@ -217,8 +217,8 @@ class Engine:
             req.seqs.append(Seq(
                 key=(req.id, i), request=req, index=index_base + i, prompt_len=len(prompt), tokens=list(prompt), params=p,
                 sampler=sampler, stop=StopChecker(p.stop, p.include_stop_str_in_output, p.n_indent),
-                decoder=self.tok.stream_decoder(p.skip_special_tokens), want_prompt_logprobs=p.prompt_logprobs is not None,
-                want_progress=progress and i == 0))
+                decoder=self.tok.stream_decoder(p.skip_special_tokens),
+                want_prompt_logprobs=p.prompt_logprobs is not None, want_progress=progress and i == 0))
         req.open = len(req.seqs)
         self._inbox.put(("add", req))
         return req

@@ -72,7 +72,7 @@ class LlamaCompletionRequest(SamplingFields):
     t_max_predict_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0  # end at a newline after this long
     # the sampler chain's order: names (llama.vim sends ["top_k", "top_p", "infill"]) or one-letter codes ("kpmt");
     # default llama.cpp's (penalties, top_k, top_p, min_p, temperature: the filters before the temperature)
-    samplers: Annotated[list[StrictStr], Field(max_length=32)] | Annotated[StrictStr, Field(max_length=32)] | None = None
+    samplers: Annotated[list[StrictStr] | StrictStr, Field(max_length=32)] | None = None
 
     def check(self) -> None:
         self.check_common()

@@ -3,8 +3,8 @@ Claude Code and the Anthropic SDKs speak (ANTHROPIC_BASE_URL pointed at this ser
 
 `system` and `messages` (text, `tool_use`, `tool_result` and `thinking` blocks) become the chat messages the model's
 template renders; `tools` (client tools: name, description, input_schema), `tool_choice`, `stop_sequences`,
-`thinking` (disabled closes the reasoning block; `budget_tokens` bounds it, engine/budget.py), `output_config.format` (a JSON schema the text follows),
-`max_tokens` and (older clients') `temperature`, `top_p`, `top_k` become the chat request's; the chat route runs it, and its reply comes back as a message of `thinking`, `text` and `tool_use` content
+`thinking` (disabled closes the reasoning block; `budget_tokens` bounds it, engine/budget.py), `output_config.format`
+(a JSON schema the text follows), `max_tokens` and (older clients') `temperature`, `top_p`, `top_k` become the chat request's; the chat route runs it, and its reply comes back as a message of `thinking`, `text` and `tool_use` content
 blocks with Anthropic's stop_reason and usage, whole or as Anthropic's stream of events (message_start,
 content_block_start / _delta / _stop, message_delta, message_stop). Errors are Anthropic's body
 (`{"type": "error", "error": {"type", "message"}}`).
