@@ -14,3 +14,7 @@ DEFAULT_RESPONSES_STORE_MIB = 64
 # GiB the prefix cache's pages may take in --prefix-cache-dir (engine/prefix_store.py): a V2-Lite-shaped model's f32
 # rows are 62 KB a token, so the default keeps about 270k tokens of prompts.
 DEFAULT_PREFIX_CACHE_DISK_GIB = 16
+
+# what an embedding pools of a prompt's final hidden states (engine/pooling.py; serve --pooling)
+POOLINGS = ("last", "mean", "cls", "none")
+DEFAULT_POOLING = "last"  # vLLM's for decoder models; llama.cpp's where the GGUF names none is no pooling at all

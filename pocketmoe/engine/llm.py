@@ -22,6 +22,7 @@ import torch
 
 from pocketmoe.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX_CACHE_DISK_GIB
 from pocketmoe.engine.kv_cache import PAGE, ContextLengthError
+from pocketmoe.engine.pooling import check_normalize, check_pooling, embd_normalize, model_pooling
 from pocketmoe.engine.runner import SOLO, ModelRunner, RunnerConfig, default_kv_pool_bytes, load_spec
 from pocketmoe.engine.sampler import (
     Logprob,
@@ -40,7 +41,7 @@ from pocketmoe.specs.base import ModelSpec
 from pocketmoe.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
-__all__ = ["LLM", "CompletionOutput", "Logprob", "LogprobEntry", "SamplingParams", "StreamChunk"]
+__all__ = ["LLM", "CompletionOutput", "EmbeddingOutput", "Logprob", "LogprobEntry", "SamplingParams", "StreamChunk"]
 
 
 @dataclass
@@ -51,6 +52,12 @@ class StreamChunk:
     text: str
     finish_reason: str | None = None   # "stop" | "length" on the last chunk
     logprobs: LogprobEntry | None = None  # with SamplingParams.logprobs
+
+
+@dataclass
+class EmbeddingOutput:
+    prompt_token_ids: list[int]
+    embedding: torch.Tensor  # [D] float32 ([T, D] with pooling "none"), normalized as asked
 
 
 @dataclass
@@ -260,6 +267,48 @@ class LLM:
             return self.generate([self.encode_chat(messages)], params)[0]  # type: ignore[arg-type]
         conversations = [self.encode_chat(m) for m in messages]  # type: ignore[arg-type]
         return self.generate(conversations, params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: Prompt | list[Prompt], *, pooling: str | None = None, normalize: int = 2,
+              use_tqdm: bool = True) -> list[EmbeddingOutput]:
+        """Each prompt's embedding: its final hidden states pooled (engine/pooling.py: "last", "mean", "cls" or "none";
+        default the GGUF's pooling_type, else "last"), normalized as llama.cpp's embd_normalize (2: unit length, -1:
+        as pooled). The prompts run as one batch, as generate's do (the single sequence's cached rows go)."""
+        from tqdm import tqdm
+
+        pooling = check_pooling(pooling or model_pooling(self.bundle.architecture, self.bundle.metadata))
+        check_normalize(normalize)  # a bad value fails before any work
+        batch = [prompts] if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)) else list(prompts)
+        ids = []
+        for i, prompt in enumerate(batch):
+            ids.append(self.encode_prompt(prompt))
+            if not ids[-1] or len(ids[-1]) > self.n_ctx:
+                raise ContextLengthError(f"prompt {i} has {len(ids[-1])} tokens; an embedding takes 1 to {self.n_ctx} "
+                                         "(the context); raise n_ctx or shorten the prompt.")
+        engine = self._batch_engine()
+        self.runner.free(SOLO)
+        outs: list[EmbeddingOutput | None] = [None] * len(ids)
+        errors: dict[int, str] = {}
+        bar = tqdm(total=len(ids), desc="embed", unit="prompt", disable=None if use_tqdm else True, leave=False)
+
+        def put(d: Any) -> None:
+            if d is None:
+                return
+            bar.update()
+            if d.error:
+                errors[d.index] = d.error
+            elif d.embedding is not None:
+                outs[d.index] = EmbeddingOutput(ids[d.index], embd_normalize(d.embedding, normalize))
+
+        try:
+            engine.submit_embed(ids, pooling, sink=put)
+            engine.run_until_done()
+        finally:
+            bar.close()
+        if errors:
+            i = min(errors)
+            raise PocketMoEError(f"prompt {i} failed: {errors[i]}")
+        return [o for o in outs if o is not None]
 
     # -- batches ---------------------------------------------------------------------------------
     def _generate_batch(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool

@@ -326,7 +326,7 @@ class ModelRunner:
         [T, V] ([1, V] with last_only), run in chunks of cfg.chunk_size.
         """
         if isinstance(step, Step):
-            return self._run(StepContext.build(step, self.cache, self.vocab_size))
+            return self.run_step(step)[0]
         if start_pos is None:
             raise PocketMoEError("forward(tokens, start_pos): give the position of the first token.")
         tokens = [int(t) for t in (step if isinstance(step, (list, tuple)) else torch.as_tensor(step).reshape(-1).tolist())]
@@ -352,6 +352,14 @@ class ModelRunner:
             known.extend(tokens)
             self.solo_tokens = known
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    @torch.inference_mode()
+    def run_step(self, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A Step -> the logits [L, V] float32 of the tokens its chunks ask logits for, and the final hidden states
+        [H, D] float32 (the output norm's, the head's input) of those they ask them for (None: none asked), in
+        order."""
+        ctx = StepContext.build(step, self.cache, self.vocab_size)
+        return self._run(ctx), ctx.hidden
 
     def _solo_before(self, pos: int) -> list[int] | None:
         """The single sequence's tokens before pos, where its rows hold them all (None where some are unknown);

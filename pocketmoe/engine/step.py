@@ -10,13 +10,16 @@ Legend: T tokens of the step, S sequences, P pages per sequence.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pocketmoe.engine.kv_cache import ContextLengthError, PagedKVCache
 from pocketmoe.errors import PocketMoEError
+
+ROWS = ("last", "all", "none")
+HIDDEN_ROWS = ("none", "first", "last", "all")
 
 
 @dataclass(frozen=True)
@@ -27,14 +30,26 @@ class SeqChunk:
     tokens: Sequence[int]
     start: int
     logits: str = "last"  # "last" | "all" | "none": which of these tokens' logits the step returns
+    # "none" | "first" | "last" | "all": which of these tokens' final hidden states (after the output norm, the
+    # head's input: what embeddings pool) the step returns
+    hidden: str = "none"
 
     def __post_init__(self) -> None:
         if len(self.tokens) == 0:
             raise PocketMoEError(f"sequence {self.seq!r} has no tokens in this step.")
         if self.start < 0:
             raise ContextLengthError(f"sequence {self.seq!r} starts at position {self.start}; positions are >= 0.")
-        if self.logits not in ("last", "all", "none"):
-            raise PocketMoEError(f"logits={self.logits!r} is not one of last, all, none.")
+        if self.logits not in ROWS:
+            raise PocketMoEError(f"logits={self.logits!r} is not one of {', '.join(ROWS)}.")
+        if self.hidden not in HIDDEN_ROWS:
+            raise PocketMoEError(f"hidden={self.hidden!r} is not one of {', '.join(HIDDEN_ROWS)}.")
+
+    def rows(self, which: str, first: int) -> np.ndarray:
+        """The step rows of this chunk's tokens `which` names ("none", "first", "last", "all"), its first at row
+        `first`."""
+        n = len(self.tokens)
+        return {"none": np.zeros(0, dtype=np.int64), "first": np.array([first]), "last": np.array([first + n - 1]),
+                "all": np.arange(first, first + n)}[which]
 
 
 @dataclass(frozen=True)
@@ -56,7 +71,8 @@ class StepContext:
 
     tokens, positions, seq (index into the step's sequences), write_rows (cache row of each token's
     entry), keys (positions each token attends to: position + 1) are [T]; page_table is [S, P];
-    logit_rows [L] are the tokens whose logits the step returns, in order.
+    logit_rows [L] are the tokens whose logits the step returns, in order; hidden_rows [H] those whose final
+    hidden states the model leaves in `hidden` [H, D] (float32, on the host).
     """
 
     tokens: np.ndarray
@@ -71,6 +87,8 @@ class StepContext:
     contiguous: tuple[int, int] | None = None  # (start, n) when one sequence covers the step
     cos2: torch.Tensor | None = None  # [T, R] rope tables of the positions, set by the model
     sin2: torch.Tensor | None = None
+    hidden_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    hidden: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -98,7 +116,7 @@ class StepContext:
     @staticmethod
     def build(step: Step, cache: PagedKVCache, vocab_size: int) -> StepContext:
         """Reserve cache rows for every chunk and flatten the step (PocketMoEError on bad input)."""
-        toks, pos, seq, rows, logit_rows, spans = [], [], [], [], [], []
+        toks, pos, seq, rows, logit_rows, hidden_rows, spans = [], [], [], [], [], [], []
         n = 0
         for i, c in enumerate(step.chunks):
             t = np.asarray(c.tokens, dtype=np.int64).reshape(-1)
@@ -118,10 +136,8 @@ class StepContext:
             pos.append(np.arange(c.start, end))
             seq.append(np.full(len(t), i))
             rows.append(cache.rows(c.seq, c.start, len(t)))
-            if c.logits == "all":
-                logit_rows.append(np.arange(n, n + len(t)))
-            elif c.logits == "last":
-                logit_rows.append(np.array([n + len(t) - 1]))
+            logit_rows.append(c.rows(c.logits, n))
+            hidden_rows.append(c.rows(c.hidden, n))
             spans.append((n, n + len(t)))
             n += len(t)
         positions = np.concatenate(pos).astype(np.int32)
@@ -130,6 +146,6 @@ class StepContext:
             tokens=np.concatenate(toks).astype(np.int32), positions=positions,
             seq=np.concatenate(seq).astype(np.int32), write_rows=np.concatenate(rows),
             keys=positions + 1, page_table=cache.page_table([c.seq for c in step.chunks]),
-            logit_rows=np.concatenate(logit_rows) if logit_rows else np.zeros(0, dtype=np.int64),
-            cache=cache, seq_spans=spans,
+            logit_rows=np.concatenate(logit_rows).astype(np.int64), cache=cache, seq_spans=spans,
+            hidden_rows=np.concatenate(hidden_rows).astype(np.int64),
             contiguous=(one.start, len(one.tokens)) if len(step.chunks) == 1 else None)

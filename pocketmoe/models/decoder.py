@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear
@@ -23,6 +24,22 @@ if TYPE_CHECKING:
 
 # make_linear(name, role=None) -> the weight bound to that tensor (role: the spec's, unless given)
 LinearFactory = Callable[..., QuantLinear]
+
+
+def _take(x: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    return x if len(rows) == len(x) else x[torch.from_numpy(rows).long().to(x.device)].contiguous()
+
+
+def finish_step(ctx: StepContext, x: torch.Tensor, normed: Callable[[torch.Tensor], torch.Tensor],
+                head: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> torch.Tensor:
+    """The end of every model's step: the final hidden states of ctx.hidden_rows (normed(x): the head's input) into
+    ctx.hidden, on the host; the logits [L, V] of ctx.logit_rows (head(normed(x)))."""
+    if len(ctx.hidden_rows):
+        ctx.hidden = normed(_take(x, ctx.hidden_rows)).float().cpu()
+    rows = ctx.logit_rows
+    if len(rows) == 0:
+        return x.new_zeros(0, vocab)
+    return head(normed(_take(x, rows)))
 
 
 class DecoderBlock:
@@ -66,9 +83,5 @@ class DecoderModel(LayeredModel):
             xn = block.attn(xn, ctx, i, Residual(x, block.ffn_norm, eps))
             last = i + 1 == len(self.blocks)
             xn = block.ffn(xn, Residual(x, None if last else self.blocks[i + 1].attn_norm, eps))
-        rows = ctx.logit_rows
-        x = ops.enter_head(x)
-        if len(rows) == 0:
-            return x.new_zeros(0, self.vocab_size)
-        x = x if len(rows) == len(x) else x[torch.from_numpy(rows).long().to(x.device)].contiguous()
-        return self.head(ops.rms_norm(x, self.norm, eps))
+        return finish_step(ctx, ops.enter_head(x), lambda h: ops.rms_norm(h, self.norm, eps), self.head,
+                           self.vocab_size)

@@ -27,7 +27,7 @@ from pocketmoe.layers.hyper import HyperConfig, HyperConnection, HyperHead
 from pocketmoe.layers.linear import QuantEmbedding, QuantLinear, load_float
 from pocketmoe.layers.mlp import GatedMLP
 from pocketmoe.layers.rotary import RopeConfig, Rotary
-from pocketmoe.models.decoder import LayeredModel, LinearFactory
+from pocketmoe.models.decoder import LayeredModel, LinearFactory, finish_step
 
 if TYPE_CHECKING:
     from pocketmoe.engine.step import StepContext
@@ -71,12 +71,8 @@ class DeepSeek4Model(LayeredModel):
             x = blk.hc_attn.post(blk.attn(ops.rms_norm(y, blk.attn_norm, eps), ctx, i, self.rope), x, post, comb)
             y, post, comb = blk.hc_ffn.pre(x)
             x = blk.hc_ffn.post(blk.moe(ops.rms_norm(y, blk.ffn_norm, eps), tokens), x, post, comb)
-        rows = ctx.logit_rows
-        x = ops.enter_head(x)
-        if len(rows) == 0:
-            return x.new_zeros(0, self.vocab_size)
-        x = x if len(rows) == len(x) else x[torch.from_numpy(rows).long().to(x.device)]
-        return self.head(ops.rms_norm(self.head_hc(x), self.norm, eps))
+        return finish_step(ctx, ops.enter_head(x), lambda h: ops.rms_norm(self.head_hc(h), self.norm, eps),
+                           self.head, self.vocab_size)
 
 
 def _grouped(w: QuantLinear, groups: int) -> QuantLinear:

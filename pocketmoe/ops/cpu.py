@@ -82,7 +82,8 @@ class NativeOps(NativeDeepSeek4Ops):
 
     # -- recorded steps --------------------------------------------------------------------------
     def run(self, model: Any, ctx: StepContext) -> torch.Tensor:
-        """A step whose every token wants logits (a decode step of any batch) runs as one native call.
+        """A step whose every token wants logits and none its hidden state (a decode step of any batch) runs as one
+        native call.
 
         The first such step runs the model op by op and records the calls; if they are the pipeline a
         StepProgram replays (embed, norm, native sublayers, norm, head, each feeding the next), later
@@ -90,7 +91,8 @@ class NativeOps(NativeDeepSeek4Ops):
         model called (a fallback, another op) makes the model run op by op every time. The model must
         change tensors only through ops, as it does for every backend.
         """
-        whole = self.replay and len(ctx.logit_rows) == ctx.n_tokens and hasattr(model, "prepare")
+        whole = (self.replay and len(ctx.logit_rows) == ctx.n_tokens and not len(ctx.hidden_rows)
+                 and hasattr(model, "prepare"))
         entry = self._programs.get(id(model))
         program = entry[1] if entry is not None and entry[0] is model else None
         if whole and program:

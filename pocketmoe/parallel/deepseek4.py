@@ -20,6 +20,7 @@ import torch
 from pocketmoe.layers.dsv4_attention import DSV4Attention
 from pocketmoe.layers.dsv4_moe import DSV4MoE
 from pocketmoe.layers.linear import QuantLinear
+from pocketmoe.models.decoder import finish_step
 from pocketmoe.models.deepseek4 import DeepSeek4Model
 from pocketmoe.parallel.group import Parallel
 from pocketmoe.parallel.linear import (
@@ -113,11 +114,8 @@ class ParallelDeepSeek4:
             y, post, comb = blk.hc_ffn.pre(x)
             out = self._reduced(self.moe[i](ops.rms_norm(y, blk.ffn_norm, eps), tokens))
             x = blk.hc_ffn.post(out, x, post, comb)
-        rows = ctx.logit_rows
-        if len(rows) == 0:
-            return x.new_zeros(0, self.vocab_size)
-        x = x if len(rows) == len(x) else x[torch.from_numpy(rows).long()]
-        return self.tp.all_gather_cols(self.head(ops.rms_norm(base.head_hc(x), base.norm, eps)), self.vocab_size)
+        return finish_step(ctx, x, lambda h: ops.rms_norm(base.head_hc(h), base.norm, eps),
+                           lambda h: self.tp.all_gather_cols(self.head(h), self.vocab_size), self.vocab_size)
 
 
 def shard_deepseek4(model: DeepSeek4Model, tp: Parallel, kv_width: int) -> ParallelDeepSeek4:

@@ -29,7 +29,7 @@ from pocketmoe.layers.gqa import GQAConfig, GQAttention
 from pocketmoe.layers.mlp import GatedMLP
 from pocketmoe.layers.moe import MoEBlock
 from pocketmoe.layers.norm import Residual
-from pocketmoe.models.decoder import DecoderModel
+from pocketmoe.models.decoder import DecoderModel, finish_step
 from pocketmoe.parallel.group import Parallel
 from pocketmoe.parallel.linear import (
     ColumnParallelLinear,
@@ -282,11 +282,8 @@ class ParallelDecoder:
             else:
                 b.ffn(xn, Residual(part, None, eps))
             xn = self._close(x, part, nxt, eps)
-        rows = ctx.logit_rows
-        if len(rows) == 0:
-            return x.new_zeros(0, self.vocab_size)
-        x = x if len(rows) == len(x) else x[torch.from_numpy(rows).long()].contiguous()
-        return self.tp.all_gather_cols(self.head(ops.rms_norm(x, self.norm, eps)), self.vocab_size)
+        return finish_step(ctx, x, lambda h: ops.rms_norm(h, self.norm, eps),
+                           lambda h: self.tp.all_gather_cols(self.head(h), self.vocab_size), self.vocab_size)
 
 
 def shard_decoder(model: DecoderModel, tp: Parallel, kv_width: int | None = None) -> ParallelDecoder:

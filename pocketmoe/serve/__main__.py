@@ -35,7 +35,13 @@ from pathlib import Path
 import uvicorn
 
 from pocketmoe.cli_util import EXIT_USER_ERROR, add_placement_args, error_line, placement_from_args, run_cli
-from pocketmoe.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX_CACHE_DISK_GIB, DEFAULT_RESPONSES_STORE_MIB
+from pocketmoe.defaults import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_POOLING,
+    DEFAULT_PREFIX_CACHE_DISK_GIB,
+    DEFAULT_RESPONSES_STORE_MIB,
+    POOLINGS,
+)
 from pocketmoe.errors import PocketMoEError
 
 log = logging.getLogger("pocketmoe.serve")
@@ -91,6 +97,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reasoning-budget-message", default="",
                    help="text written before the closing tag when the reasoning budget is spent (say, ' Time to "
                    "answer.'); a request's thinking_budget_message overrides it")
+    p.add_argument("--pooling", choices=POOLINGS, default=None,
+                   help="what /v1/embeddings and /embedding pool of a prompt's final hidden states: the last "
+                   "token's, the mean, the first (cls) token's, or none (every token's, /embedding only); default: "
+                   f"the GGUF's pooling_type, else {DEFAULT_POOLING} (vLLM's for these models)")
+    p.add_argument("--embeddings", "--embedding", action="store_true",
+                   help="accepted for llama-server's command lines: the embedding routes are always on")
     p.add_argument("--spm-infill", action="store_true",
                    help="lay out fill-in-the-middle prompts (/infill, a /v1/completions suffix) suffix first, then "
                    "prefix, then middle, as some code models were trained (default: prefix, suffix, middle)")
@@ -192,6 +204,7 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     """Build the runner and the engine (a progress bar over the layers), then print the ready line."""
     from tqdm import tqdm
 
+    from pocketmoe.engine.pooling import model_pooling
     from pocketmoe.engine.runner import ModelRunner, load_spec
     from pocketmoe.gguf import open_bundle
     from pocketmoe.serve.engine import Engine, EngineConfig
@@ -200,6 +213,7 @@ def load(args: argparse.Namespace, state, server) -> None:  # noqa: ANN001
     bundle = open_bundle(args.model)
     spec = load_spec(bundle)
     tok = Tokenizer.from_metadata(bundle.metadata)
+    state.pooling = args.pooling or model_pooling(bundle.architecture, bundle.metadata)
     if args.chat_template:
         tok.chat_template = Path(args.chat_template).read_text()
     budget, max_len = from_rank0(kv_budget(bundle, spec, args))

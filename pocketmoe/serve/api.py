@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from pocketmoe import __version__
-from pocketmoe.defaults import DEFAULT_RESPONSES_STORE_MIB
+from pocketmoe.defaults import DEFAULT_POOLING, DEFAULT_RESPONSES_STORE_MIB
 from pocketmoe.engine.budget import ReasoningBudget
 from pocketmoe.engine.sampler import (
     LLAMA_CHAIN,
@@ -40,6 +41,14 @@ from pocketmoe.engine.sampler import (
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
 from pocketmoe.serve.conversations import ConversationStore
 from pocketmoe.serve.conversations import add_routes as add_conversation_routes
+from pocketmoe.serve.embeddings import (
+    EmbeddingRequest,
+    LlamaEmbeddingRequest,
+    check_dimensions,
+    check_lengths,
+    llama_body,
+    openai_body,
+)
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError
 from pocketmoe.serve.llama_api import DEFAULTS as LLAMA_DEFAULTS
 from pocketmoe.serve.llama_api import (
@@ -88,11 +97,11 @@ Body = TypeVar("Body", bound=_Body)  # a request body type
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens",
              "/v1/messages", "/v1/messages/count_tokens", "/completion", "/completions", "/infill", "/tokenize",
              "/detokenize", "/apply-template", "/props", "/health", "/metrics", "/chat/completions", "/models",
-             "/v1/health")
+             "/v1/health", "/v1/embeddings", "/embedding", "/embeddings")
 ANTHROPIC_ROUTES = "/v1/messages"
 # the routes --api-key guards (/completions too), but llama-server's /v1/health
 GATED = ("/v1", "/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props", "/chat/completions",
-         "/models")
+         "/models", "/embedding")
 PUBLIC = ("/v1/health",)
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
@@ -121,6 +130,7 @@ class ServerState:
     reasoning_budget_message: str = ""  # written before the closing tag when the budget is spent
     spm_infill: bool = False  # fill-in-the-middle prompts in suffix-prefix-middle order (--spm-infill)
     allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers (--allowed-origins)
+    pooling: str = DEFAULT_POOLING  # what /v1/embeddings and /embedding pool (--pooling, engine/pooling.py)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_RESPONSES_STORE_MIB << 20))
     conversations: ConversationStore = field(
         default_factory=lambda: ConversationStore(DEFAULT_RESPONSES_STORE_MIB << 20))
@@ -818,6 +828,53 @@ def create_app(state: ServerState) -> FastAPI:
                 choices[i] = c
         results = [result(i, choices[i].text) for i in range(len(prompts))]
         return JSONResponse(results if req.several() else results[0])
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        req = _parse(EmbeddingRequest, await request.body())
+        if state.pooling == "none":
+            raise RequestError("this server pools no embeddings (--pooling none): /v1/embeddings gives one vector per "
+                               "input; use /embedding for each token's, or start the server with --pooling last, "
+                               "mean or cls.", "input")
+        eng = engine()
+        check_dimensions(req, int(eng.runner.bundle.metadata.get(f"{eng.runner.bundle.architecture}.embedding_length",
+                                                                   0)))
+        ids, vectors = await embed(request, req, req.truncate_prompt_tokens)
+        return JSONResponse(openai_body(req, vectors, state.model_name, sum(len(p) for p in ids)))
+
+    @app.post("/embedding")
+    @app.post("/embeddings")  # llama-server's names, its own reply shape
+    async def llama_embeddings(request: Request) -> Response:
+        req = _parse(LlamaEmbeddingRequest, await request.body())
+        _, vectors = await embed(request, req, None)
+        return JSONResponse(llama_body(req, vectors, state.pooling))
+
+    async def embed(request: Request, req: EmbeddingRequest | LlamaEmbeddingRequest, truncate: int | None
+                    ) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Each input's ids (as checked) and its pooled hidden state, computed by the engine among the other
+        requests."""
+        check_model(req.model)
+        eng = engine()
+        tok = eng.tok
+        inputs = req.inputs()
+        ids = await asyncio.to_thread(lambda: [tok.encode(p, None if req.add_special_tokens else False)
+                                               if isinstance(p, str) else p for p in inputs])
+        for p in ids:
+            _check_vocab(p, eng.runner.vocab_size, "input", "input token id")
+        ids = check_lengths(ids, state.max_model_len, truncate)
+        q: asyncio.Queue[Delta | None] = asyncio.Queue()
+        try:
+            reqs = [eng.submit_embed(ids, state.pooling, out=q)]
+        except QueueFullError as e:
+            raise RequestError(str(e), status=503, type_="server_error", code="queue_full") from None
+        vectors: list[torch.Tensor | None] = [None] * len(ids)
+        async for d in deltas(request, q, reqs):
+            if d.error:
+                raise engine_failed(d.error)
+            vectors[d.index] = d.embedding
+        if any(v is None for v in vectors):
+            raise RequestError("the client went away", status=499)  # never sent: the connection is gone
+        return ids, [v for v in vectors if v is not None]
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

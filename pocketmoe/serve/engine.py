@@ -40,6 +40,7 @@ import torch
 
 from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
 from pocketmoe.engine.kv_cache import KVPoolFullError
+from pocketmoe.engine.pooling import Pooler, chunk_rows, reuses_prefix
 from pocketmoe.engine.runner import ModelRunner
 from pocketmoe.engine.sampler import Sampler, SamplingParams, StopChecker, TokenLogprob, token_logprob
 from pocketmoe.engine.step import SeqChunk, Step
@@ -84,6 +85,7 @@ class Delta:
     # llama.cpp's return_progress: a delta of its own (no text or tokens) as the prompt is computed, {"total",
     # "cache", "processed" (cached ones included), "time_ms" (since its prefill began)}
     progress: dict[str, int] | None = None
+    embedding: torch.Tensor | None = None  # an embedding request's: its prompt's pooled hidden state [D] ([T, D] unpooled)
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Seq:
     cached: int = 0  # prompt positions the prefix cache gave at its first admission
     want_progress: bool = False  # send progress deltas while the prompt is computed (Delta.progress)
     admitted_at: float = 0.0
+    pooler: Pooler | None = None  # an embedding's: its prompt is computed and pooled, nothing is generated
 
     @property
     def decoding(self) -> bool:
@@ -219,6 +222,29 @@ class Engine:
                 sampler=sampler, stop=StopChecker(p.stop, p.include_stop_str_in_output, p.n_indent),
                 decoder=self.tok.stream_decoder(p.skip_special_tokens),
                 want_prompt_logprobs=p.prompt_logprobs is not None, want_progress=progress and i == 0))
+        req.open = len(req.seqs)
+        self._inbox.put(("add", req))
+        return req
+
+    def submit_embed(self, prompts: Sequence[Sequence[int]], pooling: str, *,
+                     loop: asyncio.AbstractEventLoop | None = None, out: asyncio.Queue[Delta | None] | None = None,
+                     sink: Callable[[Delta | None], None] | None = None) -> Request:
+        """Queue one request that embeds each prompt (QueueFullError past max_queue): one delta per prompt (index i)
+        with its pooled hidden state in `embedding` and finish_reason "stop", then one None; delivered as submit's."""
+        with self._lock:
+            if self._queued >= self.cfg.max_queue:
+                raise QueueFullError(f"the server has {self._queued} requests waiting (--max-queue "
+                                     f"{self.cfg.max_queue}); retry later.")
+            self._queued += 1
+        if sink is None and loop is None:
+            loop = asyncio.get_running_loop()
+        req = Request(next(self._ids), sum(len(p) for p in prompts), loop, out, sink)
+        params = SamplingParams(max_tokens=1)
+        for i, prompt in enumerate(prompts):
+            req.seqs.append(Seq(
+                key=(req.id, i), request=req, index=i, prompt_len=len(prompt), tokens=list(prompt), params=params,
+                sampler=Sampler(params), stop=StopChecker(()), decoder=self.tok.stream_decoder(True),
+                pooler=Pooler(pooling)))
         req.open = len(req.seqs)
         self._inbox.put(("add", req))
         return req
@@ -349,7 +375,7 @@ class Engine:
         """Whether another choice of s's request is computing the same prompt now: with prefix caching s then
         waits for its pages (the queue behind it too, FIFO) instead of computing the prompt again, until the
         sibling has computed every full page s could attach (those of its prompt less the last token)."""
-        if not self.prefix_caching or s.admitted or s.want_prompt_logprobs:
+        if not self.prefix_caching or s.admitted or s.want_prompt_logprobs or s.pooler is not None:
             return False
         shareable = (s.prompt_len - 1) // self.cache.page * self.cache.page
         return any(o is not s and o.computed < shareable and o in self.running for o in s.request.seqs)
@@ -357,7 +383,7 @@ class Engine:
     def _attach_prefix(self, s: Seq) -> int:
         """Positions of s's tokens the prefix cache gives it (its pages attached); its last token is always
         computed, since its logits are sampled."""
-        if not self.prefix_caching or s.want_prompt_logprobs:
+        if not self.prefix_caching or s.want_prompt_logprobs or (s.pooler and not reuses_prefix(s.pooler.pooling)):
             return 0
         store = self.cache.store
         loaded = store.loaded if store is not None else 0
@@ -371,6 +397,8 @@ class Engine:
         victim = self.running.pop()
         self.cache.free(victim.key)
         victim.computed = 0
+        if victim.pooler is not None:
+            victim.pooler = Pooler(victim.pooler.pooling)  # its prompt is pooled afresh
         self.waiting.appendleft(victim)
         self.metrics.preemptions.inc()
         return victim
@@ -400,13 +428,17 @@ class Engine:
             if end - start > budget:
                 break
             budget -= end - start
+            if s.pooler is not None:
+                planned.append((s, SeqChunk(s.key, s.tokens[start:end], start, "none",
+                                            chunk_rows(s.pooler.pooling, start, end, n_all))))
+                continue
             mode = "all" if s.want_prompt_logprobs else ("last" if end == n_all else "none")
             planned.append((s, SeqChunk(s.key, s.tokens[start:end], start, mode)))
         return planned
 
     def _run(self, planned: list[tuple[Seq, SeqChunk]]) -> None:
         try:
-            logits = self.runner.forward(Step(tuple(c for _, c in planned)))
+            logits, hidden = self.runner.run_step(Step(tuple(c for _, c in planned)))
         except RankLost:
             raise
         except Exception as e:  # one bad step fails its sequences, never the engine
@@ -415,12 +447,16 @@ class Engine:
                 self._finish(s, "length", error=f"the step failed: {e}")
             return
         self.steps += 1
-        row = 0
+        row = h_row = 0
         now = time.perf_counter()
         for s, c in planned:
-            n = len(c.tokens) if c.logits == "all" else (1 if c.logits == "last" else 0)
+            n = len(c.rows(c.logits, 0))
             rows = logits[row:row + n]
             row += n
+            h = len(c.rows(c.hidden, 0))
+            if s.pooler is not None and hidden is not None:
+                s.pooler.add(hidden[h_row:h_row + h])
+            h_row += h
             s.computed += len(c.tokens)
             if self.prefix_caching:
                 self.cache.commit(s.key, s.tokens, s.computed)
@@ -428,7 +464,9 @@ class Engine:
                 self._prompt_logprobs(s, c, rows)
             if c.start < s.prompt_len:
                 self._progress(s)
-            if s.computed == len(s.tokens) and not s.finished:
+            if s.computed == len(s.tokens) and s.pooler is not None:
+                self._finish(s, "stop", Delta(s.index, embedding=s.pooler.result()))
+            elif s.computed == len(s.tokens) and not s.finished:
                 try:
                     self._sample(s, rows[-1], now)
                 except GrammarError as e:  # a grammar at a dead end fails its sequence alone

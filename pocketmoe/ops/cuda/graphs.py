@@ -101,7 +101,7 @@ class DecodeGraphs:
     def decode_shaped(model: Any, ctx: Any) -> bool:
         t = ctx.n_tokens
         return (0 < t <= MAX_TOKENS and len(ctx.logit_rows) == t and len(np.unique(ctx.seq)) == t
-                and hasattr(model, "prepare"))
+                and not len(ctx.hidden_rows) and hasattr(model, "prepare"))
 
     def host_input(self, make: Callable[[Any], np.ndarray | torch.Tensor], ctx: Any) -> torch.Tensor | None:
         """While capturing: a static device tensor holding make(ctx), copied from a pinned buffer by a graph node
