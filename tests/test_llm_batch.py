@@ -215,20 +215,20 @@ def test_failed_step_and_interrupt_leave_the_engine_clean(model, monkeypatch):
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want = [solo(llm, q, p) for q in prompts]
-    real = llm.runner.forward
+    real = llm.runner.run_step
     for exc, match in ((RuntimeError("boom"), "prompt 0 failed: the step failed: boom"), (KeyboardInterrupt(), None)):
         calls = {"n": 0}
 
-        def flaky(step, *a, exc=exc, calls=calls, **kw):
+        def flaky(step, exc=exc, calls=calls):
             calls["n"] += 1
             if calls["n"] == 3:
                 raise exc
-            return real(step, *a, **kw)
+            return real(step)
 
-        monkeypatch.setattr(llm.runner, "forward", flaky)
+        monkeypatch.setattr(llm.runner, "run_step", flaky)
         with pytest.raises(type(exc) if match is None else PocketMoEError, match=match):
             llm.generate(prompts, p)
-        monkeypatch.setattr(llm.runner, "forward", real)
+        monkeypatch.setattr(llm.runner, "run_step", real)
         assert not llm._engine.running and not llm._engine.waiting
         assert llm.runner.cache.used_pages == 0  # cached prefix pages no sequence holds count as free
         for a, b in zip(want, llm.generate(prompts, p), strict=True):

@@ -38,13 +38,13 @@ def make_engine(model: Path, n_ctx: int, kv_bytes: int | None = None, chunk: int
     runner = ModelRunner(bundle, RunnerConfig(n_ctx=n_ctx, backend=BACKEND, threads=1, max_seqs=seqs,
                                               kv_cache_bytes=kv_bytes, chunk_size=chunk))
     steps: list[Step] = []
-    forward = runner.forward
+    run_step = runner.run_step
 
-    def recorded(step, *a, **kw):  # noqa: ANN001, ANN202
+    def recorded(step):  # noqa: ANN001, ANN202
         steps.append(step)
-        return forward(step, *a, **kw)
+        return run_step(step)
 
-    runner.forward = recorded  # type: ignore[method-assign]
+    runner.run_step = recorded  # type: ignore[method-assign]
     eng = Engine(runner, Tokenizer.from_metadata(bundle.metadata), EngineConfig(seqs, max_queue, chunk, n_ctx, prefix_caching),
                  Metrics())
     return eng, steps
