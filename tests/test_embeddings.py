@@ -206,7 +206,20 @@ def test_openai_embeddings_are_the_engines(server: LiveServer, alone: LLM) -> No
                        alone.embed([long[-40:]], use_tqdm=False)[0].embedding)
 
 
+def test_chat_form_embeds_the_rendered_chat(server: LiveServer, alone: LLM) -> None:
+    """vLLM's chat form: the messages as /tokenize renders them (no generation prompt unless asked) embedded."""
+    msgs = [{"role": "user", "content": "what is a mixture of experts?"}]
+    for gen in (False, True):
+        ids = httpx.post(server.url + "/tokenize", json={"messages": msgs, "add_generation_prompt": gen}).json()
+        got = httpx.post(server.url + "/v1/embeddings", json={"messages": msgs, "add_generation_prompt": gen}).json()
+        assert got["usage"]["prompt_tokens"] == ids["count"]
+        assert torch.equal(torch.tensor(got["data"][0]["embedding"]),
+                           alone.embed([ids["tokens"]], use_tqdm=False)[0].embedding)
+
+
 @pytest.mark.parametrize(("body", "status", "message"), [
+    ({}, 400, "give input (texts or token ids) or messages"),
+    ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "one of them"),
     ({"input": ""}, 400, "input 0 is an empty string"),
     ({"input": []}, 400, "input"),
     ({"input": "hi", "dimensions": 3}, 400, "have 256 dimensions"),

@@ -424,14 +424,16 @@ def create_app(state: ServerState) -> FastAPI:
                 raise RequestError(str(e), field_name) from None
         return eng, eng.tok, grammar
 
-    async def chat_prompt(tok: Tokenizer, req: ChatCompletionRequest | TokenizeRequest, messages: list[ChatMessage],
+    async def chat_prompt(tok: Tokenizer, req: ChatCompletionRequest | TokenizeRequest | EmbeddingRequest,
+                          messages: list[ChatMessage],
                           tools: list[dict[str, Any]], grammar: Grammar | None) -> tuple[list[int], bool]:
         """The token ids of a chat as the template renders it (the chat route and /tokenize alike), and whether the
         output starts inside a reasoning block (chat_text)."""
         text, thinking = await chat_text(tok, req, messages, tools, grammar)
         return await asyncio.to_thread(tok.encode_rendered_chat, text), thinking
 
-    async def chat_text(tok: Tokenizer, req: ChatCompletionRequest | TokenizeRequest, messages: list[ChatMessage],
+    async def chat_text(tok: Tokenizer, req: ChatCompletionRequest | TokenizeRequest | EmbeddingRequest,
+                        messages: list[ChatMessage],
                         tools: list[dict[str, Any]], grammar: Grammar | None) -> tuple[str, bool]:
         """A chat as the template renders it, with a block the template opened closed empty where no reasoning is
         wanted (enable_thinking false, or a grammar deciding the output from its first token), and whether the
@@ -856,9 +858,12 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(req.model)
         eng = engine()
         tok = eng.tok
-        inputs = req.inputs()
-        ids = await asyncio.to_thread(lambda: [tok.encode(p, None if req.add_special_tokens else False)
-                                               if isinstance(p, str) else p for p in inputs])
+        if isinstance(req, EmbeddingRequest) and req.messages is not None:
+            ids = [(await chat_prompt(tok, req, req.messages, [], None))[0]]
+        else:
+            inputs = req.inputs()
+            ids = await asyncio.to_thread(lambda: [tok.encode(p, None if req.add_special_tokens else False)
+                                                   if isinstance(p, str) else p for p in inputs])
         for p in ids:
             _check_vocab(p, eng.runner.vocab_size, "input", "input token id")
         ids = check_lengths(ids, state.max_model_len, truncate)

@@ -4,7 +4,7 @@ Each input (a string, or token ids) runs as a prompt whose final hidden states t
 (engine/pooling.py); nothing is generated. `/v1/embeddings` answers OpenAI's shape (the vectors as lists of floats,
 or with `encoding_format: "base64"`, as the OpenAI SDKs ask by default, little-endian float32 bytes in base64), unit
 length unless asked otherwise (llama.cpp's `embd_normalize`, vLLM's `normalize`); vLLM's `add_special_tokens` and
-`truncate_prompt_tokens` are read too. `/embedding` answers llama-server's: a list of `{"index", "embedding"}` whose
+`truncate_prompt_tokens` are read too, and its chat form (`messages`, rendered by the chat template). `/embedding` answers llama-server's: a list of `{"index", "embedding"}` whose
 embedding is a list of rows, one pooled row (normalized as `embd_normalize` says), or with `--pooling none` every
 token's (as computed).
 """
@@ -20,7 +20,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from pocketmoe.engine.pooling import check_normalize, embd_normalize
 from pocketmoe.errors import PocketMoEError
-from pocketmoe.serve.protocol import NonNegInt, RequestError, _Body
+from pocketmoe.serve.protocol import ChatMessage, NonNegInt, RequestError, _Body, check_template_options
 
 MAX_EMBEDDING_INPUTS = 2048      # inputs in one request (OpenAI's limit)
 MAX_EMBEDDING_TOKENS = 300_000   # tokens over a request's inputs (OpenAI's limit)
@@ -52,9 +52,14 @@ class _EmbeddingFields(_Body):
 
 
 class EmbeddingRequest(_EmbeddingFields):
-    """POST /v1/embeddings (OpenAI), with vLLM's and llama.cpp's extensions."""
+    """POST /v1/embeddings (OpenAI), with vLLM's and llama.cpp's extensions; vLLM's chat form embeds `messages` as
+    the chat template renders them (no generation prompt unless asked) instead of `input`."""
 
-    input: Inputs
+    input: Inputs | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[StrictInt, Field(ge=1)] | None = None
     user: StrictStr | None = None
@@ -62,9 +67,12 @@ class EmbeddingRequest(_EmbeddingFields):
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None  # vLLM's: keep the last k (-1: context)
 
     def inputs(self) -> list[str | list[int]]:
-        return as_inputs(self.input)
+        return [] if self.input is None else as_inputs(self.input)
 
     def check(self) -> None:
+        if (self.input is None) == (self.messages is None):
+            raise RequestError("give input (texts or token ids) or messages (a chat), one of them.", "input")
+        check_template_options(self)
         super().check()
         if self.normalize is not None and "embd_normalize" in self.model_fields_set:
             raise RequestError("give normalize (vLLM's) or embd_normalize (llama.cpp's), not both.", "normalize")
