@@ -1,7 +1,8 @@
 """The CUDA runtime end to end on a GPU (skipped without one; scripts/gpu_check.sh runs it): every mode and expert
 policy on the tiny DeepSeek-V2 and MiniMax-M2 fixtures gives the CPU-only path's greedy tokens, decode does no
 weight copies in all-device mode, decode CUDA graphs give the eager logits bit for bit, and copies slowed on the
-copy stream itself (a spin kernel before each one) never race the kernels that read the slots.
+copy stream itself (a spin kernel before each one) never race the kernels that read the slots; the final hidden
+states embeddings pool come back to the host as the CPU path computes them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from pocketmoe import native
 from pocketmoe.engine.runner import ModelRunner, RunnerConfig
+from pocketmoe.engine.step import SeqChunk, Step
 from pocketmoe.experts.cost import Rates
 from pocketmoe.gguf import open_bundle
 from pocketmoe.ops import cuda
@@ -93,3 +95,21 @@ def test_copies_slowed_on_the_copy_stream_never_race(bundle) -> None:
     r = gpu_runner(bundle, "heterogeneous", "stage", slots=2, delay=slow)
     assert r.generate_greedy(PROMPT, GEN) == want
     assert r.experts.stats.staged > 0
+
+
+def test_hidden_states_come_back_to_the_host(bundle) -> None:
+    """The final hidden states of every prompt row (what embeddings pool) from an all-device step: on the host, the
+    CPU path's up to the activations' quantization noise, and the same in the decode-graph runner (a step asking for
+    them runs eagerly)."""
+    def step() -> Step:
+        return Step((SeqChunk("e", PROMPT, 0, "last", "all"),))
+
+    backend = "native" if native.available() else "reference"
+    _, want = ModelRunner(bundle, RunnerConfig(n_ctx=128, backend=backend)).run_step(step())
+    gpu = gpu_runner(bundle, "all-device")
+    assert gpu.ops.enable_graphs()
+    _, got = gpu.run_step(step())
+    assert got is not None and got.device.type == "cpu" and got.shape == want.shape
+    assert float(torch.nn.functional.cosine_similarity(got, want, dim=-1).min()) > 0.9999
+    _, again = gpu.run_step(step())
+    assert torch.equal(got, again)
