@@ -10,6 +10,7 @@ cached prefix pages, and over HTTP.
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 
 import gguf
@@ -272,3 +273,27 @@ def test_api_key_guards_the_embedding_routes(model: Path) -> None:
             assert httpx.post(srv.url + route, json={"input": "hi"}).status_code == 401
         ok = httpx.post(srv.url + "/embedding", json={"input": "hi"}, headers={"Authorization": "Bearer k"})
         assert ok.status_code == 200
+
+
+def test_embed_cli_prints_llama_embeddings_formats(model: Path, alone: LLM, capsys: pytest.CaptureFixture) -> None:
+    """python -m pocketmoe.embed: the text split at the separator, each part's vector as LLM.embed gives it, in
+    llama-embedding's formats (plain values, array, OpenAI's object with the cosine similarity matrix)."""
+    from pocketmoe.embed import main
+
+    want = torch.stack([o.embedding for o in alone.embed(TEXTS[:3], use_tqdm=False)])
+    base = ["--model", str(model), "--threads", "1", "--n-ctx", "256"]
+    assert main([*base, "--prompt", "|".join(TEXTS[:3]), "--embd-separator", "|", "--embd-output-format", "json+"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert torch.equal(torch.tensor([d["embedding"] for d in body["data"]]), want)
+    unit = want.double() / want.double().norm(dim=-1, keepdim=True)
+    assert np.allclose(body["cosineSimilarity"], (unit @ unit.T).numpy(), atol=1e-12)
+    assert body["usage"]["prompt_tokens"] == sum(len(alone.encode_prompt(t)) for t in TEXTS[:3])
+    assert main([*base, "--prompt", "\n".join(TEXTS[:2]) + "\n", "--embd-output-format", "array"]) == 0
+    assert torch.equal(torch.tensor(json.loads(capsys.readouterr().out)), want[:2])
+    assert main([*base, "--prompt", TEXTS[0]]) == 0
+    values = [float(x) for x in capsys.readouterr().out.split()]
+    assert np.allclose(values, want[0].numpy(), atol=5e-7)
+    from pocketmoe.cli_util import run_cli
+
+    assert run_cli(main, [*base, "--prompt", "x", "--pooling", "none", "--embd-output-format", "json"]) == 2
+    assert "--pooling none gives each token's vector" in capsys.readouterr().err
