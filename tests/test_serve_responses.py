@@ -293,7 +293,7 @@ def test_format_effort_and_max_tokens(tok: Tokenizer) -> None:
     ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input.0.content.0.type"),
     ({"input": "x", "include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs"),
-    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": [{"role": "robot", "content": "x"}]}, None),
     ({}, "input"),
     ({"input": []}, "input"),

@@ -39,6 +39,7 @@ from pocketmoe.engine.sampler import (
     logprob_entry,
 )
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
+from pocketmoe.serve.background import BackgroundRuns, Detached
 from pocketmoe.serve.conversations import ConversationStore
 from pocketmoe.serve.conversations import add_routes as add_conversation_routes
 from pocketmoe.serve.embeddings import (
@@ -132,6 +133,7 @@ class ServerState:
     allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers (--allowed-origins)
     pooling: str = DEFAULT_POOLING  # what /v1/embeddings and /embedding pool (--pooling, engine/pooling.py)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_RESPONSES_STORE_MIB << 20))
+    background: BackgroundRuns = field(default_factory=BackgroundRuns)  # background: true responses
     conversations: ConversationStore = field(
         default_factory=lambda: ConversationStore(DEFAULT_RESPONSES_STORE_MIB << 20))
 
@@ -550,8 +552,11 @@ def create_app(state: ServerState) -> FastAPI:
         prepared = None
         if asked.truncation == "auto":
             req, prepared = await truncated(asked, items, eng, tok, grammar)
-        _, chunks = await chat_reply(request, req, eng, tok, grammar, prepared)
         stored = asked.store is not False and store.capacity > 0
+        if asked.background and not stored:
+            raise RequestError("a background response is kept so that it can be polled, and this server keeps none "
+                               "(--responses-store-mib 0).", "background")
+        _, chunks = await chat_reply(Detached() if asked.background else request, req, eng, tok, grammar, prepared)
         conv = asked.conversation_id
         sent = [input_item(x) for x in asked.items()] if stored or conv else []  # as input_items will list them
 
@@ -565,6 +570,10 @@ def create_app(state: ServerState) -> FastAPI:
         events = response_events(chunks, asked.echo(state.model_name, stored),
                                  ResponseUsage(lambda text: len(tok.encode(text, add_bos=False))),
                                  keep if stored or conv else None)
+        if asked.background:
+            queued = await state.background.start(events, lambda r: store.put(r, sent, asked.previous_response_id))
+            run = state.background.get(queued["id"])
+            return _sse(run.follow(), done=False, named=True) if asked.stream and run else JSONResponse(queued)
         if asked.stream:
             return _sse(events, done=False, named=True)
         last: dict[str, Any] = {}
@@ -613,8 +622,24 @@ def create_app(state: ServerState) -> FastAPI:
         return best
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> Response:
+    async def get_response(response_id: str, stream: bool = False, starting_after: int | None = None) -> Response:
+        """A stored response; a background one as it runs (with stream, its events after starting_after)."""
+        run = state.background.get(response_id)
+        if stream:
+            if run is None:
+                raise RequestError(f"{response_id!r} is not a background response of this server; only those can be "
+                                   "streamed again.", "stream")
+            return _sse(run.follow(starting_after), done=False, named=True)
+        if run is not None:
+            return JSONResponse(run.latest)
         return JSONResponse(state.responses.get(response_id).response)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        """Stop a background response (OpenAI's cancel); a finished one is answered as it is."""
+        await state.background.cancel(response_id)
+        run = state.background.get(response_id)
+        return JSONResponse(run.latest if run is not None else state.responses.get(response_id).response)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:

@@ -192,8 +192,9 @@ class ResponsesRequest(_Body):
                                "of them.", "conversation")
         if not isinstance(self.conversation, (str, dict, type(None))):
             raise RequestError("conversation is a conversation's id, or {\"id\": ...}.", "conversation")
-        if self.background:
-            raise RequestError("background responses are not supported; leave background out.", "background")
+        if self.background and self.store is False:
+            raise RequestError("a background response is kept so that it can be polled; leave store true.",
+                               "background")
         for i, t in enumerate(self.tools or []):
             if isinstance(t, OtherTool):
                 raise RequestError(f"tools[{i}] is of type {t.type!r}; this server runs function tools only.",
@@ -299,7 +300,7 @@ class ResponsesRequest(_Body):
                                                        "summary": None},
                 "top_logprobs": self.top_logprobs or 0, "previous_response_id": self.previous_response_id,
                 "conversation": {"id": self.conversation_id} if self.conversation_id else None,
-                "store": stored, "background": False, "truncation": self.truncation,
+                "store": stored, "background": bool(self.background), "truncation": self.truncation,
                 "metadata": self.metadata or {}, "user": self.user, "error": None, "incomplete_details": None}
 
 
@@ -401,6 +402,9 @@ class ResponseStore:
     def put(self, response: dict[str, Any], items: list[dict[str, Any]], previous: str | None) -> bool:
         """Keep a response (False: it alone is larger than the store)."""
         size = len(json.dumps(response)) + len(json.dumps(items))
+        old = self._kept.pop(response["id"], None)  # a background response kept again as it runs
+        if old is not None:
+            self.size -= old.size
         if size > self.capacity:
             return False
         while self.size + size > self.capacity:
@@ -435,6 +439,10 @@ class ResponseStore:
                                    "deleted, or dropped when the store passed its --responses-store-mib); send the "
                                    "whole conversation in input instead.", "previous_response_id",
                                    code="previous_response_not_found")
+            if kept.response.get("status") in ("queued", "in_progress"):
+                raise RequestError(f"the previous response {at!r} is still running in the background; wait until "
+                                   "GET /v1/responses/{id} says it is completed, then continue it.",
+                                   "previous_response_id", code="previous_response_not_found")
             chain.append((at, kept))
             at = kept.previous
         for at, _ in reversed(chain):

@@ -27,9 +27,11 @@ class ScriptedEngine:
 
     alive = True
     prefix_caching = False
+    hold = False  # True: each choice sends its first token, then nothing until aborted (a reply that runs on)
 
     def __init__(self, tok: Tokenizer, architecture: str, script: str) -> None:
         self.tok, self.script, self.prompts, self.params = tok, script, [], []
+        self.aborted: list[object] = []
         self.runner = type("R", (), {"vocab_size": tok.vocab_size,
                                      "bundle": type("B", (), {"architecture": architecture})()})()
 
@@ -38,16 +40,17 @@ class ScriptedEngine:
         self.params.append(list(params))
         for i, ps in enumerate(params):
             pieces = [self.script[j:j + 5] for j in range(0, len(self.script), 5)]
-            for k, p in enumerate(pieces):
+            for k, p in enumerate(pieces[:1] if self.hold else pieces):
                 lps = [] if ps.logprobs is None else [
                     TokenLogprob(k + 1, -k / 8, tuple((k + 1 + j, -k / 8 - j) for j in range(ps.logprobs)))]
                 out.put_nowait(Delta(index_base + i, p, [1], lps,
                                      finish_reason="stop" if k == len(pieces) - 1 else None))
-        out.put_nowait(None)
+        if not self.hold:
+            out.put_nowait(None)
         return object()
 
     def abort(self, req) -> None:  # noqa: ANN001
-        pass
+        self.aborted.append(req)
 
 
 def thinking_tokenizer(directory: Path) -> Tokenizer:
