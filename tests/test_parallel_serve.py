@@ -16,8 +16,11 @@ import numpy as np
 import openai
 import pytest
 
+from pocketmoe.engine.kv_cache import PagedKVCache
+from pocketmoe.gguf import open_bundle
 from pocketmoe.testing.live_server import LiveServer
 from pocketmoe.testing.synth import write_fixture
+from pocketmoe.tokenizer import Tokenizer
 
 HERE = Path(__file__).parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -185,3 +188,37 @@ def test_hung_worker_gives_503_then_rank0_exits_within_the_timeout(model: str) -
     assert took < 30
     assert rc != 0
     assert not any(alive(p) for p in ranks.values())
+
+
+def test_two_rank_server_keeps_and_reads_prefix_pages_in_files(model: str, tmp_path: Path) -> None:
+    """--prefix-cache-dir under tensor parallelism: each rank keeps its shard of the pages in a directory of its own;
+    a restarted two-rank server answers a repeated prompt from them with the text and logprobs of the first run, and
+    a page one worker lost is computed again, for every rank, with the same answer."""
+    store = tmp_path / "store"
+    prompt = "the quick brown fox jumps over the lazy dog " * 12
+    body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+
+    def ask(srv: LiveServer) -> tuple:
+        r = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(**body)
+        lp = r.choices[0].logprobs
+        cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
+        return (r.choices[0].text, lp.token_logprobs, lp.top_logprobs), cached, r.usage.prompt_tokens
+
+    with server(model, 2, "--prefix-cache-dir", str(store)) as srv:
+        first, cached, n_prompt = ask(srv)
+    assert cached == 0
+    n_full = (n_prompt - 1) // 16 * 16
+    for rank in (0, 1):
+        assert len(list((store / f"tp2-rank{rank}").glob("*/*.kv"))) == n_full // 16, rank
+    with server(model, 2, "--prefix-cache-dir", str(store)) as srv:
+        again, cached, _ = ask(srv)
+    assert again == first and cached == n_full
+    # a worker's third page gone: the first two pages still come from the files, the rest is computed on every rank
+    ids = Tokenizer.from_metadata(open_bundle(model).metadata).encode(prompt)
+    digests = [d for _, d in PagedKVCache(1, 1, 1, 16)._digests(ids[:n_full])]
+    for d in digests[2:]:
+        (path,) = (store / "tp2-rank1").glob(f"*/{d.hex()}.kv")
+        path.unlink()
+    with server(model, 2, "--prefix-cache-dir", str(store)) as srv:
+        third, cached, _ = ask(srv)
+    assert third == first and cached == 2 * 16

@@ -33,6 +33,7 @@ from pocketmoe.errors import PocketMoEError
 
 if TYPE_CHECKING:
     from pocketmoe.engine.prefix_store import PrefixStore
+    from pocketmoe.parallel.steps import StoreMirror
 
 PAGE = 16  # positions per page
 
@@ -79,6 +80,8 @@ class PagedKVCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed pages no sequence holds, oldest first
         self._committed: dict[object, tuple[int, bytes]] = {}  # seq -> (its pages looked at by commit, last digest)
         self.store: PrefixStore | None = None  # the index's pages kept in files too (the second tier)
+        # tensor parallel, rank 0: the other ranks' stores follow this one's (parallel/steps.StoreMirror)
+        self.mirror: StoreMirror | None = None
 
     @classmethod
     def for_bytes(cls, n_layer: int, width: int, budget_bytes: int, max_seq_len: int,
@@ -179,7 +182,7 @@ class PagedKVCache:
             self._page_key[page] = key
             self._ref[page] += 1
             if self.store is not None and key not in self.store:
-                self.store.save(key, self.page_rows(page))
+                self._save(key, page)
         if full > done:
             self._committed[seq] = (full, digest)
 
@@ -215,7 +218,9 @@ class PagedKVCache:
         if not self._free:
             self._evict_one()
         page = self._free.pop()
-        self._write_page(page, rows)
+        if not self._write_stored(page, digest, rows):
+            self._free.append(page)
+            return None
         self._ref[page] = 1  # the index's
         self._index[digest] = page
         self._page_key[page] = digest
@@ -240,7 +245,8 @@ class PagedKVCache:
         pages = self._pages[seq]
         for i, (page, digest) in enumerate(zip(pages, digests, strict=True)):
             rows = self.store.load(digest)
-            if rows is None:  # a file that went bad since it was counted: keep the pages read before it
+            if rows is None or not self._write_stored(page, digest, rows):
+                # a file that went bad since it was counted: keep the pages read before it
                 for extra in pages[i:]:
                     self._release(extra)
                 del pages[i:]
@@ -248,7 +254,6 @@ class PagedKVCache:
                 if not i:
                     self.free(seq)
                 return i * self.page
-            self._write_page(page, rows)
         return len(digests) * self.page
 
     def persist(self, seq: object, tokens: Sequence[int], n_computed: int) -> None:
@@ -258,13 +263,30 @@ class PagedKVCache:
         full = min(n_computed // self.page, len(self._pages[seq]))
         for i, digest in self._digests(tokens[:full * self.page]):
             if digest not in self.store:
-                self.store.save(digest, self.page_rows(self._pages[seq][i]))
+                self._save(digest, self._pages[seq][i])
+
+    def _save(self, digest: bytes, page: int) -> None:
+        assert self.store is not None
+        self.store.save(digest, self.page_rows(page))
+        if self.mirror is not None:
+            self.mirror.saved(digest, page)
+
+    def _write_stored(self, page: int, digest: bytes, rows: torch.Tensor) -> bool:
+        """Write the store's rows for `digest` into `page` (and, under tensor parallelism, have every other rank read
+        its share there); False where some rank could not (its file is missing or damaged: rank 0's goes too, a
+        miss from now on)."""
+        assert self.store is not None
+        self.write_page(page, rows)
+        if self.mirror is not None and not self.mirror.loaded(digest, page):
+            self.store.discard(digest)
+            return False
+        return True
 
     def page_rows(self, page: int) -> torch.Tensor:
         """[L, page, W] on the CPU: one page's rows in every layer."""
         return torch.stack([layer[page * self.page:(page + 1) * self.page].cpu() for layer in self._layers])
 
-    def _write_page(self, page: int, rows: torch.Tensor) -> None:
+    def write_page(self, page: int, rows: torch.Tensor) -> None:
         """Write [L, page, W] rows (page_rows' shape, from the store) into one page of every layer."""
         for layer, layer_rows in zip(self._layers, rows, strict=True):
             layer[page * self.page:(page + 1) * self.page] = layer_rows.to(layer.device, layer.dtype)

@@ -135,6 +135,10 @@ class PrefixStore:
         while self.bytes > self.budget and self._files:
             self._drop(next(iter(self._files)))
 
+    def discard(self, digest: bytes) -> None:
+        """Forget a page (its file goes)."""
+        self._drop(self._path(digest))
+
     def _drop(self, path: Path) -> None:
         self.bytes -= self._files.pop(path, 0)
         path.unlink(missing_ok=True)

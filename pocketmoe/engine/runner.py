@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from pocketmoe.ops import BACKENDS, ReferenceOps, make_ops
 from pocketmoe.ops.cuda import plan_backend
 from pocketmoe.parallel import init_parallel, shutdown_parallel
 from pocketmoe.parallel.model import local_experts_factory, shard_model
-from pocketmoe.parallel.steps import HELLO, StepChannel
+from pocketmoe.parallel.steps import HELLO, StepChannel, StoreMirror
 from pocketmoe.placement import Devices, PlacementPlan, PlanOptions, make_plan
 from pocketmoe.placement.plan import torch_device
 from pocketmoe.placement.run import RunPlacement, run_plan
@@ -178,6 +179,8 @@ class ModelRunner:
         if self.parallel.world > 1:
             self.channel = StepChannel(self.parallel)
             self._hello()
+            if self.store is not None and self.parallel.is_lead:
+                self.cache.mirror = StoreMirror(self.channel)
 
     def _new_cache(self, kv_cache_bytes: int | None) -> PagedKVCache:
         """A KV pool of kv_cache_bytes (None: cfg.max_seqs sequences of n_ctx), over the runner's prefix store."""
@@ -195,14 +198,14 @@ class ModelRunner:
         """cfg.prefix_cache_dir's store for this model, backend and KV layout (None without the directory)."""
         if self.cfg.prefix_cache_dir is None:
             return None
-        if self.parallel.world > 1:
-            raise PocketMoEError("a prefix cache directory is not available with tensor parallelism (each rank holds "
-                                 "a shard of every KV row); leave --prefix-cache-dir out.")
         n_layer, width, dtype, _ = self._kv_layout
         key = model_key(self.bundle, type(self.ops).__name__, (n_layer, PAGE, width, dtype))
+        root, budget = Path(self.cfg.prefix_cache_dir), self.cfg.prefix_cache_disk_bytes
+        tp = self.parallel
+        if tp.world > 1:  # each rank keeps its shard of every row, in a directory of its own, within its share
+            root, budget = root / f"tp{tp.world}-rank{tp.rank}", budget // tp.world
         try:
-            return PrefixStore(self.cfg.prefix_cache_dir, key, (n_layer, PAGE, width), dtype,
-                               self.cfg.prefix_cache_disk_bytes)
+            return PrefixStore(root, key, (n_layer, PAGE, width), dtype, budget)
         except OSError as e:
             raise PocketMoEError(f"the prefix cache directory {self.cfg.prefix_cache_dir} cannot be used ({e}); give "
                                  "a directory this user can write.") from None
@@ -246,14 +249,33 @@ class ModelRunner:
         then end the process group unless end_group is False (another runner of this process uses it)."""
         assert self.channel is not None and not self.parallel.is_lead
         with torch.inference_mode():
-            self.channel.serve(lambda inputs: self.model(StepContext(cache=self.cache, **inputs)))
+            self.channel.serve(lambda inputs: self.model(StepContext(cache=self.cache, **inputs)), self._store_pages)
         if end_group:
             shutdown_parallel()
+
+    def _store_pages(self, ops: list[tuple[str, bytes, int]]) -> bool:
+        """A worker: save or read its shard of the prefix-store pages rank 0 did (StoreMirror); whether each read
+        worked."""
+        if self.store is None:
+            return False
+        ok = True
+        for op, digest, page in ops:
+            if op == "save":
+                self.store.save(digest, self.cache.page_rows(page))
+                continue
+            rows = self.store.load(digest)
+            if rows is None:
+                ok = False
+            else:
+                self.cache.write_page(page, rows)
+        return ok
 
     def stop_workers(self, end_group: bool = True) -> None:
         """Rank 0: tell the worker ranks to exit, then end the process group unless end_group is False
         (no-op at world size 1)."""
         if self.channel is not None and self.parallel.is_lead and not self.channel.closed:
+            if self.cache.mirror is not None:
+                self.cache.mirror.flush()  # the pages rank 0 kept last: the workers keep their shares too
             self.channel.stop()
             if end_group:
                 shutdown_parallel()
@@ -265,6 +287,8 @@ class ModelRunner:
             raise PocketMoEError(f"rank {self.parallel.rank} of {self.parallel.world}: only rank 0 runs steps under "
                                  "torchrun; the other ranks call ModelRunner.serve_steps() (python -m pocketmoe.serve "
                                  "and pocketmoe.bench do).")
+        if self.cache.mirror is not None:
+            self.cache.mirror.flush()  # pages kept since the last step, before this one can write over them
         return self.channel.run_step(ctx, lambda: self.model(ctx))
 
     def _place_layers(self) -> list[torch.device]:

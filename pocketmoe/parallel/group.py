@@ -132,6 +132,17 @@ class Parallel:
             except Exception as e:  # noqa: BLE001
                 raise self.lost(e) from e
 
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank says ok (a one-value MIN all-reduce on the control group)."""
+        if self.world == 1:
+            return ok
+        t = torch.tensor([int(ok)], dtype=torch.int64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        except Exception as e:  # noqa: BLE001
+            raise self.lost(e) from e
+        return bool(t.item())
+
 
 _current: Parallel | None = None
 

@@ -3,8 +3,9 @@
 Messages go over the control group as a header (kind, payload bytes) then the pickled payload: STEP (the
 StepContext arrays rank 0 built: tokens, positions, cache rows, page table, logit rows), IDLE (a heartbeat
 when no step ran for `HEARTBEAT_S`, answered by a one-value all-reduce so rank 0 learns a rank is gone even
-while idle; it also keeps the workers' receive inside the collective timeout), STOP (exit cleanly). The
-KV cache allocator runs on rank 0 only: the others write where the step says.
+while idle; it also keeps the workers' receive inside the collective timeout), PAGES (prefix-store pages each rank
+saves or reads, its shard of their rows, as rank 0's store does: `StoreMirror`), STOP (exit cleanly). The KV cache
+allocator runs on rank 0 only: the others write where the step says.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pocketmoe.parallel.group import Parallel, RankLost
 if TYPE_CHECKING:
     from pocketmoe.engine.step import StepContext
 
-STEP, IDLE, STOP, HELLO = 1, 2, 3, 4
+STEP, IDLE, STOP, HELLO, PAGES = 1, 2, 3, 4, 5
 HEARTBEAT_S = 1.0
 STEP_FIELDS = ("tokens", "positions", "seq", "write_rows", "keys", "page_table", "logit_rows", "seq_spans",
                "contiguous")
@@ -67,6 +68,19 @@ class StepChannel:
             self._send(STEP, step_inputs(ctx))
             try:
                 return run()
+            except RankLost as e:
+                self.lost = e
+                raise
+
+    def pages(self, ops: list[tuple[str, bytes, int]]) -> bool:
+        """Have the workers save ("save", digest, page) or read ("load", digest, page) their shard of prefix-store
+        pages, in order; with a read among them, whether every rank read its share (True without one)."""
+        with self.lock:
+            self._send(PAGES, ops)
+            if not has_load(ops):
+                return True
+            try:
+                return self.tp.agree(True)
             except RankLost as e:
                 self.lost = e
                 raise
@@ -126,8 +140,10 @@ class StepChannel:
             payload = pickle.loads(buf.numpy().tobytes())
         return kind, payload
 
-    def serve(self, run: Callable[[dict[str, Any]], object]) -> None:
-        """A worker: run(inputs) for each STEP, answer each IDLE, return at STOP."""
+    def serve(self, run: Callable[[dict[str, Any]], object],
+              pages: Callable[[list[tuple[str, bytes, int]]], bool] | None = None) -> None:
+        """A worker: run(inputs) for each STEP, pages(ops) for each PAGES (answering whether its reads worked),
+        answer each IDLE, return at STOP."""
         while True:
             kind, payload = self.receive()
             if kind == STOP:
@@ -137,3 +153,35 @@ class StepChannel:
                 self.tp.ack()
             elif kind == STEP:
                 run(received_inputs(payload))
+            elif kind == PAGES:
+                ok = pages(payload) if pages is not None else False
+                if has_load(payload):
+                    self.tp.agree(ok)
+
+
+def has_load(ops: list[tuple[str, bytes, int]]) -> bool:
+    return any(op == "load" for op, _, _ in ops)
+
+
+class StoreMirror:
+    """Rank 0's prefix-store pages kept on the other ranks too, each its shard of the rows (PagedKVCache.mirror):
+    saves go with the next message, a read waits for every rank's answer, so a page is only attached where each
+    rank read its share."""
+
+    def __init__(self, channel: StepChannel) -> None:
+        self.channel = channel
+        self.pending: list[tuple[str, bytes, int]] = []
+
+    def saved(self, digest: bytes, page: int) -> None:
+        """Rank 0 kept page `page` under `digest`: the workers keep theirs before the next step can change it."""
+        self.pending.append(("save", digest, page))
+
+    def loaded(self, digest: bytes, page: int) -> bool:
+        """Rank 0 read `digest` into page `page`: whether every worker read its share there too."""
+        ops, self.pending = [*self.pending, ("load", digest, page)], []
+        return self.channel.pages(ops)
+
+    def flush(self) -> None:
+        if self.pending and not self.channel.closed:
+            ops, self.pending = self.pending, []
+            self.channel.pages(ops)
