@@ -13,7 +13,7 @@ whatever else is in the batch.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -300,14 +300,7 @@ class LLM:
             elif d.embedding is not None:
                 outs[d.index] = EmbeddingOutput(ids[d.index], embd_normalize(d.embedding, normalize))
 
-        try:
-            engine.submit_embed(ids, pooling, sink=put)
-            engine.run_until_done()
-        finally:
-            bar.close()
-        if errors:
-            i = min(errors)
-            raise PocketMoEError(f"prompt {i} failed: {errors[i]}")
+        _run_batch(engine, lambda: engine.submit_embed(ids, pooling, sink=put), bar, errors)
         return [o for o in outs if o is not None]
 
     # -- batches ---------------------------------------------------------------------------------
@@ -357,15 +350,11 @@ class LLM:
                         errors[i] = d.error
             return put
 
-        try:
+        def submit() -> None:
             for i, (p, choices) in enumerate(zip(ids, samplers, strict=True)):
                 engine.submit(p, [c.params for c in choices], sink=sink(i), samplers=choices)
-            engine.run_until_done()
-        finally:
-            bar.close()
-        if errors:
-            i = min(errors)
-            raise PocketMoEError(f"prompt {i} failed: {errors[i]}")
+
+        _run_batch(engine, submit, bar, errors)
         for group in outs:
             if len(group) > 1:
                 group[0].choices = group
@@ -396,3 +385,16 @@ class LLM:
 
     def close(self) -> None:
         self.bundle.close()
+
+
+def _run_batch(engine: Any, submit: Callable[[], object], bar: Any, errors: dict[int, str]) -> None:
+    """submit() the batch's requests and run the engine until they are done (the progress bar closed either way);
+    the first failed prompt's error (errors: prompt index -> message, filled as they end) as a PocketMoEError."""
+    try:
+        submit()
+        engine.run_until_done()
+    finally:
+        bar.close()
+    if errors:
+        i = min(errors)
+        raise PocketMoEError(f"prompt {i} failed: {errors[i]}")

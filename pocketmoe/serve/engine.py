@@ -208,14 +208,7 @@ class Engine:
         caller)."""
         if samplers is None:
             samplers = [Sampler(p, self.tok) for p in params]
-        with self._lock:
-            if self._queued >= self.cfg.max_queue:
-                raise QueueFullError(f"the server has {self._queued} requests waiting (--max-queue "
-                                     f"{self.cfg.max_queue}); retry later.")
-            self._queued += 1
-        if sink is None and loop is None:
-            loop = asyncio.get_running_loop()
-        req = Request(next(self._ids), len(prompt), loop, out, sink)
+        req = self._request(len(prompt), loop, out, sink)
         for i, (p, sampler) in enumerate(zip(params, samplers, strict=True)):
             req.seqs.append(Seq(
                 key=(req.id, i), request=req, index=index_base + i, prompt_len=len(prompt), tokens=list(prompt), params=p,
@@ -231,14 +224,7 @@ class Engine:
                      sink: Callable[[Delta | None], None] | None = None) -> Request:
         """Queue one request that embeds each prompt (QueueFullError past max_queue): one delta per prompt (index i)
         with its pooled hidden state in `embedding` and finish_reason "stop", then one None; delivered as submit's."""
-        with self._lock:
-            if self._queued >= self.cfg.max_queue:
-                raise QueueFullError(f"the server has {self._queued} requests waiting (--max-queue "
-                                     f"{self.cfg.max_queue}); retry later.")
-            self._queued += 1
-        if sink is None and loop is None:
-            loop = asyncio.get_running_loop()
-        req = Request(next(self._ids), sum(len(p) for p in prompts), loop, out, sink)
+        req = self._request(sum(len(p) for p in prompts), loop, out, sink)
         params = SamplingParams(max_tokens=1)
         for i, prompt in enumerate(prompts):
             req.seqs.append(Seq(
@@ -248,6 +234,18 @@ class Engine:
         req.open = len(req.seqs)
         self._inbox.put(("add", req))
         return req
+
+    def _request(self, n_prompt: int, loop: asyncio.AbstractEventLoop | None, out: asyncio.Queue[Delta | None] | None,
+                 sink: Callable[[Delta | None], None] | None) -> Request:
+        """A new request, counted against max_queue (QueueFullError past it)."""
+        with self._lock:
+            if self._queued >= self.cfg.max_queue:
+                raise QueueFullError(f"the server has {self._queued} requests waiting (--max-queue "
+                                     f"{self.cfg.max_queue}); retry later.")
+            self._queued += 1
+        if sink is None and loop is None:
+            loop = asyncio.get_running_loop()
+        return Request(next(self._ids), n_prompt, loop, out, sink)
 
     def abort(self, req: Request) -> None:
         """Drop the request's sequences and their KV pages before the next step (a client went away)."""
