@@ -91,7 +91,7 @@ def test_background_requests_that_cannot_work_are_400s(server: LiveServer, clien
     for call in (lambda: httpx.post(f"{server.url}/v1/responses/{fg.id}/cancel"),
                  lambda: httpx.get(f"{server.url}/v1/responses/{fg.id}", params={"stream": "true"})):
         r = call()
-        assert r.status_code == 400 and "not a background response" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "is not a background response this server holds" in r.json()["error"]["message"]
     assert httpx.post(f"{server.url}/v1/responses/resp_nope/cancel").status_code == 400
 
 
@@ -114,3 +114,36 @@ def test_a_held_reply_polls_in_progress_survives_its_follower_and_cancels(tmp_pa
         assert c.responses.cancel(r.id).status == "cancelled" and len(eng.aborted) == 1
         assert c.responses.retrieve(r.id).status == "cancelled"
         assert [e.type for e in c.responses.retrieve(r.id, stream=True)][-1] != "response.completed"
+        # a running one deleted: stopped, and gone
+        r2 = c.responses.create(model="m", input="again", background=True)
+        assert http.delete(f"/v1/responses/{r2.id}").json()["deleted"] is True
+        assert len(eng.aborted) == 2
+        assert http.get(f"/v1/responses/{r2.id}").status_code == 404
+
+
+def test_finished_runs_are_forgotten_oldest_first() -> None:
+    """Past KEEP_FINISHED runs or KEEP_EVENTS events, the oldest finished runs' events go; running ones stay."""
+    import asyncio
+
+    from pocketmoe.serve import background as bg
+
+    async def events(n: int, rid: str):  # noqa: ANN202
+        yield {"type": "response.created", "response": {"id": rid, "status": "in_progress"}}
+        for i in range(n):
+            yield {"type": "response.output_text.delta", "sequence_number": i + 1}
+
+    async def main() -> tuple[list[str], int, int]:
+        runs = bg.BackgroundRuns()
+        for i in range(bg.KEEP_FINISHED + 3):
+            await runs.start(events(2, f"r{i}"), lambda r: None)
+        await asyncio.sleep(0)
+        for r in list(runs._runs.values()):
+            await r.task
+        after_many = len(runs._runs)
+        await runs.start(events(bg.KEEP_EVENTS - 10, "big"), lambda r: None)
+        await runs.get("big").task
+        return list(runs._runs), after_many, sum(len(runs.get(k).events) for k in runs._runs)
+
+    kept, after_many, events_kept = asyncio.run(main())
+    assert after_many == bg.KEEP_FINISHED
+    assert kept[-1] == "big" and events_kept <= bg.KEEP_EVENTS and len(kept) < bg.KEEP_FINISHED

@@ -627,8 +627,8 @@ def create_app(state: ServerState) -> FastAPI:
         run = state.background.get(response_id)
         if stream:
             if run is None:
-                raise RequestError(f"{response_id!r} is not a background response of this server; only those can be "
-                                   "streamed again.", "stream")
+                raise RequestError(f"{response_id!r} is not a background response this server holds the events of; "
+                                   "only those can be streamed again.", "stream")
             return _sse(run.follow(starting_after), done=False, named=True)
         if run is not None:
             return JSONResponse(run.latest)
@@ -643,6 +643,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
+        """Delete a stored response; a background one is stopped first, and its events go."""
+        if state.background.get(response_id) is not None:
+            await state.background.cancel(response_id)
+            state.background.forget(response_id)
         state.responses.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 

@@ -7,7 +7,7 @@ event loop and kept in a `BackgroundRun`, and each one that carries the response
 `GET ...?stream=true&starting_after=N` (and a POST with `stream`) follows its events from after sequence number N,
 those already made first; leaving one never stops the run. `POST /v1/responses/{id}/cancel` stops it (the engine
 drops its sequence): status `cancelled`, and again the same answer. Finished runs' events stay for the last
-`KEEP_FINISHED` of them.
+`KEEP_FINISHED` of them, within `KEEP_EVENTS` events in all (the response itself stays in the store).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 from pocketmoe.serve.protocol import RequestError
 
 KEEP_FINISHED = 64  # finished runs whose events a stream may still replay
+KEEP_EVENTS = 50_000  # events of finished runs kept in all (a text delta is a few hundred bytes)
 
 
 class Detached:
@@ -109,15 +110,23 @@ class BackgroundRuns:
             self._trim()
 
     def _trim(self) -> None:
+        """Forget the oldest finished runs past KEEP_FINISHED of them or KEEP_EVENTS events."""
         finished = [k for k, r in self._runs.items() if r.done]
-        for k in finished[:max(0, len(finished) - KEEP_FINISHED)]:
-            del self._runs[k]
+        events = sum(len(self._runs[k].events) for k in finished)
+        for k in finished:
+            if len(finished) <= KEEP_FINISHED and events <= KEEP_EVENTS:
+                break
+            events -= len(self._runs.pop(k).events)
+            finished = finished[1:]
+
+    def forget(self, response_id: str) -> None:
+        self._runs.pop(response_id, None)
 
     async def cancel(self, response_id: str) -> None:
         """Stop a running background response (RequestError where the id names none)."""
         run = self._runs.get(response_id)
         if run is None:
-            raise RequestError(f"{response_id!r} is not a background response of this server; only a response made "
+            raise RequestError(f"{response_id!r} is not a background response this server holds; only a response made "
                                "with background true can be cancelled.", status=400)
         if run.task is not None and not run.done:
             run.task.cancel()
