@@ -242,6 +242,33 @@ def test_bad_requests_are_400s_and_the_server_keeps_serving(server: LiveServer, 
     assert httpx.post(server.url + "/v1/embeddings", json={"input": "ok"}).status_code == 200
 
 
+def test_score_and_rerank_are_cosine_similarities_of_the_vectors(server: LiveServer, alone: LLM) -> None:
+    """vLLM's /score (1:1, 1:N, N:N) and /rerank (Jina's and Cohere's shape) over the vectors LLM.embed gives."""
+    v = {t: o.embedding.double() for t, o in zip(TEXTS, alone.embed(TEXTS, use_tqdm=False), strict=True)}
+
+    def cos(a: str, b: str) -> float:
+        return float(v[a] @ v[b] / (v[a].norm() * v[b].norm()))
+
+    for body, pairs in (({"text_1": TEXTS[0], "text_2": TEXTS[1]}, [(0, 1)]),
+                        ({"text_1": [TEXTS[0]], "text_2": TEXTS[1:]}, [(0, 1), (0, 2), (0, 3)]),
+                        ({"text_1": TEXTS[:2], "text_2": TEXTS[2:]}, [(0, 2), (1, 3)])):
+        r = httpx.post(server.url + "/v1/score", json=body).json()
+        assert [d["index"] for d in r["data"]] == list(range(len(pairs)))
+        assert np.allclose([d["score"] for d in r["data"]], [cos(TEXTS[a], TEXTS[b]) for a, b in pairs], atol=1e-6)
+    bad = httpx.post(server.url + "/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[:3]})
+    assert bad.status_code == 400 and "1:1, 1:N" in bad.json()["error"]["message"]
+    want = sorted(range(3), key=lambda i: -cos(TEXTS[0], TEXTS[1 + i]))
+    for route in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = httpx.post(server.url + route, json={"query": TEXTS[0], "documents": TEXTS[1:], "top_n": 2}).json()
+        assert [x["index"] for x in r["results"]] == want[:2]
+        assert [x["document"]["text"] for x in r["results"]] == [TEXTS[1 + i] for i in want[:2]]
+        assert np.allclose([x["relevance_score"] for x in r["results"]],
+                           [cos(TEXTS[0], TEXTS[1 + i]) for i in want[:2]], atol=1e-6)
+    r = httpx.post(server.url + "/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:],
+                                                 "return_documents": False}).json()
+    assert [x["index"] for x in r["results"]] == want and "document" not in r["results"][0]
+
+
 def test_llama_server_embedding_route(server: LiveServer, alone: LLM) -> None:
     """llama-server's /embedding: `content` (or `input`), a list of {index, embedding: [row]}, embd_normalize."""
     want = alone.embed(TEXTS[:2], use_tqdm=False)
@@ -263,14 +290,16 @@ def test_pooling_none_gives_each_tokens_state(model: Path, alone: LLM) -> None:
         rows = httpx.post(srv.url + "/embedding", json={"content": TEXTS[0]}).json()[0]["embedding"]
         want = alone.embed(TEXTS[0], pooling="none", normalize=-1, use_tqdm=False)[0].embedding
         assert torch.equal(torch.tensor(rows), want)
-        r = httpx.post(srv.url + "/v1/embeddings", json={"input": TEXTS[0]})
-        assert r.status_code == 400 and "--pooling none" in r.json()["error"]["message"]
+        for route, body in (("/v1/embeddings", {"input": TEXTS[0]}), ("/rerank", {"query": "a", "documents": ["b"]}),
+                            ("/score", {"text_1": "a", "text_2": "b"})):
+            r = httpx.post(srv.url + route, json=body)
+            assert r.status_code == 400 and "--pooling none" in r.json()["error"]["message"], route
 
 
 def test_api_key_guards_the_embedding_routes(model: Path) -> None:
     with LiveServer(["--model", str(model), "--max-model-len", "64", "--threads", "1", "--api-key", "k"]) as srv:
-        for route in ("/v1/embeddings", "/embedding", "/embeddings"):
-            assert httpx.post(srv.url + route, json={"input": "hi"}).status_code == 401
+        for route in ("/v1/embeddings", "/embedding", "/embeddings", "/score", "/rerank", "/v2/rerank"):
+            assert httpx.post(srv.url + route, json={"input": "hi"}).status_code == 401, route
         ok = httpx.post(srv.url + "/embedding", json={"input": "hi"}, headers={"Authorization": "Bearer k"})
         assert ok.status_code == 200
 

@@ -45,10 +45,14 @@ from pocketmoe.serve.conversations import add_routes as add_conversation_routes
 from pocketmoe.serve.embeddings import (
     EmbeddingRequest,
     LlamaEmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     check_dimensions,
     check_lengths,
     llama_body,
     openai_body,
+    rerank_body,
+    score_body,
 )
 from pocketmoe.serve.engine import Delta, Engine, QueueFullError
 from pocketmoe.serve.llama_api import DEFAULTS as LLAMA_DEFAULTS
@@ -98,11 +102,12 @@ Body = TypeVar("Body", bound=_Body)  # a request body type
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens",
              "/v1/messages", "/v1/messages/count_tokens", "/completion", "/completions", "/infill", "/tokenize",
              "/detokenize", "/apply-template", "/props", "/health", "/metrics", "/chat/completions", "/models",
-             "/v1/health", "/v1/embeddings", "/embedding", "/embeddings")
+             "/v1/health", "/v1/embeddings", "/embedding", "/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank",
+             "/v2/rerank")
 ANTHROPIC_ROUTES = "/v1/messages"
 # the routes --api-key guards (/completions too), but llama-server's /v1/health
 GATED = ("/v1", "/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props", "/chat/completions",
-         "/models", "/embedding")
+         "/models", "/embedding", "/score", "/rerank", "/v2")
 PUBLIC = ("/v1/health",)
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
@@ -862,11 +867,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        req = _parse(EmbeddingRequest, await request.body())
-        if state.pooling == "none":
-            raise RequestError("this server pools no embeddings (--pooling none): /v1/embeddings gives one vector per "
-                               "input; use /embedding for each token's, or start the server with --pooling last, "
-                               "mean or cls.", "input")
+        req = pooled(_parse(EmbeddingRequest, await request.body()))
         eng = engine()
         check_dimensions(req, int(eng.runner.bundle.metadata.get(f"{eng.runner.bundle.architecture}.embedding_length",
                                                                    0)))
@@ -880,8 +881,32 @@ def create_app(state: ServerState) -> FastAPI:
         _, vectors = await embed(request, req, None)
         return JSONResponse(llama_body(req, vectors, state.pooling))
 
-    async def embed(request: Request, req: EmbeddingRequest | LlamaEmbeddingRequest, truncate: int | None
-                    ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: Request) -> Response:
+        req = _parse(ScoreRequest, await request.body())
+        ids, vectors = await embed(request, pooled(req), req.truncate_prompt_tokens)
+        return JSONResponse(score_body(req, vectors, state.model_name, sum(len(p) for p in ids),
+                                       f"score-{uuid.uuid4().hex}", int(time.time())))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(request: Request) -> Response:
+        req = _parse(RerankRequest, await request.body())
+        ids, vectors = await embed(request, pooled(req), req.truncate_prompt_tokens)
+        return JSONResponse(rerank_body(req, vectors, state.model_name, sum(len(p) for p in ids),
+                                        f"rerank-{uuid.uuid4().hex}"))
+
+    def pooled(req: Body) -> Body:
+        """req, where the server pools one vector an input (a 400 under --pooling none)."""
+        if state.pooling == "none":
+            raise RequestError("this server pools no embeddings (--pooling none), so it has no one vector an input: "
+                               "/embedding gives each token's; or start it with --pooling last, mean or cls.", "input")
+        return req
+
+    async def embed(request: Request, req: EmbeddingRequest | LlamaEmbeddingRequest | ScoreRequest | RerankRequest,
+                    truncate: int | None) -> tuple[list[list[int]], list[torch.Tensor]]:
         """Each input's ids (as checked) and its pooled hidden state, computed by the engine among the other
         requests."""
         check_model(req.model)

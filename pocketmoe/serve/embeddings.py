@@ -7,6 +7,11 @@ length unless asked otherwise (llama.cpp's `embd_normalize`, vLLM's `normalize`)
 `truncate_prompt_tokens` are read too, and its chat form (`messages`, rendered by the chat template). `/embedding` answers llama-server's: a list of `{"index", "embedding"}` whose
 embedding is a list of rows, one pooled row (normalized as `embd_normalize` says), or with `--pooling none` every
 token's (as computed).
+
+vLLM's score and rerank routes over the same vectors, as vLLM runs them for an embedding model: `POST /score` (and
+`/v1/score`: `text_1`, `text_2`, each a string or a list, paired 1:1, 1:N or N:N) gives each pair's cosine
+similarity; `POST /rerank` (and `/v1/rerank`, `/v2/rerank`: Jina's and Cohere's shape, `query`, `documents`,
+`top_n`) gives the documents ordered by their cosine similarity to the query.
 """
 
 from __future__ import annotations
@@ -95,6 +100,79 @@ class LlamaEmbeddingRequest(_EmbeddingFields):
         if given is None:
             raise RequestError("give the text to embed in content (or input).", "content")
         return as_inputs(given)
+
+
+Texts = StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+
+
+class ScoreRequest(_EmbeddingFields):
+    """POST /score (vLLM's): text_1 against text_2, 1:1, 1:N or N:N."""
+
+    text_1: Texts
+    text_2: Texts
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+
+    def sides(self) -> tuple[list[str], list[str]]:
+        return as_list(self.text_1), as_list(self.text_2)
+
+    def inputs(self) -> list[str | list[int]]:
+        first, second = self.sides()
+        return [*first, *second]
+
+    def check(self) -> None:
+        first, second = self.sides()
+        if len(first) > 1 and len(first) != len(second):
+            raise RequestError(f"text_1 has {len(first)} texts and text_2 {len(second)}: pair them 1:1, 1:N (one "
+                               "text_1) or N:N (as many of each).", "text_1")
+        super().check()
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """(index into inputs() of the pair's text_1, of its text_2), in text_2's order."""
+        first, second = self.sides()
+        return [(0 if len(first) == 1 else i, len(first) + i) for i in range(len(second))]
+
+
+class RerankRequest(_EmbeddingFields):
+    """POST /rerank (vLLM's, in Jina's and Cohere's shape): documents ordered by relevance to the query."""
+
+    query: StrictStr
+    documents: Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS - 1)]
+    top_n: Annotated[StrictInt, Field(ge=0)] = 0  # 0: every document
+    return_documents: StrictBool = True
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        return [self.query, *self.documents]
+
+
+def as_list(texts: str | list[str]) -> list[str]:
+    return [texts] if isinstance(texts, str) else list(texts)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The cosine similarity of two vectors (0 where one is all zeros)."""
+    a, b = a.double(), b.double()
+    norms = float(a.norm() * b.norm())
+    return float(a @ b) / norms if norms > 0 else 0.0
+
+
+def score_body(req: ScoreRequest, vectors: list[torch.Tensor], model: str, n_prompt: int, rid: str,
+               created: int) -> dict[str, Any]:
+    data = [{"index": i, "object": "score", "score": cosine(vectors[a], vectors[b])}
+            for i, (a, b) in enumerate(req.pairs())]
+    return {"id": rid, "object": "list", "created": created, "model": model, "data": data,
+            "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt, "completion_tokens": 0}}
+
+
+def rerank_body(req: RerankRequest, vectors: list[torch.Tensor], model: str, n_prompt: int, rid: str
+                ) -> dict[str, Any]:
+    """The documents by relevance (highest first; ties in the order given), the first top_n (all for 0)."""
+    scores = [cosine(vectors[0], v) for v in vectors[1:]]
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
+    results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": req.documents[i]}}
+                                                              if req.return_documents else {})} for i in order]
+    return {"id": rid, "model": model, "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt},
+            "results": results}
 
 
 def as_inputs(given: Any) -> list[str | list[int]]:
