@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pocketmoe import native
 from pocketmoe.engine import ModelRunner, RunnerConfig, Step
@@ -320,3 +321,34 @@ def test_a_grammar_shapes_its_own_sequence_only_and_a_dead_end_fails_it_alone(mo
     assert got[1] == (alone[len(PROMPTS)], None)
     assert run(tokens(eng, PROMPTS[1], 12)) == alone[len(PROMPTS) + 1]
     eng.stop()
+
+
+def test_a_preempted_embedding_pools_its_prompt_afresh(model: Path) -> None:
+    """An embedding in mid-prefill (chunks of 4), preempted for two decoding sequences' pages, gives the vector it
+    gets alone."""
+    from pocketmoe.engine.pooling import Pooler
+
+    emb_prompt = [7 + (11 * j) % 200 for j in range(60)]
+
+    def embed(eng: Engine) -> torch.Tensor:
+        got: list[torch.Tensor] = []
+        eng.submit_embed([emb_prompt], "mean", sink=lambda d: d is not None and got.append(d.embedding))
+        eng.run_until_done()
+        return got[0]
+
+    alone_eng, _ = make_engine(model, n_ctx=64, chunk=4, seqs=3)
+    want = embed(alone_eng)
+    small, _ = make_engine(model, n_ctx=64, chunk=4, seqs=3, kv_bytes=kv_bytes_of(alone_eng, 8))
+    victims: list[Any] = []
+    preempt = small._preempt
+
+    def spy() -> Any:  # noqa: ANN401
+        victims.append(preempt())
+        return victims[-1]
+
+    small._preempt = spy  # type: ignore[method-assign]
+    for i in range(2):
+        small.submit([5 + i + 3 * j for j in range(15)], [greedy(40)], sink=lambda d: None)
+    assert torch.equal(embed(small), want)
+    assert any(isinstance(v.pooler, Pooler) for v in victims)  # the embedding itself was preempted
+    assert small.cache.used_pages == 0
