@@ -8,6 +8,7 @@ import ctypes
 import itertools
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,10 @@ def vocab(tmp_path_factory):  # noqa: ANN201
     llama_cpp.llama_model_free(model)
 
 
-def theirs(lib_vocab, logits: torch.Tensor, chain: tuple[str, ...], p: SamplingParams) -> dict[int, float]:  # noqa: ANN001
-    """The candidates llama.cpp's samplers leave, in this order, given the finite logits: {id: logit}."""
+def theirs(lib_vocab, logits: torch.Tensor, chain: tuple[str, ...], p: SamplingParams,  # noqa: ANN001
+           history: list[int] = ()) -> dict[int, float]:  # type: ignore[assignment]
+    """The candidates llama.cpp's samplers leave, in this order, given the finite logits (and the history its DRY
+    sampler has accepted): {id: logit}."""
     given = [(i, v) for i, v in enumerate(logits.tolist()) if v > -math.inf]
     n = len(given)
     arr = (llama_cpp.llama_token_data * n)(*[llama_cpp.llama_token_data(i, v, 0.0) for i, v in given])
@@ -43,17 +46,31 @@ def theirs(lib_vocab, logits: torch.Tensor, chain: tuple[str, ...], p: SamplingP
     make = {"top_k": lambda: llama_cpp.llama_sampler_init_top_k(p.top_k),
             "top_p": lambda: llama_cpp.llama_sampler_init_top_p(p.top_p, 1),
             "min_p": lambda: llama_cpp.llama_sampler_init_min_p(p.min_p, 1),
-            "temperature": lambda: llama_cpp.llama_sampler_init_temp(p.temperature),
-            "infill": lambda: llama_cpp.llama_sampler_init_infill(lib_vocab)}
+            "temperature": lambda: llama_cpp.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range,
+                                                                         p.dynatemp_exponent),
+            "infill": lambda: llama_cpp.llama_sampler_init_infill(lib_vocab),
+            "typical_p": lambda: llama_cpp.llama_sampler_init_typical(p.typical_p, 0),
+            "top_n_sigma": lambda: llama_cpp.llama_sampler_init_top_n_sigma(p.top_n_sigma),
+            "xtc": lambda: llama_cpp.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, 0, 7),
+            "dry": lambda: llama_cpp.llama_sampler_init_dry(
+                lib_vocab, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
+                # -1: llama-server's whole context (its training length, past any history here); the C API, which
+                # is not given that length, reads -1 as none
+                p.dry_penalty_last_n if p.dry_penalty_last_n >= 0 else 1 << 16,
+                (ctypes.c_char_p * len(p.dry_sequence_breakers))(*[b.encode() for b in p.dry_sequence_breakers]),
+                len(p.dry_sequence_breakers))}
     for step in chain:
         s = make[step]()
+        if step == "dry":
+            for t in history:
+                llama_cpp.llama_sampler_accept(s, t)
         llama_cpp.llama_sampler_apply(s, ctypes.byref(cur))
         llama_cpp.llama_sampler_free(s)
     return {cur.data[i].id: cur.data[i].logit for i in range(cur.size) if cur.data[i].logit > -math.inf}
 
 
-def ours(tok: Tokenizer, logits: torch.Tensor, p: SamplingParams) -> dict[int, float]:
-    ids, x = Sampler(p, tok)._candidates(logits, [])
+def ours(tok: Tokenizer, logits: torch.Tensor, p: SamplingParams, history: list[int] = ()) -> dict[int, float]:  # type: ignore[assignment]
+    ids, x = Sampler(p, tok)._candidates(logits, list(history))
     return dict(zip(ids.tolist(), x.tolist(), strict=True))
 
 
@@ -115,7 +132,7 @@ def test_infill_branches_against_llama_cpp(vocab) -> None:  # noqa: ANN001
 def test_chain_rules(vocab) -> None:  # noqa: ANN001
     tok, _ = vocab
     with pytest.raises(SamplingParamsError, match="chain"):
-        SamplingParams(chain=("top_k", "dry"))
+        SamplingParams(chain=("top_k", "mirostat"))
     with pytest.raises(SamplingParamsError, match="infill"):
         SamplingParams(top_k=40, chain=("infill", "top_k"))
     with pytest.raises(SamplingParamsError, match="infill"):
@@ -145,3 +162,66 @@ def test_fixture_has_what_the_checks_need(vocab, tmp_path: Path) -> None:  # noq
     pieces = [tok.token_to_piece(i, special=False) for i in range(tok.vocab_size)]
     assert sum(1 for a in pieces for b in pieces if a and a != b and b.startswith(a)) > 100
     assert tok.eot_id is not None and not pieces[tok.eot_id]
+
+
+def history_with_repeats(tok: Tokenizer, rng: random.Random) -> list[int]:
+    """A history whose end repeats earlier stretches (what DRY penalizes), some of them across a sequence breaker."""
+    newline = tok.encode("\n", False, False)
+    base = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(4, 30))]
+    out = list(base)
+    for _ in range(rng.randrange(1, 4)):
+        at = rng.randrange(len(out))
+        out += out[at:at + rng.randrange(1, 12)]
+        if rng.random() < 0.3:
+            out += newline
+        out += [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 4))]
+    if rng.random() < 0.7:  # the end repeats an earlier stretch
+        at = rng.randrange(len(out) - 1)
+        out += out[at:at + rng.randrange(1, 8)]
+    return out
+
+
+LLAMA_STEPS = ("dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
+
+
+def test_llamas_other_samplers_leave_its_candidates(vocab) -> None:  # noqa: ANN001
+    """DRY, top-n-sigma, typical, XTC (at probability 1 and 0: one draw decides it, and each side draws its own) and
+    dynamic temperature, in random orders beside the others, with random histories: llama.cpp's candidates and
+    logits."""
+    tok, lib_vocab = vocab
+    rng = random.Random(3)
+    seen: dict[str, set[bool]] = {}
+    for trial in range(400):
+        chain = tuple(rng.sample(LLAMA_STEPS, rng.randrange(1, len(LLAMA_STEPS) + 1)))
+        if "typical_p" in chain and "top_n_sigma" in chain[:chain.index("typical_p")]:
+            # llama.cpp's typical sampler then takes the entropy of the tokens top-n-sigma set to -inf, but still
+            # holds, as NaN (0 * log 0), and orders by it: no order to compare with
+            chain = tuple(s for s in chain if s != "top_n_sigma")
+        p = SamplingParams(temperature=rng.choice([0.3, 0.8, 1.7]), top_k=rng.choice([0, 5, 40, 200]),
+                           top_p=rng.choice([0.5, 0.95, 1.0]), min_p=rng.choice([0.0, 0.05]),
+                           typical_p=rng.choice([0.2, 0.5, 0.9, 1.0]), top_n_sigma=rng.choice([-1.0, 0.5, 1.0, 2.5]),
+                           xtc_probability=rng.choice([0.0, 1.0]), xtc_threshold=rng.choice([0.02, 0.1, 0.3]),
+                           dynatemp_range=rng.choice([0.0, 0.5, 1.5]), dynatemp_exponent=rng.choice([0.5, 1.0, 2.0]),
+                           dry_multiplier=rng.choice([0.0, 0.8, 3.0]), dry_base=rng.choice([1.75, 2.0]),
+                           dry_allowed_length=rng.choice([1, 2, 3]), dry_penalty_last_n=rng.choice([-1, 8, 64]),
+                           dry_sequence_breakers=rng.choice([("\n", ":", "\"", "*"), ("\n",), ("ab", "zz")]),
+                           chain=chain)
+        x = scene(tok, rng)
+        history = history_with_repeats(tok, rng)
+        if "typical_p" in chain:
+            before = list(ours(tok, x, replace(p, chain=chain[:chain.index("typical_p")]), history).values())
+            if max(before) - min(before) > 100:
+                # a candidate's float32 probability underflows to 0 (a long run's DRY penalty): llama.cpp's typical
+                # sampler then takes an entropy of NaN (0 * log 0) and orders by it; here that token has none
+                p = replace(p, chain=tuple(s for s in chain if s != "typical_p"))
+                chain = p.chain
+        want, got = theirs(lib_vocab, x, chain, p, history), ours(tok, x, p, history)
+        assert got.keys() == want.keys(), (trial, chain, p)
+        assert all(math.isclose(got[i], want[i], rel_tol=1e-5, abs_tol=1e-5) for i in got), (trial, chain, p)
+        unchanged = ours(tok, x, replace(p, chain=tuple(s for s in chain if s not in ("dry", "top_n_sigma",
+                                                                                       "typical_p", "xtc"))))
+        for step, on in (("dry", p.dry_multiplier > 0), ("typical_p", p.typical_p < 1),
+                         ("top_n_sigma", p.top_n_sigma > 0), ("xtc", p.xtc_probability > 0)):
+            if step in chain and on:
+                seen.setdefault(step, set()).add(got != unchanged)
+    assert all(True in seen[s] for s in ("dry", "typical_p", "top_n_sigma", "xtc"))  # each changed some candidates

@@ -18,6 +18,14 @@ import numpy as np
 import torch
 
 from pocketmoe.engine.budget import BudgetTracker, ReasoningBudget
+from pocketmoe.engine.llama_samplers import (
+    DryPenalty,
+    apply_top_n_sigma,
+    apply_typical,
+    apply_xtc,
+    dry_breakers,
+    dynamic_temperature,
+)
 from pocketmoe.engine.structured import Constraint, Grammar
 from pocketmoe.errors import PocketMoEError
 
@@ -29,8 +37,10 @@ MAX_LOGPROBS = 20  # the most likely tokens one logprobs entry may list (vLLM's 
 # vLLM's names: the model's own distribution, or the one a token is drawn from (llama.cpp's post_sampling_probs)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # the steps of llama.cpp's sampler chain this engine runs, in an order a request gives (SamplingParams.chain)
-CHAIN_STEPS = ("penalties", "top_k", "top_p", "min_p", "temperature", "infill")
-LLAMA_CHAIN = ("penalties", "top_k", "top_p", "min_p", "temperature")  # llama.cpp's default order, these of it
+CHAIN_STEPS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature", "infill")
+LLAMA_CHAIN = CHAIN_STEPS[:-1]  # llama.cpp's default order
+DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's default DRY sequence breakers
+MAX_DRY_BREAKERS, MAX_DRY_BREAKER_CHARS = 64, 40
 MAX_INFILL_CANDIDATES = 1024  # the infill step compares every pair of candidates' texts: a top_k ahead bounds them
 
 
@@ -152,6 +162,21 @@ class SamplingParams:
     max_predict_ms: float = 0.0
     reasoning_budget: ReasoningBudget | None = None
     chain: tuple[str, ...] | None = None
+    # llama.cpp's other samplers (engine/llama_samplers.py), steps of a chain only: typical_p (1: off), top_n_sigma
+    # (<= 0: off), xtc_probability (0: off) with xtc_threshold, dynatemp_range (0: off; the temperature step's) with
+    # dynatemp_exponent, dry_multiplier (0: off) with dry_base, dry_allowed_length, dry_penalty_last_n (-1: the
+    # whole history) and dry_sequence_breakers
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -159,6 +184,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.chain is not None:
             object.__setattr__(self, "chain", tuple(self.chain))
+        object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
         checks = [
             (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", ">= 0"),
             (self.top_k >= 0, "top_k", ">= 0 (0 turns it off)"),
@@ -188,6 +214,22 @@ class SamplingParams:
              0 < self.top_k <= MAX_INFILL_CANDIDATES and "top_k" in self.chain[:self.chain.index("infill")], "chain",
              f"with infill after a top_k step, top_k in 1..{MAX_INFILL_CANDIDATES} (infill compares every pair of "
              "candidates)"),
+            (0 < self.typical_p <= 1, "typical_p", "in (0, 1] (1 turns it off)"),
+            (math.isfinite(self.top_n_sigma), "top_n_sigma", "a number (<= 0 turns it off)"),
+            (0 <= self.xtc_probability <= 1, "xtc_probability", "in [0, 1] (0 turns it off)"),
+            (0 <= self.xtc_threshold <= 1, "xtc_threshold", "in [0, 1]"),
+            (math.isfinite(self.dynatemp_range) and self.dynatemp_range >= 0, "dynatemp_range", ">= 0 (0 turns it off)"),
+            (math.isfinite(self.dynatemp_exponent) and self.dynatemp_exponent >= 0, "dynatemp_exponent", ">= 0"),
+            (math.isfinite(self.dry_multiplier) and self.dry_multiplier >= 0, "dry_multiplier", ">= 0 (0 turns it off)"),
+            (math.isfinite(self.dry_base) and 1 <= self.dry_base <= 100, "dry_base", "in [1, 100]"),
+            (self.dry_allowed_length >= 1, "dry_allowed_length", ">= 1"),
+            (self.dry_penalty_last_n >= -1, "dry_penalty_last_n", ">= -1 (-1: the whole history, 0 turns it off)"),
+            (0 < len(self.dry_sequence_breakers) <= MAX_DRY_BREAKERS and all(
+                isinstance(b, str) and 0 < len(b) <= MAX_DRY_BREAKER_CHARS for b in self.dry_sequence_breakers),
+             "dry_sequence_breakers", f"1 to {MAX_DRY_BREAKERS} strings of 1 to {MAX_DRY_BREAKER_CHARS} characters"),
+            (self.chain is not None or not self.llama_extras, "chain",
+             "given for " + ", ".join(self.llama_extras) + " (llama.cpp's samplers run in its sampler chain: "
+             "chain=LLAMA_CHAIN, or /completion)"),
             (self.chain is None or "infill" not in self.chain or (self.grammar is None and not self.min_tokens),
              "chain", "without infill where a grammar or min_tokens decides when the output may end (infill ends it "
              "with the end-of-turn token where no text is likely enough)"),
@@ -207,7 +249,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """The output is the most likely token after the steps (temperature 0; in a chain, a temperature step)."""
-        return self.temperature == 0 if self.chain is None else "temperature" in self.chain and self.temperature <= 0
+        if self.chain is None:
+            return self.temperature == 0
+        return "temperature" in self.chain and self.temperature <= 0 and self.dynatemp_range == 0
+
+    @property
+    def llama_extras(self) -> list[str]:
+        """The llama.cpp samplers of engine/llama_samplers.py these params turn on."""
+        on = {"typical_p": self.typical_p < 1, "top_n_sigma": self.top_n_sigma > 0, "xtc": self.xtc_probability > 0,
+              "dynatemp": self.dynatemp_range > 0, "dry": self.dry_multiplier > 0}
+        return [name for name, yes in on.items() if yes]
 
     @property
     def penalized(self) -> bool:
@@ -416,6 +467,12 @@ class Sampler:
             if tokenizer is None:
                 raise SamplingParamsError("a sampler with the infill step needs the model's tokenizer.")
             self._infill = infill_vocab(tokenizer)
+        self.dry: DryPenalty | None = None
+        if params.dry_multiplier > 0 and params.chain is not None and "dry" in params.chain:
+            if tokenizer is None:
+                raise SamplingParamsError("a sampler with the DRY step needs the model's tokenizer.")
+            self.dry = DryPenalty(params.dry_multiplier, params.dry_base, params.dry_allowed_length,
+                                  params.dry_penalty_last_n, dry_breakers_of(tokenizer, params.dry_sequence_breakers))
         self.generator = torch.Generator(device="cpu")
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -445,7 +502,7 @@ class Sampler:
         elif self.drawn < p.min_tokens and len(self._end_ids):
             x[self._end_ids[self._end_ids < x.numel()]] = -math.inf
         if p.chain is not None:
-            return self._chain(x)
+            return self._chain(x, history)
         if p.greedy:
             return None, x
         x = apply_top_k(x / p.temperature, p.top_k)
@@ -455,26 +512,50 @@ class Sampler:
             x = x[kept]
         return kept, apply_min_p(apply_top_p(x, p.top_p), p.min_p)
 
-    def _chain(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _chain(self, x: torch.Tensor, history: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """_candidates for params.chain: its steps in its order on x [V] (penalized, biased, masked); after a top-k
-        the rest run on the candidates it leaves, not the vocabulary."""
+        the rest run on the candidates it leaves, not the vocabulary. `size` follows the length of llama.cpp's
+        candidate array, which holds the tokens set to -inf (masked, or left by top-n-sigma) until a step that
+        shrinks it: dynamic temperature's largest entropy is that of `size` tokens."""
         p = self.params
         ids = torch.arange(x.numel())
+        size = x.numel()
+
+        def finite() -> int:
+            return int((x > -math.inf).sum())
+
         for step in p.chain or ():
-            if step == "top_k":
+            if step == "dry":
+                x = self.dry(ids, x, history) if self.dry is not None else x
+            elif step == "top_n_sigma":
+                x = apply_top_n_sigma(x, p.top_n_sigma)
+            elif step == "typical_p" and p.typical_p < 1:
+                x = apply_typical(x, p.typical_p)
+                size = finite()
+            elif step == "xtc":
+                before = finite()
+                x = apply_xtc(x, p.xtc_probability, p.xtc_threshold, self.generator)
+                size -= before - finite()
+            elif step == "temperature" and p.dynatemp_range > 0:
+                x = dynamic_temperature(x, p.temperature, p.dynatemp_range, p.dynatemp_exponent, size)
+            elif step == "top_k":
                 x = apply_top_k(x, p.top_k)
                 if p.top_k:
                     keep = x > -math.inf
                     ids, x = ids[keep], x[keep]
-            elif step == "top_p":
+                    size = min(size, p.top_k)
+            elif step == "top_p" and p.top_p < 1:
                 x = apply_top_p(x, p.top_p)
-            elif step == "min_p":
+                size = finite()
+            elif step == "min_p" and p.min_p > 0:
                 x = apply_min_p(x, p.min_p)
+                size = finite()
             elif step == "temperature":
                 x = x / p.temperature if p.temperature > 0 else keep_max(x)
             elif step == "infill":
                 assert self._infill is not None
                 ids, x = apply_infill(ids, x, *self._infill)
+                size = finite()
         keep = x > -math.inf
         return ids[keep], x[keep]
 
@@ -584,3 +665,16 @@ def partial_prefix(text: str, target: str) -> int:
         if text.endswith(target[:n]):
             return n
     return 0
+
+
+_DRY_BREAKERS: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[str, ...], dict[int, list[tuple[int, ...]]]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def dry_breakers_of(tokenizer: Tokenizer, breakers: tuple[str, ...]) -> dict[int, list[tuple[int, ...]]]:
+    """dry_breakers for this tokenizer's vocabulary, made once per set of breakers (a pass over the vocabulary)."""
+    cache = _DRY_BREAKERS.setdefault(tokenizer, {})
+    if breakers not in cache:
+        pieces = [tokenizer.token_to_piece(i) for i in range(tokenizer.vocab_size)]
+        cache[breakers] = dry_breakers(pieces, lambda text: tokenizer.encode(text, False, False), breakers)
+    return cache[breakers]

@@ -1,0 +1,227 @@
+"""llama.cpp's other samplers, as steps of a sampler chain (SamplingParams.chain): locally typical sampling
+(`typical_p`), top-n-sigma, XTC (exclude top choices), dynamic temperature (`dynatemp_range`, in the temperature
+step) and DRY (don't repeat yourself). What roleplay and writing front ends (SillyTavern's presets among them) send
+llama-server; each is written from its published description and checked against llama.cpp's own sampler, through
+llama-cpp-python's C API, on the same candidates (tests/test_sampler_chain.py).
+
+Each step takes the candidates as logits x (-inf: excluded) and returns new ones; probabilities are a softmax over
+the finite logits, in float64.
+
+Legend: C candidates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+FLOAT_MAX_LOG = 88.7228391  # log of float32's largest value: DRY's penalty exponent stops where base^e would overflow
+
+
+def _probs(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x.double(), dim=-1)
+
+
+def _descending_probs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices of the finite candidates, most probable first, ties by index; their probabilities)."""
+    finite = torch.nonzero(x > -math.inf).flatten()
+    p = _probs(x[finite])
+    order = np.lexsort((finite.numpy(), -p.numpy()))
+    idx = torch.from_numpy(order)
+    return finite[idx], p[idx]
+
+
+def _keep(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    out = torch.full_like(x, -math.inf)
+    out[kept] = x[kept]
+    return out
+
+
+def apply_typical(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Locally typical sampling: the candidates ordered by how far their information (-log prob) is from the
+    distribution's entropy, closest first; the fewest of them whose probability passes p are kept (1: off)."""
+    if p >= 1.0:
+        return x
+    idx, probs = _descending_probs(x)
+    if len(idx) == 0:
+        return x
+    logp = torch.log(probs)
+    entropy = -float(torch.sum(probs * logp))
+    shifted = torch.abs(-logp - entropy)
+    order = torch.from_numpy(np.argsort(shifted.numpy(), kind="stable"))
+    cum = torch.cumsum(probs[order], dim=0)
+    over = torch.nonzero(cum > p).flatten()
+    last = int(over[0]) + 1 if len(over) else len(order)
+    return _keep(x, idx[order[:last]])
+
+
+def apply_top_n_sigma(x: torch.Tensor, n: float) -> torch.Tensor:
+    """Top-n-sigma: keep the candidates whose logit is at least the largest minus n standard deviations of the
+    finite logits (n <= 0: off)."""
+    if n <= 0:
+        return x
+    finite = x[x > -math.inf].double()
+    if len(finite) == 0:
+        return x
+    mean = float(finite.mean())
+    std = math.sqrt(float(((finite - mean) ** 2).mean()))
+    floor = float(finite.max()) - n * std
+    return torch.where(x.double() >= floor, x, torch.full_like(x, -math.inf))
+
+
+def apply_xtc(x: torch.Tensor, probability: float, threshold: float, generator: torch.Generator) -> torch.Tensor:
+    """XTC, exclude top choices: with `probability` (one uniform draw a token), of the candidates whose probability
+    is at least `threshold` all but the least probable go, so the likeliest continuations give way to other good
+    ones. Off where probability <= 0, threshold > 0.5 (then at most one candidate passes it) or fewer than two
+    candidates are left."""
+    if probability <= 0 or threshold > 0.5:
+        return x
+    idx, probs = _descending_probs(x)
+    if len(idx) < 2:
+        return x
+    chance = float(torch.rand(1, generator=generator))
+    if chance > probability:
+        return x
+    above = int((probs >= threshold).sum())
+    if above < 2:
+        return x
+    return _keep(x, idx[above - 1:])
+
+
+def dynamic_temperature(x: torch.Tensor, temperature: float, spread: float, exponent: float,
+                        size: int | None = None) -> torch.Tensor:
+    """Dynamic temperature: the candidates' entropy, as a fraction of the largest `size` candidates could have
+    (default: the finite ones; llama.cpp counts the masked ones its array still holds), sets the temperature between
+    temperature - spread (at least 0) and temperature + spread (raised to `exponent`); x divided by it."""
+    n = int((x > -math.inf).sum()) if size is None else size
+    if n <= 1:
+        return x
+    lo, hi = max(0.0, temperature - spread), temperature + spread
+    probs = _probs(x[x > -math.inf])
+    probs = probs[probs > 0]
+    entropy = -float(torch.sum(probs * torch.log(probs)))
+    t = lo + (hi - lo) * (entropy / math.log(n)) ** exponent
+    if t <= 0:  # temperature 0 at no entropy: the most likely token
+        return torch.where(x == x.max(), x, torch.full_like(x, -math.inf))
+    return x / t
+
+
+class DryPenalty:
+    """DRY: a token that would continue a run of the recent history repeating an earlier stretch of it is penalized
+    by multiplier * base ** (run length - allowed_length), once the run is at least allowed_length tokens; runs stop
+    at a sequence breaker (a text such as a newline, whose tokens `breakers` lists: a token holding one whole, or
+    one holding its start followed by the tokens of the rest), and, as in llama.cpp, a token holding a whole breaker
+    is never penalized. `last_n` tokens of history are looked at (-1: all).
+    """
+
+    def __init__(self, multiplier: float, base: float, allowed_length: int, last_n: int,
+                 breakers: dict[int, list[tuple[int, ...]]]) -> None:
+        # in float32, as llama.cpp holds them; the exponent's cap is a whole number, as there
+        self.multiplier, self.base = float(np.float32(multiplier)), float(np.float32(base))
+        self.allowed, self.last_n, self.breakers = allowed_length, last_n, breakers
+        self.max_exponent = int(FLOAT_MAX_LOG / math.log(self.base)) if self.base > 1.000001 else 0
+
+    @property
+    def on(self) -> bool:
+        return self.multiplier != 0 and self.base >= 1 and self.last_n != 0
+
+    def __call__(self, ids: torch.Tensor, x: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        """x [C] (candidates ids [C]) with the penalty of each candidate that would extend a repeat."""
+        if not self.on:
+            return x
+        h = list(history) if self.last_n < 0 else list(history[-self.last_n:]) if self.last_n else []
+        n = len(h)
+        if n <= self.allowed:
+            return x
+        rev = h[::-1]  # rev[i]: the token i from the end (0: the last)
+        limit = self._restart_limit(rev)
+        if limit < self.allowed:
+            return x
+        z = _z_function(rev)  # z[k]: how far the history's end repeats the stretch ending k tokens earlier
+        worst: dict[int, int] = {}
+        for k in range(1, n):
+            run = min(z[k], limit)
+            if run >= self.allowed:
+                token = rev[k - 1]  # what followed that earlier stretch
+                worst[token] = max(worst.get(token, 0), run)
+        if not worst:
+            return x
+        out = x.clone()
+        where = {int(t): i for i, t in enumerate(ids.tolist())}
+        for token, run in worst.items():
+            i = where.get(token)
+            if i is None or () in self.breakers.get(token, ()):  # a token holding a whole breaker ends a run
+                continue
+            e = run - self.allowed
+            if self.max_exponent > 0 and e > self.max_exponent:
+                e = self.max_exponent
+            out[i] -= float(np.float32(self.multiplier * self.base ** e))  # a float32 penalty off a float32 logit
+        return out
+
+    def _restart_limit(self, rev: list[int]) -> int:
+        """How far back a run may reach: to the latest sequence breaker in the history (the whole history without
+        one)."""
+        n = len(rev)
+        for i in range(n):
+            tails = self.breakers.get(rev[i])
+            if tails is None:
+                continue
+            longest = -1
+            for tail in tails:
+                if longest < len(tail) <= i and all(tail[o] == rev[i - o - 1] for o in range(len(tail))):
+                    longest = len(tail)
+            if longest >= 0:
+                return i - longest
+        return n
+
+
+def _z_function(s: list[int]) -> list[int]:
+    """z[k]: the length of the longest common prefix of s and s[k:] (z[0] = len(s)), in linear time."""
+    n = len(s)
+    z = [0] * n
+    if n:
+        z[0] = n
+    lo = hi = 0
+    for k in range(1, n):
+        if k < hi:
+            z[k] = min(hi - k, z[k - lo])
+        while k + z[k] < n and s[z[k]] == s[k + z[k]]:
+            z[k] += 1
+        if k + z[k] > hi:
+            lo, hi = k, k + z[k]
+    return z
+
+
+def dry_breakers(pieces: Sequence[bytes], encode: object, breakers: Sequence[str], max_tail: int = 20
+                 ) -> dict[int, list[tuple[int, ...]]]:
+    """The token sequences that make up each breaker text: each token whose text holds the whole breaker (no tail),
+    and each token whose text ends with the breaker's start, with the tokens of the rest of it (at most max_tail).
+    pieces[i]: token i's bytes; encode(text) -> token ids (no BOS, special texts not parsed)."""
+    out: dict[int, list[tuple[int, ...]]] = {}
+    for text in breakers:
+        b = text.encode("utf-8")
+        if not b:
+            continue
+        for token, word in enumerate(pieces):
+            if b in word:
+                _add(out, token, ())
+                continue
+            pos = word.find(b[:1])
+            while pos >= 0:
+                i = 1
+                while i < len(b) and pos + i < len(word) and word[pos + i] == b[i]:
+                    i += 1
+                if i == len(b) or pos + i == len(word):  # the token ends with the breaker's first i bytes
+                    rest = b[i:].decode("utf-8", "ignore")
+                    _add(out, token, tuple(encode(rest))[:max_tail] if rest else ())  # type: ignore[operator]
+                pos = word.find(b[:1], pos + 1)
+    return out
+
+
+def _add(out: dict[int, list[tuple[int, ...]]], token: int, tail: tuple[int, ...]) -> None:
+    tails = out.setdefault(token, [])
+    if tail not in tails:
+        tails.append(tail)
