@@ -305,9 +305,37 @@ def test_infill_lays_out_the_text_around_the_cursor(server, llm):
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("input_extra")
 
 
+def test_llamas_other_samplers_run_as_the_engine_runs_them(server, llm):
+    """DRY, XTC, typical, top-n-sigma and dynamic temperature from /completion's fields (SillyTavern's presets send
+    them) in llama.cpp's default order: the text LLM.generate gives with the same SamplingParams; with them at their
+    defaults, the text without them."""
+    from pocketmoe.engine.sampler import LLAMA_CHAIN
+
+    prompt = "the cat sat on the mat. the cat sat on the"
+    fields = {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+              "dry_sequence_breakers": ["\n", ":"], "xtc_probability": 0.5, "xtc_threshold": 0.1, "typical_p": 0.9,
+              "top_n_sigma": 2.0, "dynatemp_range": 0.3, "dynatemp_exponent": 1.5}
+    for seed in (1, 5):
+        want = llm.generate([prompt], SamplingParams(
+            seed=seed, max_tokens=16, top_k=40, top_p=0.95, min_p=0.05, temperature=0.8, penalty_last_n=64,
+            chain=LLAMA_CHAIN, **{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}))[0]
+        out = post(server, {"prompt": prompt, "n_predict": 16, "seed": seed, **fields}).json()
+        assert out["content"] == want.text
+        settings = out["generation_settings"]
+        assert settings["dry_multiplier"] == 0.8 and settings["dry_sequence_breakers"] == ["\n", ":"]
+        assert settings["samplers"] == list(LLAMA_CHAIN)
+        plain = llm.generate([prompt], SamplingParams(seed=seed, max_tokens=16, top_k=40, top_p=0.95, min_p=0.05,
+                                                      temperature=0.8, penalty_last_n=64, chain=LLAMA_CHAIN))[0]
+        off = {"dry_multiplier": 0, "xtc_probability": 0, "typical_p": 1, "top_n_sigma": -1, "dynatemp_range": 0}
+        assert post(server, {"prompt": prompt, "n_predict": 16, "seed": seed, **off}).json()["content"] == plain.text
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi", "mirostat": 2}, "mirostat"),
-    ({"prompt": "hi", "typical_p": 0.5}, "typical_p"),
+    ({"prompt": "hi", "typical_p": 0}, "typical_p"),
+    ({"prompt": "hi", "dry_multiplier": -1}, "dry_multiplier"),
+    ({"prompt": "hi", "dry_sequence_breakers": []}, "dry_sequence_breakers"),
+    ({"prompt": "hi", "xtc_threshold": 2}, "xtc_threshold"),
     ({"prompt": "hi", "n": 2}, "n"),
     ({"prompt": "hi", "logit_bias": [["x", 1.0]]}, "logit_bias"),
     ({"prompt": "hi", "logit_bias": [[5, "high"]]}, "logit_bias"),

@@ -45,7 +45,11 @@ MAX_INFILL_CANDIDATES = 1024  # the infill step compares every pair of candidate
 
 
 class SamplingParamsError(PocketMoEError, ValueError):
-    """A sampling parameter is out of range."""
+    """A sampling parameter is out of range (`param`: its name, where one is to blame)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -236,7 +240,7 @@ class SamplingParams:
         ]
         for ok, name, rule in checks:
             if not ok:
-                raise SamplingParamsError(f"sampling parameter {name}={getattr(self, name)!r} must be {rule}.")
+                raise SamplingParamsError(f"sampling parameter {name}={getattr(self, name)!r} must be {rule}.", name)
 
     def choices(self) -> list[SamplingParams]:
         """The n choices' params, each with n = 1: choice i is seeded seed + i (mod 2**64; unseeded ones stay

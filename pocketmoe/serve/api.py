@@ -36,6 +36,7 @@ from pocketmoe.engine.sampler import (
     SamplingParams,
     SamplingParamsError,
     TokenLogprob,
+    dry_breakers_of,
     logprob_entry,
 )
 from pocketmoe.engine.structured import Grammar, GrammarError, check_grammar
@@ -306,7 +307,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(SamplingParamsError)
     async def _sampling_error(request: Request, e: SamplingParamsError) -> JSONResponse:
-        return error_response(400, str(e), path=request.url.path)
+        return error_response(400, str(e), param=e.param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -787,6 +788,8 @@ def create_app(state: ServerState) -> FastAPI:
             prompts = [await encode_pieces(tok, p) for p in pieces]
         wanted = [req.max_new_tokens(len(p), state.max_model_len) for p in prompts]
         params = [req.sampling(grammar, max(n, 1), eng.runner.vocab_size) for n in wanted]
+        if params and "dry" in req.extras_on(params[0]):  # DRY's breaker tokens: a pass over the vocabulary, once
+            await asyncio.to_thread(dry_breakers_of, tok, params[0].dry_sequence_breakers)
         live = [i for i, n in enumerate(wanted) if n > 0]
         # n_predict 0: nothing to generate, but with cache_prompt the prompt is still computed (one token drawn and
         # dropped) so that the prefix cache keeps it for the next request, as llama-server computes it (llama.vim

@@ -7,9 +7,9 @@ a flat response (`content`, `stop_type` eos / limit / word, `stopping_word`, `to
 `tokens_evaluated`, `tokens_cached`, `timings`, `generation_settings`) and a stream of
 `data: {"content": ..., "stop": false}` events closed by the full result with `"stop": true` and no
 `[DONE]`. A prompt is a string, token ids, or the two mixed (one prompt), or a list of those (several, answered
-as a list). Samplers this engine does not have (mirostat, typical_p, dynamic temperature, DRY, XTC,
-top-n-sigma) are accepted at their off values and refused otherwise, so no request is sampled differently
-from what it asked without saying so.
+as a list). llama.cpp's other samplers run in its order (DRY, top-n-sigma, typical, XTC, dynamic temperature:
+engine/llama_samplers.py); mirostat, which this engine does not have, is accepted at its off value and refused
+otherwise, so no request is sampled differently from what it asked without saying so.
 """
 
 from __future__ import annotations
@@ -19,24 +19,35 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictStr
 
-from pocketmoe.engine.sampler import LLAMA_CHAIN, MAX_INFILL_CANDIDATES, SamplingParams
+from pocketmoe.engine.sampler import (
+    DRY_BREAKERS,
+    LLAMA_CHAIN,
+    MAX_DRY_BREAKER_CHARS,
+    MAX_DRY_BREAKERS,
+    MAX_INFILL_CANDIDATES,
+    SamplingParams,
+)
 from pocketmoe.engine.structured import Grammar
 from pocketmoe.serve.protocol import MAX_TOP_LOGPROBS, NonNegInt, RequestError, SamplingFields, _Body
 from pocketmoe.tokenizer import Tokenizer
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
 # samplers this engine does not run, with the value that leaves each off
-OFF_VALUES = {"mirostat": 0, "typical_p": 1.0, "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
-              "top_n_sigma": -1.0}
+OFF_VALUES = {"mirostat": 0}
 RANDOM_SEED = -1  # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF as an int32)
 # `samplers`: llama.cpp's names (and the other spellings it reads) and one-letter codes, to its chain's steps; the
 # steps this engine lacks run only at their off values (OFF_VALUES), so they leave the chain
 SAMPLER_NAMES = {"penalties": "penalties", "top_k": "top_k", "top-k": "top_k", "top_p": "top_p", "top-p": "top_p",
                  "nucleus": "top_p", "min_p": "min_p", "min-p": "min_p", "temperature": "temperature",
-                 "temp": "temperature", "infill": "infill", "dry": None, "typ_p": None, "typical_p": None,
-                 "typical-p": None, "typical": None, "typ-p": None, "typ": None, "xtc": None, "top_n_sigma": None}
+                 "temp": "temperature", "infill": "infill", "dry": "dry", "typ_p": "typical_p",
+                 "typical_p": "typical_p", "typical-p": "typical_p", "typical": "typical_p", "typ-p": "typical_p",
+                 "typ": "typical_p", "xtc": "xtc", "top_n_sigma": "top_n_sigma", "top-n-sigma": "top_n_sigma"}
 SAMPLER_CODES = {"e": "penalties", "k": "top_k", "p": "top_p", "m": "min_p", "t": "temperature", "i": "infill",
-                 "d": None, "y": None, "x": None, "s": None}
+                 "d": "dry", "y": "typical_p", "x": "xtc", "s": "top_n_sigma"}
+# llama.cpp's defaults of its other samplers (each off but for its own knobs)
+EXTRA_DEFAULTS = {"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+                  "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75,
+                  "dry_allowed_length": 2, "dry_penalty_last_n": -1}
 # /infill's window for the text around the cursor: llama-server's n_batch (2048), or half the context where that
 # is less; the prefix's last 3/4 of it, the suffix's first 1/4 less the typed prompt; the extra context fills the
 # rest of the context but 2 x n_predict
@@ -62,8 +73,15 @@ class LlamaCompletionRequest(SamplingFields):
     mirostat: int | None = None
     typical_p: float | None = None
     dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
     dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: Annotated[int, Field(ge=-1)] | None = None
+    dry_sequence_breakers: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_DRY_BREAKER_CHARS)]],
+                                     Field(min_length=1, max_length=MAX_DRY_BREAKERS)] | None = None
     xtc_probability: float | None = None
+    xtc_threshold: float | None = None
     top_n_sigma: float | None = None
     n_indent: NonNegInt = 0  # code completion: end where a later line is indented less
     # the final result holds only these fields, each a path ("timings/prompt_n") kept as its own key
@@ -78,8 +96,7 @@ class LlamaCompletionRequest(SamplingFields):
         self.check_common()
         for name, off in OFF_VALUES.items():
             value = getattr(self, name)
-            if value is not None and value != off and not (name == "xtc_probability" and value <= 0) \
-                    and not (name == "top_n_sigma" and value < 0):
+            if value is not None and value != off:
                 raise RequestError(f"{name}={value!r} asks for a sampler this server does not have; leave it out "
                                    f"or set it to {off!r}.", name)
         if self.n != 1:
@@ -171,7 +188,22 @@ class LlamaCompletionRequest(SamplingFields):
             stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=min(self.min_tokens, max_tokens),
             skip_special_tokens=self.skip_special_tokens, logprobs=self.n_probs or None,
             logprobs_mode="processed_logprobs" if self.post_sampling_probs else "raw_logprobs",
-            n_indent=self.n_indent, max_predict_ms=float(self.t_max_predict_ms), chain=self.chain())
+            n_indent=self.n_indent, max_predict_ms=float(self.t_max_predict_ms), chain=self.chain(), **self.extras())
+
+    @staticmethod
+    def extras_on(params: SamplingParams) -> list[str]:
+        """The llama.cpp samplers these params run (in their chain, and on)."""
+        return [name for name in params.llama_extras if name in (params.chain or ()) or name == "dynatemp"]
+
+    def extras(self) -> dict[str, Any]:
+        """llama.cpp's other samplers' settings (llama_samplers.py): each as given, else llama.cpp's default; a
+        dry_penalty_last_n of -1 is the whole history, as llama.cpp's context is."""
+        out: dict[str, Any] = {name: getattr(self, name) if getattr(self, name) is not None else default
+                               for name, default in EXTRA_DEFAULTS.items()}
+        out["top_n_sigma"] = out["top_n_sigma"] if out["top_n_sigma"] > 0 else -1.0
+        out["xtc_probability"] = max(out["xtc_probability"], 0.0)
+        out["dry_sequence_breakers"] = tuple(self.dry_sequence_breakers or DRY_BREAKERS)
+        return out
 
     def settings(self, params: SamplingParams, n_ctx: int, model: str) -> dict[str, Any]:
         """generation_settings: what the request ran with."""
@@ -184,7 +216,9 @@ class LlamaCompletionRequest(SamplingFields):
                 "post_sampling_probs": self.post_sampling_probs, "stream": self.stream,
                 "logit_bias": [[t, b if b != float("-inf") else False] for t, b in params.logit_bias],
                 "grammar": self.grammar or "", "cache_prompt": self.cache_prompt, "n_indent": params.n_indent,
-                "t_max_predict_ms": params.max_predict_ms, "samplers": list(params.chain or ())}
+                "t_max_predict_ms": params.max_predict_ms, "samplers": list(params.chain or ()),
+                **{name: getattr(params, name) for name in EXTRA_DEFAULTS},
+                "dry_sequence_breakers": list(params.dry_sequence_breakers)}
 
 
 def pick_fields(paths: list[str], result: dict[str, Any]) -> dict[str, Any]:
