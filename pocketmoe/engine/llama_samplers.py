@@ -132,67 +132,68 @@ class DryPenalty:
         """x [C] (candidates ids [C]) with the penalty of each candidate that would extend a repeat."""
         if not self.on:
             return x
-        h = list(history) if self.last_n < 0 else list(history[-self.last_n:]) if self.last_n else []
+        h = history if self.last_n < 0 else history[-self.last_n:]
         n = len(h)
         if n <= self.allowed:
             return x
-        rev = h[::-1]  # rev[i]: the token i from the end (0: the last)
+        rev = np.asarray(h, dtype=np.int64)[::-1]  # rev[i]: the token i from the end (0: the last)
         limit = self._restart_limit(rev)
         if limit < self.allowed:
             return x
-        z = _z_function(rev)  # z[k]: how far the history's end repeats the stretch ending k tokens earlier
-        worst: dict[int, int] = {}
-        for k in range(1, n):
-            run = min(z[k], limit)
-            if run >= self.allowed:
-                token = rev[k - 1]  # what followed that earlier stretch
-                worst[token] = max(worst.get(token, 0), run)
-        if not worst:
+        ks, runs = _repeats(rev, limit)  # the stretch ending k tokens before the end repeats the last `run` tokens
+        keep = runs >= self.allowed
+        if not keep.any():
             return x
+        tokens, runs = rev[ks[keep] - 1], runs[keep]  # what followed each earlier stretch, and its run
+        order = np.lexsort((runs, tokens))  # by token, then run: each token's longest run last
+        tokens, runs = tokens[order], runs[order]
+        last = np.r_[tokens[1:] != tokens[:-1], True]
+        tokens, runs = tokens[last], runs[last]
+        exempt = np.array([() in self.breakers.get(int(t), ()) for t in tokens], dtype=bool)  # a whole breaker
+        tokens, runs = tokens[~exempt], runs[~exempt]  # ends a run: never penalized, as in llama.cpp
+        if len(tokens) == 0:
+            return x
+        e = runs - self.allowed
+        if self.max_exponent > 0:
+            e = np.minimum(e, self.max_exponent)
+        penalty = (self.multiplier * np.power(self.base, e.astype(np.float64))).astype(np.float32)
+        cand = ids.numpy()
+        at = np.searchsorted(tokens, cand)  # tokens ascending
+        hit = tokens[np.minimum(at, len(tokens) - 1)] == cand
         out = x.clone()
-        where = {int(t): i for i, t in enumerate(ids.tolist())}
-        for token, run in worst.items():
-            i = where.get(token)
-            if i is None or () in self.breakers.get(token, ()):  # a token holding a whole breaker ends a run
-                continue
-            e = run - self.allowed
-            if self.max_exponent > 0 and e > self.max_exponent:
-                e = self.max_exponent
-            out[i] -= float(np.float32(self.multiplier * self.base ** e))  # a float32 penalty off a float32 logit
+        out[torch.from_numpy(np.nonzero(hit)[0])] -= torch.from_numpy(penalty[at[hit]])  # float32, as llama.cpp
         return out
 
-    def _restart_limit(self, rev: list[int]) -> int:
+    def _restart_limit(self, rev: np.ndarray) -> int:
         """How far back a run may reach: to the latest sequence breaker in the history (the whole history without
         one)."""
-        n = len(rev)
-        for i in range(n):
-            tails = self.breakers.get(rev[i])
-            if tails is None:
-                continue
+        heads = np.nonzero(np.isin(rev, np.fromiter(self.breakers, dtype=np.int64, count=len(self.breakers))))[0]
+        for i in heads.tolist():
             longest = -1
-            for tail in tails:
+            for tail in self.breakers[int(rev[i])]:
                 if longest < len(tail) <= i and all(tail[o] == rev[i - o - 1] for o in range(len(tail))):
                     longest = len(tail)
             if longest >= 0:
                 return i - longest
-        return n
+        return len(rev)
 
 
-def _z_function(s: list[int]) -> list[int]:
-    """z[k]: the length of the longest common prefix of s and s[k:] (z[0] = len(s)), in linear time."""
-    n = len(s)
-    z = [0] * n
-    if n:
-        z[0] = n
-    lo = hi = 0
-    for k in range(1, n):
-        if k < hi:
-            z[k] = min(hi - k, z[k - lo])
-        while k + z[k] < n and s[z[k]] == s[k + z[k]]:
-            z[k] += 1
-        if k + z[k] > hi:
-            lo, hi = k, k + z[k]
-    return z
+def _repeats(rev: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """(k, z[k]) for each k in 1..n-1 with z[k] >= 1: z[k] the length of the longest common prefix of rev and rev[k:]
+    (how many of the history's last tokens the stretch ending k tokens earlier repeats), at most `limit`. One
+    vectorized comparison per token of the longest run."""
+    n = len(rev)
+    ks = np.arange(1, n)
+    runs = np.zeros(n - 1, dtype=np.int64)
+    live = np.arange(n - 1)  # indices into ks still matching
+    for t in range(min(limit, n - 1)):
+        live = live[ks[live] + t < n]
+        live = live[rev[ks[live] + t] == rev[t]]
+        if len(live) == 0:
+            break
+        runs[live] += 1
+    found = runs > 0
+    return ks[found], runs[found]
 
 
 def dry_breakers(pieces: Sequence[bytes], encode: object, breakers: Sequence[str], max_tail: int = 20
