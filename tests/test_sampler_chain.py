@@ -225,3 +225,39 @@ def test_llamas_other_samplers_leave_its_candidates(vocab) -> None:  # noqa: ANN
             if step in chain and on:
                 seen.setdefault(step, set()).add(got != unchanged)
     assert all(True in seen[s] for s in ("dry", "typical_p", "top_n_sigma", "xtc"))  # each changed some candidates
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_mirostat_keeps_llama_cpps_candidates_as_mu_moves(vocab, version: int) -> None:  # noqa: ANN001
+    """Mirostat over 12 tokens a run: each token's candidates are the ones llama.cpp's sampler leaves, where mu has
+    moved by the surprise of the token llama.cpp drew (its own draw: the two draw with different generators)."""
+    from pocketmoe.engine.sampler import MIROSTAT_CHAIN
+
+    tok, _ = vocab
+    rng = random.Random(5)
+    sizes = set()
+    for tau, eta, temp in ((3.0, 0.1, 0.8), (5.0, 0.5, 1.0), (2.0, 0.3, 1.5)):
+        p = SamplingParams(temperature=temp, mirostat=version, mirostat_tau=tau, mirostat_eta=eta, chain=MIROSTAT_CHAIN)
+        mine = Sampler(p, tok)
+        theirs_ = (llama_cpp.llama_sampler_init_mirostat(tok.vocab_size, 1, tau, eta, 100) if version == 1 else
+                   llama_cpp.llama_sampler_init_mirostat_v2(1, tau, eta))
+        try:
+            for step in range(12):
+                x = scene(tok, rng)
+                n = x.numel()
+                arr = (llama_cpp.llama_token_data * n)(*[llama_cpp.llama_token_data(i, v, 0.0)
+                                                         for i, v in enumerate(x.tolist())])
+                cur = llama_cpp.llama_token_data_array(arr, n, -1, False)
+                temp_s = llama_cpp.llama_sampler_init_temp(temp)
+                llama_cpp.llama_sampler_apply(temp_s, ctypes.byref(cur))
+                llama_cpp.llama_sampler_free(temp_s)
+                llama_cpp.llama_sampler_apply(theirs_, ctypes.byref(cur))
+                want = {cur.data[i].id for i in range(cur.size)}
+                drawn = cur.data[cur.selected].id
+                ids, xs = mine._candidates(x, [])
+                assert set(ids.tolist()) == want, (tau, eta, step)
+                mine.mirostat.observe(xs, int(torch.nonzero(ids == drawn)[0]))
+                sizes.add(len(want))
+        finally:
+            llama_cpp.llama_sampler_free(theirs_)
+    assert len(sizes) > 3  # mu moved the cut

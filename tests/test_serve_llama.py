@@ -309,7 +309,7 @@ def test_llamas_other_samplers_run_as_the_engine_runs_them(server, llm):
     """DRY, XTC, typical, top-n-sigma and dynamic temperature from /completion's fields (SillyTavern's presets send
     them) in llama.cpp's default order: the text LLM.generate gives with the same SamplingParams; with them at their
     defaults, the text without them."""
-    from pocketmoe.engine.sampler import LLAMA_CHAIN
+    from pocketmoe.engine.sampler import LLAMA_CHAIN, MIROSTAT_CHAIN
 
     prompt = "the cat sat on the mat. the cat sat on the"
     fields = {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
@@ -328,10 +328,18 @@ def test_llamas_other_samplers_run_as_the_engine_runs_them(server, llm):
                                                       temperature=0.8, penalty_last_n=64, chain=LLAMA_CHAIN))[0]
         off = {"dry_multiplier": 0, "xtc_probability": 0, "typical_p": 1, "top_n_sigma": -1, "dynatemp_range": 0}
         assert post(server, {"prompt": prompt, "n_predict": 16, "seed": seed, **off}).json()["content"] == plain.text
+        for version in (1, 2):  # mirostat: the temperature, then mirostat (samplers and the filters unused)
+            want = llm.generate([prompt], SamplingParams(
+                seed=seed, max_tokens=16, temperature=0.8, mirostat=version, mirostat_tau=4.0, mirostat_eta=0.2,
+                chain=MIROSTAT_CHAIN))[0]
+            out = post(server, {"prompt": prompt, "n_predict": 16, "seed": seed, "mirostat": version,
+                                "mirostat_tau": 4.0, "mirostat_eta": 0.2, "samplers": "kt"}).json()
+            assert out["content"] == want.text and out["generation_settings"]["samplers"] == list(MIROSTAT_CHAIN)
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "hi", "mirostat": 2}, "mirostat"),
+    ({"prompt": "hi", "mirostat": 3}, "mirostat"),
+    ({"prompt": "hi", "mirostat": 2, "mirostat_tau": 0}, "mirostat_tau"),
     ({"prompt": "hi", "typical_p": 0}, "typical_p"),
     ({"prompt": "hi", "dry_multiplier": -1}, "dry_multiplier"),
     ({"prompt": "hi", "dry_sequence_breakers": []}, "dry_sequence_breakers"),

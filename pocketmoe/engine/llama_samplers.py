@@ -1,6 +1,6 @@
 """llama.cpp's other samplers, as steps of a sampler chain (SamplingParams.chain): locally typical sampling
 (`typical_p`), top-n-sigma, XTC (exclude top choices), dynamic temperature (`dynatemp_range`, in the temperature
-step) and DRY (don't repeat yourself). What roleplay and writing front ends (SillyTavern's presets among them) send
+step), DRY (don't repeat yourself) and mirostat (versions 1 and 2: a target surprise, `Mirostat`). What roleplay and writing front ends (SillyTavern's presets among them) send
 llama-server; each is written from its published description and checked against llama.cpp's own sampler, through
 llama-cpp-python's C API, on the same candidates (tests/test_sampler_chain.py).
 
@@ -226,3 +226,48 @@ def _add(out: dict[int, list[tuple[int, ...]]], token: int, tail: tuple[int, ...
     tails = out.setdefault(token, [])
     if tail not in tails:
         tails.append(tail)
+
+
+class Mirostat:
+    """Mirostat (llama.cpp's versions 1 and 2): candidates whose surprise (-log2 of their probability) is above mu
+    go (version 2), or the top k that a Zipf fit of the m most likely tokens says reaches mu (version 1); after each
+    draw mu moves by eta towards the target surprise tau (mu starts at 2 tau). One per sequence: it keeps mu."""
+
+    M = 100  # version 1: the most likely tokens its Zipf exponent is fit to
+
+    def __init__(self, version: int, tau: float, eta: float, n_vocab: int) -> None:
+        self.version, self.n_vocab = version, n_vocab
+        self.tau, self.eta = float(np.float32(tau)), float(np.float32(eta))
+        self.mu = 2 * self.tau
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        idx, probs = _descending_probs(x)
+        if len(idx) == 0:
+            return x
+        if self.version == 2:
+            over = torch.nonzero(-torch.log2(probs) > self.mu).flatten()
+            keep = max(int(over[0]) if len(over) else len(idx), 1)
+        else:
+            keep = max(int(self._zipf_k(probs)), 1)
+        return _keep(x, idx[:keep])
+
+    def _zipf_k(self, probs: torch.Tensor) -> float:
+        """Version 1's k: the Zipf exponent s of the top m probabilities, then the k whose surprise is mu."""
+        n = min(self.M - 1, len(probs) - 1)
+        if n <= 0:
+            return 1.0
+        i = torch.arange(n, dtype=torch.float64)
+        t = torch.log((i + 2) / (i + 1))
+        b = torch.log(probs[:n] / probs[1:n + 1])
+        s_hat = float((t * b).sum() / (t * t).sum())
+        eps = s_hat - 1
+        try:
+            return (eps * 2 ** self.mu / (1 - self.n_vocab ** -eps)) ** (1 / s_hat)
+        except (ZeroDivisionError, OverflowError):
+            return float(self.n_vocab)
+
+    def observe(self, x: torch.Tensor, at: int) -> None:
+        """After a draw of candidate `at` from x (the logits this sampler left): mu -= eta * (its surprise - tau)."""
+        p = float(torch.softmax(x.double(), dim=-1)[at])
+        surprise = -math.log2(p) if p > 0 else math.inf
+        self.mu -= self.eta * (surprise - self.tau)

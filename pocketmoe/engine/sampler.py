@@ -20,6 +20,7 @@ import torch
 from pocketmoe.engine.budget import BudgetTracker, ReasoningBudget
 from pocketmoe.engine.llama_samplers import (
     DryPenalty,
+    Mirostat,
     apply_top_n_sigma,
     apply_typical,
     apply_xtc,
@@ -37,8 +38,10 @@ MAX_LOGPROBS = 20  # the most likely tokens one logprobs entry may list (vLLM's 
 # vLLM's names: the model's own distribution, or the one a token is drawn from (llama.cpp's post_sampling_probs)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # the steps of llama.cpp's sampler chain this engine runs, in an order a request gives (SamplingParams.chain)
-CHAIN_STEPS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature", "infill")
-LLAMA_CHAIN = CHAIN_STEPS[:-1]  # llama.cpp's default order
+CHAIN_STEPS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature", "infill",
+               "mirostat")
+LLAMA_CHAIN = CHAIN_STEPS[:-2]  # llama.cpp's default order
+MIROSTAT_CHAIN = ("temperature", "mirostat")  # llama.cpp's chain with mirostat on (its order then ignored)
 DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's default DRY sequence breakers
 MAX_DRY_BREAKERS, MAX_DRY_BREAKER_CHARS = 64, 40
 MAX_INFILL_CANDIDATES = 1024  # the infill step compares every pair of candidates' texts: a top_k ahead bounds them
@@ -181,6 +184,9 @@ class SamplingParams:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1
     dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
+    mirostat: int = 0  # 1, 2: llama.cpp's mirostat version (its chain: MIROSTAT_CHAIN), 0: off
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -231,6 +237,11 @@ class SamplingParams:
             (0 < len(self.dry_sequence_breakers) <= MAX_DRY_BREAKERS and all(
                 isinstance(b, str) and 0 < len(b) <= MAX_DRY_BREAKER_CHARS for b in self.dry_sequence_breakers),
              "dry_sequence_breakers", f"1 to {MAX_DRY_BREAKERS} strings of 1 to {MAX_DRY_BREAKER_CHARS} characters"),
+            (self.mirostat in (0, 1, 2), "mirostat", "0 (off), 1 or 2"),
+            (math.isfinite(self.mirostat_tau) and self.mirostat_tau > 0, "mirostat_tau", "> 0"),
+            (math.isfinite(self.mirostat_eta) and 0 < self.mirostat_eta <= 1, "mirostat_eta", "in (0, 1]"),
+            ((self.mirostat != 0) == ("mirostat" in (self.chain or ())), "mirostat",
+             "given with a chain that has the mirostat step (MIROSTAT_CHAIN), and only then"),
             (self.chain is not None or not self.llama_extras, "chain",
              "given for " + ", ".join(self.llama_extras) + " (llama.cpp's samplers run in its sampler chain: "
              "chain=LLAMA_CHAIN, or /completion)"),
@@ -261,7 +272,7 @@ class SamplingParams:
     def llama_extras(self) -> list[str]:
         """The llama.cpp samplers of engine/llama_samplers.py these params turn on."""
         on = {"typical_p": self.typical_p < 1, "top_n_sigma": self.top_n_sigma > 0, "xtc": self.xtc_probability > 0,
-              "dynatemp": self.dynatemp_range > 0, "dry": self.dry_multiplier > 0}
+              "dynatemp": self.dynatemp_range > 0, "dry": self.dry_multiplier > 0, "mirostat": self.mirostat != 0}
         return [name for name, yes in on.items() if yes]
 
     @property
@@ -477,6 +488,8 @@ class Sampler:
                 raise SamplingParamsError("a sampler with the DRY step needs the model's tokenizer.")
             self.dry = DryPenalty(params.dry_multiplier, params.dry_base, params.dry_allowed_length,
                                   params.dry_penalty_last_n, dry_breakers_of(tokenizer, params.dry_sequence_breakers))
+        self.mirostat = Mirostat(params.mirostat, params.mirostat_tau, params.mirostat_eta,
+                                 tokenizer.vocab_size if tokenizer is not None else 0) if params.mirostat else None
         self.generator = torch.Generator(device="cpu")
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -560,6 +573,9 @@ class Sampler:
                 assert self._infill is not None
                 ids, x = apply_infill(ids, x, *self._infill)
                 size = finite()
+            elif step == "mirostat":
+                assert self.mirostat is not None
+                x = self.mirostat(x)
         keep = x > -math.inf
         return ids[keep], x[keep]
 
@@ -577,6 +593,8 @@ class Sampler:
             ids, x = self._candidates(logits, history)
             self._drawn_from = ids, x
             token = argmax(x) if p.greedy else draw(x, self.generator)
+            if self.mirostat is not None:
+                self.mirostat.observe(x, token)
             token = token if ids is None else int(ids[token])
             if self.constraint is not None:
                 self.constraint.accept(token)

@@ -8,8 +8,8 @@ a flat response (`content`, `stop_type` eos / limit / word, `stopping_word`, `to
 `data: {"content": ..., "stop": false}` events closed by the full result with `"stop": true` and no
 `[DONE]`. A prompt is a string, token ids, or the two mixed (one prompt), or a list of those (several, answered
 as a list). llama.cpp's other samplers run in its order (DRY, top-n-sigma, typical, XTC, dynamic temperature:
-engine/llama_samplers.py); mirostat, which this engine does not have, is accepted at its off value and refused
-otherwise, so no request is sampled differently from what it asked without saying so.
+engine/llama_samplers.py), and mirostat 1 or 2 as llama.cpp runs it (the temperature, then mirostat: `samplers` and
+the other filters then unused).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pocketmoe.engine.sampler import (
     MAX_DRY_BREAKER_CHARS,
     MAX_DRY_BREAKERS,
     MAX_INFILL_CANDIDATES,
+    MIROSTAT_CHAIN,
     SamplingParams,
 )
 from pocketmoe.engine.structured import Grammar
@@ -32,11 +33,8 @@ from pocketmoe.serve.protocol import MAX_TOP_LOGPROBS, NonNegInt, RequestError, 
 from pocketmoe.tokenizer import Tokenizer
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
-# samplers this engine does not run, with the value that leaves each off
-OFF_VALUES = {"mirostat": 0}
 RANDOM_SEED = -1  # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF as an int32)
-# `samplers`: llama.cpp's names (and the other spellings it reads) and one-letter codes, to its chain's steps; the
-# steps this engine lacks run only at their off values (OFF_VALUES), so they leave the chain
+# `samplers`: llama.cpp's names (and the other spellings it reads) and one-letter codes, to its chain's steps
 SAMPLER_NAMES = {"penalties": "penalties", "top_k": "top_k", "top-k": "top_k", "top_p": "top_p", "top-p": "top_p",
                  "nucleus": "top_p", "min_p": "min_p", "min-p": "min_p", "temperature": "temperature",
                  "temp": "temperature", "infill": "infill", "dry": "dry", "typ_p": "typical_p",
@@ -70,7 +68,9 @@ class LlamaCompletionRequest(SamplingFields):
     return_tokens: bool = False
     cache_prompt: bool = True  # the engine reuses cached prompt starts where the tokens stay the same
     logit_bias: list[Annotated[list[Any], Field(min_length=2, max_length=2)]] | dict[StrictStr, Any] | None = None
-    mirostat: int | None = None
+    mirostat: Annotated[int, Field(ge=0, le=2)] = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     typical_p: float | None = None
     dynatemp_range: float | None = None
     dynatemp_exponent: float | None = None
@@ -94,11 +94,6 @@ class LlamaCompletionRequest(SamplingFields):
 
     def check(self) -> None:
         self.check_common()
-        for name, off in OFF_VALUES.items():
-            value = getattr(self, name)
-            if value is not None and value != off:
-                raise RequestError(f"{name}={value!r} asks for a sampler this server does not have; leave it out "
-                                   f"or set it to {off!r}.", name)
         if self.n != 1:
             raise RequestError("/completion gives one completion per prompt; send the prompt n times, or use "
                                "/v1/completions with n.", "n")
@@ -188,7 +183,8 @@ class LlamaCompletionRequest(SamplingFields):
             stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=min(self.min_tokens, max_tokens),
             skip_special_tokens=self.skip_special_tokens, logprobs=self.n_probs or None,
             logprobs_mode="processed_logprobs" if self.post_sampling_probs else "raw_logprobs",
-            n_indent=self.n_indent, max_predict_ms=float(self.t_max_predict_ms), chain=self.chain(), **self.extras())
+            n_indent=self.n_indent, max_predict_ms=float(self.t_max_predict_ms),
+            chain=MIROSTAT_CHAIN if self.mirostat else self.chain(), **self.extras())
 
     @staticmethod
     def extras_on(params: SamplingParams) -> list[str]:
@@ -203,6 +199,7 @@ class LlamaCompletionRequest(SamplingFields):
         out["top_n_sigma"] = out["top_n_sigma"] if out["top_n_sigma"] > 0 else -1.0
         out["xtc_probability"] = max(out["xtc_probability"], 0.0)
         out["dry_sequence_breakers"] = tuple(self.dry_sequence_breakers or DRY_BREAKERS)
+        out.update(mirostat=self.mirostat, mirostat_tau=self.mirostat_tau, mirostat_eta=self.mirostat_eta)
         return out
 
     def settings(self, params: SamplingParams, n_ctx: int, model: str) -> dict[str, Any]:
@@ -218,7 +215,8 @@ class LlamaCompletionRequest(SamplingFields):
                 "grammar": self.grammar or "", "cache_prompt": self.cache_prompt, "n_indent": params.n_indent,
                 "t_max_predict_ms": params.max_predict_ms, "samplers": list(params.chain or ()),
                 **{name: getattr(params, name) for name in EXTRA_DEFAULTS},
-                "dry_sequence_breakers": list(params.dry_sequence_breakers)}
+                "dry_sequence_breakers": list(params.dry_sequence_breakers), "mirostat": params.mirostat,
+                "mirostat_tau": params.mirostat_tau, "mirostat_eta": params.mirostat_eta}
 
 
 def pick_fields(paths: list[str], result: dict[str, Any]) -> dict[str, Any]:
