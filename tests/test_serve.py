@@ -888,3 +888,24 @@ def test_a_stream_waiting_on_a_long_prefill_keeps_alive(model: Path, monkeypatch
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
     chunks = list(client.chat.completions.create(model="m", messages=body["messages"], max_tokens=5, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there."
+
+
+def test_llama_samplers_on_v1_run_in_llamas_order(client: openai.OpenAI, llm: LLM) -> None:
+    """A /v1 request with llama.cpp's DRY / XTC / typical / mirostat fields (as llama-server reads them on its OpenAI
+    routes, and front ends send them in extra body) is sampled as LLM samples those params in llama.cpp's order."""
+    from pocketmoe.engine.sampler import LLAMA_CHAIN, MIROSTAT_CHAIN
+
+    extra = {"dry_multiplier": 0.8, "dry_allowed_length": 2, "xtc_probability": 0.5, "xtc_threshold": 0.1,
+             "typical_p": 0.9, "top_k": 40, "min_p": 0.05}
+    want = solo(llm, "the cat sat on the", temperature=0.8, max_tokens=12, seed=3, top_k=40, min_p=0.05,
+                dry_multiplier=0.8, dry_allowed_length=2, xtc_probability=0.5, xtc_threshold=0.1, typical_p=0.9,
+                chain=LLAMA_CHAIN)
+    r = client.completions.create(model=NAME, prompt="the cat sat on the", max_tokens=12, temperature=0.8, seed=3,
+                                  extra_body=extra)
+    assert r.choices[0].text == want.text
+    msgs = [{"role": "user", "content": "tell me about cats"}]
+    ids = llm.encode_chat(msgs)
+    want = solo(llm, ids, temperature=0.8, max_tokens=10, seed=4, mirostat=2, mirostat_tau=3.0, chain=MIROSTAT_CHAIN)
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0.8, seed=4,
+                                       extra_body={"mirostat": 2, "mirostat_tau": 3.0})
+    assert r.choices[0].message.content == llm.tokenizer.decode(want.token_ids)

@@ -264,6 +264,9 @@ def _sampling(req: SamplingFields, grammar: Grammar | None, max_tokens: int, voc
         stop_token_ids=tuple(stop_ids), min_tokens=min(req.min_tokens, max_tokens),
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, reasoning_budget=reasoning_budget)
+    chain = req.llama_chain()
+    if chain is not None:  # llama.cpp's other samplers: its order, as llama-server samples these routes
+        base.update(req.extras(), chain=chain)
     return SamplingParams(**base, n=req.n, seed=None if req.seed is None else req.seed % 2**64).choices()
 
 
@@ -424,6 +427,8 @@ def create_app(state: ServerState) -> FastAPI:
         """accept's checks of a parsed request: the served model, the engine, the output's grammar."""
         check_model(req.model)
         eng = engine()
+        if (req.dry_multiplier or 0) > 0:  # DRY's breaker tokens: a pass over the vocabulary, once, off the loop
+            await asyncio.to_thread(dry_breakers_of, eng.tok, req.extras()["dry_sequence_breakers"])
         grammar, field_name = req.output_grammar()
         if grammar is not None:
             try:
@@ -788,8 +793,6 @@ def create_app(state: ServerState) -> FastAPI:
             prompts = [await encode_pieces(tok, p) for p in pieces]
         wanted = [req.max_new_tokens(len(p), state.max_model_len) for p in prompts]
         params = [req.sampling(grammar, max(n, 1), eng.runner.vocab_size) for n in wanted]
-        if params and "dry" in req.extras_on(params[0]):  # DRY's breaker tokens: a pass over the vocabulary, once
-            await asyncio.to_thread(dry_breakers_of, tok, params[0].dry_sequence_breakers)
         live = [i for i, n in enumerate(wanted) if n > 0]
         # n_predict 0: nothing to generate, but with cache_prompt the prompt is still computed (one token drawn and
         # dropped) so that the prefix cache keeps it for the next request, as llama-server computes it (llama.vim

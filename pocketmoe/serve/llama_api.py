@@ -20,16 +20,20 @@ from typing import Annotated, Any
 from pydantic import Field, StrictStr
 
 from pocketmoe.engine.sampler import (
-    DRY_BREAKERS,
     LLAMA_CHAIN,
-    MAX_DRY_BREAKER_CHARS,
-    MAX_DRY_BREAKERS,
     MAX_INFILL_CANDIDATES,
     MIROSTAT_CHAIN,
     SamplingParams,
 )
 from pocketmoe.engine.structured import Grammar
-from pocketmoe.serve.protocol import MAX_TOP_LOGPROBS, NonNegInt, RequestError, SamplingFields, _Body
+from pocketmoe.serve.protocol import (
+    EXTRA_DEFAULTS,
+    MAX_TOP_LOGPROBS,
+    NonNegInt,
+    RequestError,
+    SamplingFields,
+    _Body,
+)
 from pocketmoe.tokenizer import Tokenizer
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
@@ -42,10 +46,6 @@ SAMPLER_NAMES = {"penalties": "penalties", "top_k": "top_k", "top-k": "top_k", "
                  "typ": "typical_p", "xtc": "xtc", "top_n_sigma": "top_n_sigma", "top-n-sigma": "top_n_sigma"}
 SAMPLER_CODES = {"e": "penalties", "k": "top_k", "p": "top_p", "m": "min_p", "t": "temperature", "i": "infill",
                  "d": "dry", "y": "typical_p", "x": "xtc", "s": "top_n_sigma"}
-# llama.cpp's defaults of its other samplers (each off but for its own knobs)
-EXTRA_DEFAULTS = {"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
-                  "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75,
-                  "dry_allowed_length": 2, "dry_penalty_last_n": -1}
 # /infill's window for the text around the cursor: llama-server's n_batch (2048), or half the context where that
 # is less; the prefix's last 3/4 of it, the suffix's first 1/4 less the typed prompt; the extra context fills the
 # rest of the context but 2 x n_predict
@@ -68,21 +68,6 @@ class LlamaCompletionRequest(SamplingFields):
     return_tokens: bool = False
     cache_prompt: bool = True  # the engine reuses cached prompt starts where the tokens stay the same
     logit_bias: list[Annotated[list[Any], Field(min_length=2, max_length=2)]] | dict[StrictStr, Any] | None = None
-    mirostat: Annotated[int, Field(ge=0, le=2)] = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
-    typical_p: float | None = None
-    dynatemp_range: float | None = None
-    dynatemp_exponent: float | None = None
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: Annotated[int, Field(ge=-1)] | None = None
-    dry_sequence_breakers: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_DRY_BREAKER_CHARS)]],
-                                     Field(min_length=1, max_length=MAX_DRY_BREAKERS)] | None = None
-    xtc_probability: float | None = None
-    xtc_threshold: float | None = None
-    top_n_sigma: float | None = None
     n_indent: NonNegInt = 0  # code completion: end where a later line is indented less
     # the final result holds only these fields, each a path ("timings/prompt_n") kept as its own key
     response_fields: Annotated[list[StrictStr], Field(max_length=256)] | None = None
@@ -185,22 +170,6 @@ class LlamaCompletionRequest(SamplingFields):
             logprobs_mode="processed_logprobs" if self.post_sampling_probs else "raw_logprobs",
             n_indent=self.n_indent, max_predict_ms=float(self.t_max_predict_ms),
             chain=MIROSTAT_CHAIN if self.mirostat else self.chain(), **self.extras())
-
-    @staticmethod
-    def extras_on(params: SamplingParams) -> list[str]:
-        """The llama.cpp samplers these params run (in their chain, and on)."""
-        return [name for name in params.llama_extras if name in (params.chain or ()) or name == "dynatemp"]
-
-    def extras(self) -> dict[str, Any]:
-        """llama.cpp's other samplers' settings (llama_samplers.py): each as given, else llama.cpp's default; a
-        dry_penalty_last_n of -1 is the whole history, as llama.cpp's context is."""
-        out: dict[str, Any] = {name: getattr(self, name) if getattr(self, name) is not None else default
-                               for name, default in EXTRA_DEFAULTS.items()}
-        out["top_n_sigma"] = out["top_n_sigma"] if out["top_n_sigma"] > 0 else -1.0
-        out["xtc_probability"] = max(out["xtc_probability"], 0.0)
-        out["dry_sequence_breakers"] = tuple(self.dry_sequence_breakers or DRY_BREAKERS)
-        out.update(mirostat=self.mirostat, mirostat_tau=self.mirostat_tau, mirostat_eta=self.mirostat_eta)
-        return out
 
     def settings(self, params: SamplingParams, n_ctx: int, model: str) -> dict[str, Any]:
         """generation_settings: what the request ran with."""

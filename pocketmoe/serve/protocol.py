@@ -23,7 +23,14 @@ from pydantic import (
     model_validator,
 )
 
-from pocketmoe.engine.sampler import MAX_LOGPROBS
+from pocketmoe.engine.sampler import (
+    DRY_BREAKERS,
+    LLAMA_CHAIN,
+    MAX_DRY_BREAKER_CHARS,
+    MAX_DRY_BREAKERS,
+    MAX_LOGPROBS,
+    MIROSTAT_CHAIN,
+)
 from pocketmoe.engine.structured import Grammar
 
 MAX_STOP = 16          # stop strings per request
@@ -40,6 +47,10 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_pr
                                          "self", "source"})
 
 NonNegInt = Annotated[int, Field(ge=0)]
+# llama.cpp's defaults of its other samplers (each off but for its own knobs)
+EXTRA_DEFAULTS = {"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+                  "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75,
+                  "dry_allowed_length": 2, "dry_penalty_last_n": -1}
 
 
 class RequestError(Exception):
@@ -119,6 +130,23 @@ class SamplingFields(_Body):
     repeat_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     ignore_eos: bool = False
+    # llama.cpp's other samplers (engine/llama_samplers.py), as llama-server reads them on every route: a request
+    # that turns one on is sampled in llama.cpp's order (LLAMA_CHAIN; mirostat: MIROSTAT_CHAIN)
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: Annotated[int, Field(ge=-1)] | None = None
+    dry_sequence_breakers: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_DRY_BREAKER_CHARS)]],
+                                     Field(min_length=1, max_length=MAX_DRY_BREAKERS)] | None = None
+    mirostat: Annotated[int, Field(ge=0, le=2)] = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     min_tokens: NonNegInt = 0
     stop_token_ids: Annotated[list[NonNegInt], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
@@ -142,6 +170,26 @@ class SamplingFields(_Body):
             if not 0 < len(s) <= MAX_STOP_CHARS:
                 raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, not {len(s)}")
         return v
+
+    def extras(self) -> dict[str, Any]:
+        """llama.cpp's other samplers' settings (SamplingParams' fields): each as given, else llama.cpp's default; a
+        dry_penalty_last_n of -1 is the whole history, as llama.cpp's context is."""
+        out: dict[str, Any] = {name: getattr(self, name) if getattr(self, name) is not None else default
+                               for name, default in EXTRA_DEFAULTS.items()}
+        out["top_n_sigma"] = out["top_n_sigma"] if out["top_n_sigma"] > 0 else -1.0
+        out["xtc_probability"] = max(out["xtc_probability"], 0.0)
+        out["dry_sequence_breakers"] = tuple(self.dry_sequence_breakers or DRY_BREAKERS)
+        out.update(mirostat=self.mirostat, mirostat_tau=self.mirostat_tau, mirostat_eta=self.mirostat_eta)
+        return out
+
+    def llama_chain(self) -> tuple[str, ...] | None:
+        """The chain a request that turns on one of llama.cpp's other samplers runs (None: it turns on none)."""
+        e = self.extras()
+        if e["mirostat"]:
+            return MIROSTAT_CHAIN
+        on = (e["typical_p"] < 1 or e["top_n_sigma"] > 0 or e["xtc_probability"] > 0 or e["dynatemp_range"] > 0
+              or e["dry_multiplier"] > 0)
+        return LLAMA_CHAIN if on else None
 
     def stop_list(self) -> tuple[str, ...]:
         return () if self.stop is None else ((self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
