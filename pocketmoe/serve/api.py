@@ -890,19 +890,20 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/score")
     @app.post("/v1/score")
     async def score(request: Request) -> Response:
-        req = _parse(ScoreRequest, await request.body())
-        ids, vectors = await embed(request, pooled(req), req.truncate_prompt_tokens)
-        return JSONResponse(score_body(req, vectors, state.model_name, sum(len(p) for p in ids),
-                                       f"score-{uuid.uuid4().hex}", int(time.time())))
+        return await similarities(request, ScoreRequest, score_body)
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")
     async def rerank(request: Request) -> Response:
-        req = _parse(RerankRequest, await request.body())
+        return await similarities(request, RerankRequest, rerank_body)
+
+    async def similarities(request: Request, model: type[ScoreRequest] | type[RerankRequest],
+                           answer: Callable[..., dict[str, Any]]) -> Response:
+        """/score's and /rerank's: the request's texts embedded, then compared as `answer` says."""
+        req = _parse(model, await request.body())
         ids, vectors = await embed(request, pooled(req), req.truncate_prompt_tokens)
-        return JSONResponse(rerank_body(req, vectors, state.model_name, sum(len(p) for p in ids),
-                                        f"rerank-{uuid.uuid4().hex}"))
+        return JSONResponse(answer(req, vectors, state.model_name, sum(len(p) for p in ids)))
 
     def pooled(req: Body) -> Body:
         """req, where the server pools one vector an input (a 400 under --pooling none)."""

@@ -17,6 +17,8 @@ similarity; `POST /rerank` (and `/v1/rerank`, `/v2/rerank`: Jina's and Cohere's 
 from __future__ import annotations
 
 import base64
+import time
+import uuid
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -156,23 +158,22 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b) / norms if norms > 0 else 0.0
 
 
-def score_body(req: ScoreRequest, vectors: list[torch.Tensor], model: str, n_prompt: int, rid: str,
-               created: int) -> dict[str, Any]:
+def score_body(req: ScoreRequest, vectors: list[torch.Tensor], model: str, n_prompt: int) -> dict[str, Any]:
     data = [{"index": i, "object": "score", "score": cosine(vectors[a], vectors[b])}
             for i, (a, b) in enumerate(req.pairs())]
-    return {"id": rid, "object": "list", "created": created, "model": model, "data": data,
+    return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+            "data": data,
             "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt, "completion_tokens": 0}}
 
 
-def rerank_body(req: RerankRequest, vectors: list[torch.Tensor], model: str, n_prompt: int, rid: str
-                ) -> dict[str, Any]:
+def rerank_body(req: RerankRequest, vectors: list[torch.Tensor], model: str, n_prompt: int) -> dict[str, Any]:
     """The documents by relevance (highest first; ties in the order given), the first top_n (all for 0)."""
     scores = [cosine(vectors[0], v) for v in vectors[1:]]
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
     results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": req.documents[i]}}
                                                               if req.return_documents else {})} for i in order]
-    return {"id": rid, "model": model, "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt},
-            "results": results}
+    return {"id": f"rerank-{uuid.uuid4().hex}", "model": model,
+            "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt}, "results": results}
 
 
 def as_inputs(given: Any) -> list[str | list[int]]:
