@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
+from typing import Any
 
 import gguf
 import httpx
@@ -149,8 +150,11 @@ def test_batch_prefix_cache_and_chunking_give_a_prompt_its_vector(model: Path, a
     got: dict[int, torch.Tensor] = {}
     gen = engine.submit(batched.encode_prompt("a b c d e f"), [SamplingParams(max_tokens=8, temperature=0)],
                         sink=lambda d: None)
-    emb = engine.submit_embed([batched.encode_prompt(t) for t in TEXTS], pooling,
-                              sink=lambda d: d is not None and d.embedding is not None and got.update({d.index: d.embedding}))
+    def keep(d: Any) -> None:  # noqa: ANN401
+        if d is not None and d.embedding is not None:
+            got[d.index] = d.embedding
+
+    emb = engine.submit_embed([batched.encode_prompt(t) for t in TEXTS], pooling, sink=keep)
     engine.run_until_done()
     assert gen.open == emb.open == 0
     for i, w in enumerate(want):

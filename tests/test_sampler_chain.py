@@ -8,6 +8,7 @@ import ctypes
 import itertools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def vocab(tmp_path_factory):  # noqa: ANN201
 
 
 def theirs(lib_vocab, logits: torch.Tensor, chain: tuple[str, ...], p: SamplingParams,  # noqa: ANN001
-           history: list[int] = ()) -> dict[int, float]:  # type: ignore[assignment]
+           history: Sequence[int] = ()) -> dict[int, float]:
     """The candidates llama.cpp's samplers leave, in this order, given the finite logits (and the history its DRY
     sampler has accepted): {id: logit}."""
     given = [(i, v) for i, v in enumerate(logits.tolist()) if v > -math.inf]
@@ -69,7 +70,7 @@ def theirs(lib_vocab, logits: torch.Tensor, chain: tuple[str, ...], p: SamplingP
     return {cur.data[i].id: cur.data[i].logit for i in range(cur.size) if cur.data[i].logit > -math.inf}
 
 
-def ours(tok: Tokenizer, logits: torch.Tensor, p: SamplingParams, history: list[int] = ()) -> dict[int, float]:  # type: ignore[assignment]
+def ours(tok: Tokenizer, logits: torch.Tensor, p: SamplingParams, history: Sequence[int] = ()) -> dict[int, float]:
     ids, x = Sampler(p, tok)._candidates(logits, list(history))
     return dict(zip(ids.tolist(), x.tolist(), strict=True))
 

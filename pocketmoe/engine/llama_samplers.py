@@ -1,8 +1,9 @@
 """llama.cpp's other samplers, as steps of a sampler chain (SamplingParams.chain): locally typical sampling
 (`typical_p`), top-n-sigma, XTC (exclude top choices), dynamic temperature (`dynatemp_range`, in the temperature
-step), DRY (don't repeat yourself) and mirostat (versions 1 and 2: a target surprise, `Mirostat`). What roleplay and writing front ends (SillyTavern's presets among them) send
-llama-server; each is written from its published description and checked against llama.cpp's own sampler, through
-llama-cpp-python's C API, on the same candidates (tests/test_sampler_chain.py).
+step), DRY (don't repeat yourself) and mirostat (versions 1 and 2: a target surprise, `Mirostat`). What roleplay
+and writing front ends (SillyTavern's presets among them) send llama-server; each is written from its published
+description and checked against llama.cpp's own sampler, through llama-cpp-python's C API, on the same candidates
+(tests/test_sampler_chain.py).
 
 Each step takes the candidates as logits x (-inf: excluded) and returns new ones; probabilities are a softmax over
 the finite logits, in float64.

@@ -38,8 +38,8 @@ MAX_LOGPROBS = 20  # the most likely tokens one logprobs entry may list (vLLM's 
 # vLLM's names: the model's own distribution, or the one a token is drawn from (llama.cpp's post_sampling_probs)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # the steps of llama.cpp's sampler chain this engine runs, in an order a request gives (SamplingParams.chain)
-CHAIN_STEPS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature", "infill",
-               "mirostat")
+CHAIN_STEPS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature",
+               "infill", "mirostat")
 LLAMA_CHAIN = CHAIN_STEPS[:-2]  # llama.cpp's default order
 MIROSTAT_CHAIN = ("temperature", "mirostat")  # llama.cpp's chain with mirostat on (its order then ignored)
 DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's default DRY sequence breakers
@@ -228,9 +228,11 @@ class SamplingParams:
             (math.isfinite(self.top_n_sigma), "top_n_sigma", "a number (<= 0 turns it off)"),
             (0 <= self.xtc_probability <= 1, "xtc_probability", "in [0, 1] (0 turns it off)"),
             (0 <= self.xtc_threshold <= 1, "xtc_threshold", "in [0, 1]"),
-            (math.isfinite(self.dynatemp_range) and self.dynatemp_range >= 0, "dynatemp_range", ">= 0 (0 turns it off)"),
+            (math.isfinite(self.dynatemp_range) and self.dynatemp_range >= 0, "dynatemp_range",
+             ">= 0 (0 turns it off)"),
             (math.isfinite(self.dynatemp_exponent) and self.dynatemp_exponent >= 0, "dynatemp_exponent", ">= 0"),
-            (math.isfinite(self.dry_multiplier) and self.dry_multiplier >= 0, "dry_multiplier", ">= 0 (0 turns it off)"),
+            (math.isfinite(self.dry_multiplier) and self.dry_multiplier >= 0, "dry_multiplier",
+             ">= 0 (0 turns it off)"),
             (math.isfinite(self.dry_base) and 1 <= self.dry_base <= 100, "dry_base", "in [1, 100]"),
             (self.dry_allowed_length >= 1, "dry_allowed_length", ">= 1"),
             (self.dry_penalty_last_n >= -1, "dry_penalty_last_n", ">= -1 (-1: the whole history, 0 turns it off)"),

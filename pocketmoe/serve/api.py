@@ -103,8 +103,8 @@ Body = TypeVar("Body", bound=_Body)  # a request body type
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens",
              "/v1/messages", "/v1/messages/count_tokens", "/completion", "/completions", "/infill", "/tokenize",
              "/detokenize", "/apply-template", "/props", "/health", "/metrics", "/chat/completions", "/models",
-             "/v1/health", "/v1/embeddings", "/embedding", "/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank",
-             "/v2/rerank")
+             "/v1/health", "/v1/embeddings", "/embedding", "/embeddings", "/score", "/v1/score", "/rerank",
+             "/v1/rerank", "/v2/rerank")
 ANTHROPIC_ROUTES = "/v1/messages"
 # the routes --api-key guards (/completions too), but llama-server's /v1/health
 GATED = ("/v1", "/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props", "/chat/completions",

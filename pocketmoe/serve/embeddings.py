@@ -4,9 +4,9 @@ Each input (a string, or token ids) runs as a prompt whose final hidden states t
 (engine/pooling.py); nothing is generated. `/v1/embeddings` answers OpenAI's shape (the vectors as lists of floats,
 or with `encoding_format: "base64"`, as the OpenAI SDKs ask by default, little-endian float32 bytes in base64), unit
 length unless asked otherwise (llama.cpp's `embd_normalize`, vLLM's `normalize`); vLLM's `add_special_tokens` and
-`truncate_prompt_tokens` are read too, and its chat form (`messages`, rendered by the chat template). `/embedding` answers llama-server's: a list of `{"index", "embedding"}` whose
-embedding is a list of rows, one pooled row (normalized as `embd_normalize` says), or with `--pooling none` every
-token's (as computed).
+`truncate_prompt_tokens` are read too, and its chat form (`messages`, rendered by the chat template). `/embedding`
+answers llama-server's: a list of `{"index", "embedding"}` whose embedding is a list of rows, one pooled row
+(normalized as `embd_normalize` says), or with `--pooling none` every token's (as computed).
 
 vLLM's score and rerank routes over the same vectors, as vLLM runs them for an embedding model: `POST /score` (and
 `/v1/score`: `text_1`, `text_2`, each a string or a list, paired 1:1, 1:N or N:N) gives each pair's cosine

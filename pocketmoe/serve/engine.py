@@ -85,7 +85,7 @@ class Delta:
     # llama.cpp's return_progress: a delta of its own (no text or tokens) as the prompt is computed, {"total",
     # "cache", "processed" (cached ones included), "time_ms" (since its prefill began)}
     progress: dict[str, int] | None = None
-    embedding: torch.Tensor | None = None  # an embedding request's: its prompt's pooled hidden state [D] ([T, D] unpooled)
+    embedding: torch.Tensor | None = None  # an embedding's: its prompt's pooled hidden state [D] ([T, D] unpooled)
 
 
 @dataclass
