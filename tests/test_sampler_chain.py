@@ -262,3 +262,18 @@ def test_mirostat_keeps_llama_cpps_candidates_as_mu_moves(vocab, version: int) -
         finally:
             llama_cpp.llama_sampler_free(theirs_)
     assert len(sizes) > 3  # mu moved the cut
+
+
+def test_greedy_keeps_what_dry_and_xtc_leave(vocab) -> None:  # noqa: ANN001
+    """Temperature 0 in a chain with DRY or XTC: the most likely token of what they leave (llama.cpp's temperature
+    step keeps the largest logit it is given), not of the model's logits."""
+    tok, _ = vocab
+    x = torch.zeros(tok.vocab_size)
+    x[7], x[9] = 5.0, 4.0
+    history = [1, 2, 3, 7, 4, 1, 2, 3]  # "1 2 3" was followed by 7: DRY pushes 7 down
+    dry = SamplingParams(temperature=0.0, dry_multiplier=3.0, chain=("dry", "temperature"))
+    assert Sampler(dry, tok)(x, history) == 9
+    xtc = SamplingParams(temperature=0.0, xtc_probability=1.0, xtc_threshold=0.1, top_k=2,
+                         chain=("top_k", "xtc", "temperature"))
+    assert Sampler(xtc, tok)(x, []) == 9  # 7 and 9 both above the threshold: the likelier goes
+    assert Sampler(SamplingParams(temperature=0.0, chain=("temperature",)), tok)(x, history) == 7

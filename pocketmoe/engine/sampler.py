@@ -588,7 +588,7 @@ class Sampler:
             token = forced
             self._drawn_from = None
         elif p.greedy and not p.penalized and not p.logit_bias and self.constraint is None and \
-                self.drawn >= p.min_tokens and self._infill is None:
+                self.drawn >= p.min_tokens and self._infill is None and not (self.dry or p.xtc_probability > 0):
             token = argmax(logits)  # argmax of the logits as they are
             self._drawn_from = None
         else:

@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pocketmoe.serve.protocol import RequestError
 
+log = logging.getLogger("pocketmoe.serve")
 KEEP_FINISHED = 64  # finished runs whose events a stream may still replay
 KEEP_EVENTS = 50_000  # events of finished runs kept in all (a text delta is a few hundred bytes)
 
@@ -104,6 +106,10 @@ class BackgroundRuns:
         except asyncio.CancelledError:
             run.cancelled = True
             run.latest = {**last, "status": "cancelled"}
+            snapshot(run.latest)
+        except Exception as e:  # a bug, not the engine (whose errors are a response.failed event): polls say failed
+            log.exception("a background response failed")
+            run.latest = {**last, "status": "failed", "error": {"code": "server_error", "message": str(e)}}
             snapshot(run.latest)
         finally:
             await run.finish()
