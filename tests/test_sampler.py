@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from pocketmoe.engine.llama_samplers import descending
 from pocketmoe.engine.sampler import (
     Sampler,
     SamplingParams,
     SamplingParamsError,
     StopChecker,
-    _descending,
     apply_min_p,
     apply_penalties,
     apply_top_k,
@@ -142,8 +142,8 @@ def test_the_key_sort_orders_as_torch_stable_sort() -> None:
         y[::31] = -math.inf
         want = torch.sort(y, descending=True, stable=True).indices
         want = want[y[want] > -math.inf]
-        assert torch.equal(_descending(y, y.numel()), want)
-        head = _descending(y, 100)  # the 100 largest and every tie of the 100th
+        assert torch.equal(descending(y, y.numel()), want)
+        head = descending(y, 100)  # the 100 largest and every tie of the 100th
         assert torch.equal(head, want[:len(head)]) and len(head) >= 100
 
 

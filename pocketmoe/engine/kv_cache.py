@@ -182,7 +182,7 @@ class PagedKVCache:
             self._page_key[page] = key
             self._ref[page] += 1
             if self.store is not None and key not in self.store:
-                self._save(key, page)
+                self.save_page(key, page)
         if full > done:
             self._committed[seq] = (full, digest)
 
@@ -244,8 +244,7 @@ class PagedKVCache:
         self.reserve(seq, len(digests) * self.page)
         pages = self._pages[seq]
         for i, (page, digest) in enumerate(zip(pages, digests, strict=True)):
-            rows = self.store.load(digest)
-            if rows is None or not self._write_stored(page, digest, rows):
+            if not self.read_page(page, digest):
                 # a file that went bad since it was counted: keep the pages read before it
                 for extra in pages[i:]:
                     self._release(extra)
@@ -263,13 +262,20 @@ class PagedKVCache:
         full = min(n_computed // self.page, len(self._pages[seq]))
         for i, digest in self._digests(tokens[:full * self.page]):
             if digest not in self.store:
-                self._save(digest, self._pages[seq][i])
+                self.save_page(digest, self._pages[seq][i])
 
-    def _save(self, digest: bytes, page: int) -> None:
+    def save_page(self, digest: bytes, page: int) -> None:
+        """Keep `page`'s rows in the store under `digest` (and, under tensor parallelism, every rank its share)."""
         assert self.store is not None
         self.store.save(digest, self.page_rows(page))
         if self.mirror is not None:
             self.mirror.saved(digest, page)
+
+    def read_page(self, page: int, digest: bytes) -> bool:
+        """Read the store's rows for `digest` into `page` (False: the store lacks them, or some rank its share)."""
+        assert self.store is not None
+        rows = self.store.load(digest)
+        return rows is not None and self._write_stored(page, digest, rows)
 
     def _write_stored(self, page: int, digest: bytes, rows: torch.Tensor) -> bool:
         """Write the store's rows for `digest` into `page` (and, under tensor parallelism, have every other rank read

@@ -26,13 +26,32 @@ def _probs(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x.double(), dim=-1)
 
 
+def descending(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of every finite logit at least the k-th largest (ties included), largest first, ties by lower id
+    (a token at -inf has no probability: it never counts toward a top-p mass)."""
+    finite = logits > -math.inf
+    if k < logits.numel():
+        finite &= logits >= torch.topk(logits, k).values[-1]
+    if bool(finite.all()):
+        ids, values = torch.arange(logits.numel()), logits
+    else:
+        ids = torch.nonzero(finite).flatten()
+        values = logits[ids]
+    # one int64 key per token, (value descending, id ascending), sorted by numpy: 0.6 ms for 102400 tokens where
+    # torch's stable sort takes 7. A float32's bits, read as an integer, order as the float does once a negative
+    # one's magnitude is negated (so -0.0 and 0.0 tie, as they compare).
+    bits = values.float().contiguous().numpy().view(np.int32)
+    magnitude = bits & 0x7FFFFFFF
+    rank = np.where(bits < 0, -magnitude, magnitude).astype(np.int64)
+    shift = max(1, logits.numel().bit_length())
+    keys = np.sort((-rank << shift) | ids.numpy())
+    return torch.from_numpy(keys & ((1 << shift) - 1))
+
+
 def _descending_probs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices of the finite candidates, most probable first, ties by index; their probabilities)."""
-    finite = torch.nonzero(x > -math.inf).flatten()
-    p = _probs(x[finite])
-    order = np.lexsort((finite.numpy(), -p.numpy()))
-    idx = torch.from_numpy(order)
-    return finite[idx], p[idx]
+    idx = descending(x, x.numel())
+    return idx, _probs(x[idx])
 
 
 def _keep(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -92,12 +111,12 @@ def apply_xtc(x: torch.Tensor, probability: float, threshold: float, generator: 
     return _keep(x, idx[above - 1:])
 
 
-def dynamic_temperature(x: torch.Tensor, temperature: float, spread: float, exponent: float,
-                        size: int | None = None) -> torch.Tensor:
+def dynamic_temperature(x: torch.Tensor, temperature: float, spread: float, exponent: float, size: int
+                        ) -> torch.Tensor:
     """Dynamic temperature: the candidates' entropy, as a fraction of the largest `size` candidates could have
-    (default: the finite ones; llama.cpp counts the masked ones its array still holds), sets the temperature between
+    (llama.cpp's array length, which counts the masked tokens it still holds), sets the temperature between
     temperature - spread (at least 0) and temperature + spread (raised to `exponent`); x divided by it."""
-    n = int((x > -math.inf).sum()) if size is None else size
+    n = size
     if n <= 1:
         return x
     lo, hi = max(0.0, temperature - spread), temperature + spread
@@ -123,6 +142,7 @@ class DryPenalty:
         # in float32, as llama.cpp holds them; the exponent's cap is a whole number, as there
         self.multiplier, self.base = float(np.float32(multiplier)), float(np.float32(base))
         self.allowed, self.last_n, self.breakers = allowed_length, last_n, breakers
+        self._heads = np.fromiter(breakers, dtype=np.int64, count=len(breakers))  # tokens a breaker starts with
         self.max_exponent = int(FLOAT_MAX_LOG / math.log(self.base)) if self.base > 1.000001 else 0
 
     @property
@@ -168,7 +188,7 @@ class DryPenalty:
     def _restart_limit(self, rev: np.ndarray) -> int:
         """How far back a run may reach: to the latest sequence breaker in the history (the whole history without
         one)."""
-        heads = np.nonzero(np.isin(rev, np.fromiter(self.breakers, dtype=np.int64, count=len(self.breakers))))[0]
+        heads = np.nonzero(np.isin(rev, self._heads))[0]
         for i in heads.tolist():
             longest = -1
             for tail in self.breakers[int(rev[i])]:

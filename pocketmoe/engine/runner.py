@@ -259,15 +259,11 @@ class ModelRunner:
         if self.store is None:
             return False
         ok = True
-        for op, digest, page in ops:
+        for op, digest, page in ops:  # this rank's cache has no mirror: its own store alone
             if op == "save":
-                self.store.save(digest, self.cache.page_rows(page))
-                continue
-            rows = self.store.load(digest)
-            if rows is None:
-                ok = False
+                self.cache.save_page(digest, page)
             else:
-                self.cache.write_page(page, rows)
+                ok = self.cache.read_page(page, digest) and ok
         return ok
 
     def stop_workers(self, end_group: bool = True) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from pocketmoe.engine.llama_samplers import (
     apply_top_n_sigma,
     apply_typical,
     apply_xtc,
+    descending,
     dry_breakers,
     dynamic_temperature,
 )
@@ -273,9 +274,7 @@ class SamplingParams:
     @property
     def llama_extras(self) -> list[str]:
         """The llama.cpp samplers of engine/llama_samplers.py these params turn on."""
-        on = {"typical_p": self.typical_p < 1, "top_n_sigma": self.top_n_sigma > 0, "xtc": self.xtc_probability > 0,
-              "dynatemp": self.dynatemp_range > 0, "dry": self.dry_multiplier > 0, "mirostat": self.mirostat != 0}
-        return [name for name, yes in on.items() if yes]
+        return llama_extras_on(self.__dict__)
 
     @property
     def penalized(self) -> bool:
@@ -293,6 +292,15 @@ class SamplingParams:
         if not self.ignore_eos:
             ids.update(eot_ids)
         return frozenset(ids)
+
+
+def llama_extras_on(values: Mapping[str, Any]) -> list[str]:
+    """Which of llama.cpp's other samplers the SamplingParams fields in `values` turn on (SamplingParams.llama_extras;
+    a request's, before its params are made)."""
+    on = {"typical_p": values["typical_p"] < 1, "top_n_sigma": values["top_n_sigma"] > 0,
+          "xtc": values["xtc_probability"] > 0, "dynatemp": values["dynatemp_range"] > 0,
+          "dry": values["dry_multiplier"] > 0, "mirostat": values["mirostat"] != 0}
+    return [name for name, yes in on.items() if yes]
 
 
 def apply_penalties(logits: torch.Tensor, history: Sequence[int], params: SamplingParams) -> torch.Tensor:
@@ -324,28 +332,6 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(keep, logits, torch.full_like(logits, -math.inf))
 
 
-def _descending(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The ids of every finite logit at least the k-th largest (ties included), largest first, ties by lower id
-    (a token at -inf has no probability: it never counts toward a top-p mass)."""
-    finite = logits > -math.inf
-    if k < logits.numel():
-        finite &= logits >= torch.topk(logits, k).values[-1]
-    if bool(finite.all()):
-        ids, values = torch.arange(logits.numel()), logits
-    else:
-        ids = torch.nonzero(finite).flatten()
-        values = logits[ids]
-    # one int64 key per token, (value descending, id ascending), sorted by numpy: 0.6 ms for 102400 tokens where
-    # torch's stable sort takes 7. A float32's bits, read as an integer, order as the float does once a negative
-    # one's magnitude is negated (so -0.0 and 0.0 tie, as they compare).
-    bits = values.float().contiguous().numpy().view(np.int32)
-    magnitude = bits & 0x7FFFFFFF
-    rank = np.where(bits < 0, -magnitude, magnitude).astype(np.int64)
-    shift = max(1, logits.numel().bit_length())
-    keys = np.sort((-rank << shift) | ids.numpy())
-    return torch.from_numpy(keys & ((1 << shift) - 1))
-
-
 def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keep the smallest prefix of tokens sorted by probability whose mass reaches p (probabilities and their sums
     in float64: in float32 a flat distribution's sum over 10^5 tokens drifts by more than a token's mass). Only
@@ -354,10 +340,10 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
         return logits
     probs = torch.softmax(logits.double(), dim=-1)
     head_k = 256 if float(probs.max()) * 256 >= p else logits.numel()  # fewer than p / max tokens cannot reach p
-    order = _descending(logits, head_k)
+    order = descending(logits, head_k)
     head = probs[order]
     if head_k < logits.numel() and float(head.sum()) < p:
-        order = _descending(logits, logits.numel())
+        order = descending(logits, logits.numel())
         head = probs[order]
     mass_before = torch.cumsum(head, dim=-1) - head
     keep = order[mass_before < p]
@@ -414,7 +400,7 @@ def apply_infill(ids: torch.Tensor, logits: torch.Tensor, eog: torch.Tensor, pie
     another's takes that one's probability into the likelier of the two and the other is dropped; then a text token
     stays only at probability 0.2 or more, and, among those left (renormalized), 1 / (text tokens left + 1) or more;
     no text token left: the fallback token alone. The survivors keep their logits (the draw is over those)."""
-    at = _descending(logits, logits.numel())  # positions of the finite ones, most likely first
+    at = descending(logits, logits.numel())  # positions of the finite ones, most likely first
     tid = ids[at]
     p = torch.softmax(logits[at].double(), dim=-1)
     end = eog[tid]

@@ -30,6 +30,7 @@ from pocketmoe.engine.sampler import (
     MAX_DRY_BREAKERS,
     MAX_LOGPROBS,
     MIROSTAT_CHAIN,
+    llama_extras_on,
 )
 from pocketmoe.engine.structured import Grammar
 
@@ -184,12 +185,8 @@ class SamplingFields(_Body):
 
     def llama_chain(self) -> tuple[str, ...] | None:
         """The chain a request that turns on one of llama.cpp's other samplers runs (None: it turns on none)."""
-        e = self.extras()
-        if e["mirostat"]:
-            return MIROSTAT_CHAIN
-        on = (e["typical_p"] < 1 or e["top_n_sigma"] > 0 or e["xtc_probability"] > 0 or e["dynatemp_range"] > 0
-              or e["dry_multiplier"] > 0)
-        return LLAMA_CHAIN if on else None
+        on = llama_extras_on(self.extras())
+        return MIROSTAT_CHAIN if "mirostat" in on else LLAMA_CHAIN if on else None
 
     def stop_list(self) -> tuple[str, ...]:
         return () if self.stop is None else ((self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
