@@ -45,14 +45,14 @@ def theirs(lib_vocab, logits: torch.Tensor, chain: tuple[str, ...], p: SamplingP
     arr = (llama_cpp.llama_token_data * n)(*[llama_cpp.llama_token_data(i, v, 0.0) for i, v in given])
     cur = llama_cpp.llama_token_data_array(arr, n, -1, False)
     make = {"top_k": lambda: llama_cpp.llama_sampler_init_top_k(p.top_k),
-            "top_p": lambda: llama_cpp.llama_sampler_init_top_p(p.top_p, 1),
-            "min_p": lambda: llama_cpp.llama_sampler_init_min_p(p.min_p, 1),
+            "top_p": lambda: llama_cpp.llama_sampler_init_top_p(p.top_p, p.min_keep),
+            "min_p": lambda: llama_cpp.llama_sampler_init_min_p(p.min_p, p.min_keep),
             "temperature": lambda: llama_cpp.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range,
                                                                          p.dynatemp_exponent),
             "infill": lambda: llama_cpp.llama_sampler_init_infill(lib_vocab),
-            "typical_p": lambda: llama_cpp.llama_sampler_init_typical(p.typical_p, 0),
+            "typical_p": lambda: llama_cpp.llama_sampler_init_typical(p.typical_p, p.min_keep),
             "top_n_sigma": lambda: llama_cpp.llama_sampler_init_top_n_sigma(p.top_n_sigma),
-            "xtc": lambda: llama_cpp.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, 0, 7),
+            "xtc": lambda: llama_cpp.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, p.min_keep, 7),
             "dry": lambda: llama_cpp.llama_sampler_init_dry(
                 lib_vocab, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
                 # -1: llama-server's whole context (its training length, past any history here); the C API, which
@@ -226,6 +226,42 @@ def test_llamas_other_samplers_leave_its_candidates(vocab) -> None:  # noqa: ANN
             if step in chain and on:
                 seen.setdefault(step, set()).add(got != unchanged)
     assert all(True in seen[s] for s in ("dry", "typical_p", "top_n_sigma", "xtc"))  # each changed some candidates
+
+
+def test_min_keep_leaves_llama_cpps_candidates(vocab) -> None:  # noqa: ANN001
+    """min_keep (llama.cpp's): top-p, min-p, typical and XTC each leave at least that many candidates, in any order
+    beside top-k and the temperature, as llama.cpp's samplers given it do; the filters set to cut deep, so it often
+    decides."""
+    tok, lib_vocab = vocab
+    rng = random.Random(5)
+    steps = ("top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
+    decided = 0
+    for trial in range(300):
+        chain = tuple(rng.sample(steps, rng.randrange(1, len(steps) + 1)))
+        p = SamplingParams(temperature=rng.choice([0.5, 1.0]), top_k=rng.choice([0, 8, 100]),
+                           top_p=rng.choice([0.2, 0.6, 1.0]), min_p=rng.choice([0.0, 0.1, 0.5]),
+                           typical_p=rng.choice([0.1, 0.4, 1.0]), xtc_probability=rng.choice([0.0, 1.0]),
+                           xtc_threshold=rng.choice([0.01, 0.05]), min_keep=rng.choice([0, 1, 2, 5, 30, 400]),
+                           chain=chain)
+        x = scene(tok, rng)
+        want, got = theirs(lib_vocab, x, chain, p), ours(tok, x, p)
+        assert got.keys() == want.keys(), (trial, chain, p.min_keep)
+        assert all(math.isclose(got[i], want[i], rel_tol=1e-5, abs_tol=1e-5) for i in got), (trial, chain)
+        decided += len(got) != len(ours(tok, x, replace(p, min_keep=0)))
+    assert decided > 30  # min_keep changed what was left in many trials
+
+
+def test_min_keep_off_the_chain_too(vocab) -> None:  # noqa: ANN001
+    """Without a chain (the /v1 routes' top-k, top-p, min-p) min_keep holds as well: llama.cpp's order of those."""
+    tok, lib_vocab = vocab
+    rng = random.Random(6)
+    for _ in range(50):
+        p = SamplingParams(temperature=0.7, top_k=rng.choice([0, 50]), top_p=rng.choice([0.3, 1.0]),
+                           min_p=rng.choice([0.0, 0.4]), min_keep=rng.choice([3, 20, 300]))
+        x = scene(tok, rng)
+        want = theirs(lib_vocab, x / p.temperature, ("top_k", "top_p", "min_p"), p)
+        got = {i: v for i, v in enumerate(Sampler(p, tok).process(x).tolist()) if v > -math.inf}
+        assert got.keys() == want.keys() and got == pytest.approx(want, rel=1e-5, abs=1e-5)
 
 
 @pytest.mark.parametrize("version", [1, 2])

@@ -909,3 +909,9 @@ def test_llama_samplers_on_v1_run_in_llamas_order(client: openai.OpenAI, llm: LL
     r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0.8, seed=4,
                                        extra_body={"mirostat": 2, "mirostat_tau": 3.0})
     assert r.choices[0].message.content == llm.tokenizer.decode(want.token_ids)
+    # min_keep without llama.cpp's chain: top-p that leaves one token leaves three
+    want = solo(llm, "the cat sat on the", temperature=0.8, max_tokens=12, seed=3, top_p=0.05, min_keep=3)
+    assert want.text != solo(llm, "the cat sat on the", temperature=0.8, max_tokens=12, seed=3, top_p=0.05).text
+    r = client.completions.create(model=NAME, prompt="the cat sat on the", max_tokens=12, temperature=0.8, seed=3,
+                                  top_p=0.05, extra_body={"min_keep": 3})
+    assert r.choices[0].text == want.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -328,6 +329,13 @@ def test_llamas_other_samplers_run_as_the_engine_runs_them(server, llm):
                                                       temperature=0.8, penalty_last_n=64, chain=LLAMA_CHAIN))[0]
         off = {"dry_multiplier": 0, "xtc_probability": 0, "typical_p": 1, "top_n_sigma": -1, "dynatemp_range": 0}
         assert post(server, {"prompt": prompt, "n_predict": 16, "seed": seed, **off}).json()["content"] == plain.text
+        # min_keep: a top-p that leaves the likeliest token alone leaves five (llama.cpp's field, on every route)
+        narrow = SamplingParams(seed=seed, max_tokens=16, top_k=40, top_p=0.05, min_p=0.05, temperature=0.8,
+                                penalty_last_n=64, chain=LLAMA_CHAIN)
+        kept = llm.generate([prompt], replace(narrow, min_keep=5))[0]
+        assert kept.text != llm.generate([prompt], narrow)[0].text
+        out = post(server, {"prompt": prompt, "n_predict": 16, "seed": seed, "top_p": 0.05, "min_keep": 5}).json()
+        assert out["content"] == kept.text and out["generation_settings"]["min_keep"] == 5
         for version in (1, 2):  # mirostat: the temperature, then mirostat (samplers and the filters unused)
             want = llm.generate([prompt], SamplingParams(
                 seed=seed, max_tokens=16, temperature=0.8, mirostat=version, mirostat_tau=4.0, mirostat_eta=0.2,
@@ -341,6 +349,7 @@ def test_llamas_other_samplers_run_as_the_engine_runs_them(server, llm):
     ({"prompt": "hi", "mirostat": 3}, "mirostat"),
     ({"prompt": "hi", "mirostat": 2, "mirostat_tau": 0}, "mirostat_tau"),
     ({"prompt": "hi", "typical_p": 0}, "typical_p"),
+    ({"prompt": "hi", "min_keep": -1}, "min_keep"),
     ({"prompt": "hi", "dry_multiplier": -1}, "dry_multiplier"),
     ({"prompt": "hi", "dry_sequence_breakers": []}, "dry_sequence_breakers"),
     ({"prompt": "hi", "xtc_threshold": 2}, "xtc_threshold"),

@@ -60,9 +60,10 @@ def _keep(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def apply_typical(x: torch.Tensor, p: float) -> torch.Tensor:
+def apply_typical(x: torch.Tensor, p: float, min_keep: int = 0) -> torch.Tensor:
     """Locally typical sampling: the candidates ordered by how far their information (-log prob) is from the
-    distribution's entropy, closest first; the fewest of them whose probability passes p are kept (1: off)."""
+    distribution's entropy, closest first; the fewest of them whose probability passes p are kept, and at least
+    min_keep (p = 1: off)."""
     if p >= 1.0:
         return x
     idx, probs = _descending_probs(x)
@@ -75,7 +76,7 @@ def apply_typical(x: torch.Tensor, p: float) -> torch.Tensor:
     cum = torch.cumsum(probs[order], dim=0)
     over = torch.nonzero(cum > p).flatten()
     last = int(over[0]) + 1 if len(over) else len(order)
-    return _keep(x, idx[order[:last]])
+    return _keep(x, idx[order[:max(last, min_keep)]])
 
 
 def apply_top_n_sigma(x: torch.Tensor, n: float) -> torch.Tensor:
@@ -92,11 +93,13 @@ def apply_top_n_sigma(x: torch.Tensor, n: float) -> torch.Tensor:
     return torch.where(x.double() >= floor, x, torch.full_like(x, -math.inf))
 
 
-def apply_xtc(x: torch.Tensor, probability: float, threshold: float, generator: torch.Generator) -> torch.Tensor:
+def apply_xtc(x: torch.Tensor, probability: float, threshold: float, generator: torch.Generator, min_keep: int = 0,
+              size: int | None = None) -> torch.Tensor:
     """XTC, exclude top choices: with `probability` (one uniform draw a token), of the candidates whose probability
     is at least `threshold` all but the least probable go, so the likeliest continuations give way to other good
     ones. Off where probability <= 0, threshold > 0.5 (then at most one candidate passes it) or fewer than two
-    candidates are left."""
+    candidates are left, and where fewer than min_keep of llama.cpp's `size` candidates (default: the finite ones)
+    would stay."""
     if probability <= 0 or threshold > 0.5:
         return x
     idx, probs = _descending_probs(x)
@@ -106,7 +109,7 @@ def apply_xtc(x: torch.Tensor, probability: float, threshold: float, generator: 
     if chance > probability:
         return x
     above = int((probs >= threshold).sum())
-    if above < 2:
+    if above < 2 or (len(idx) if size is None else size) - (above - 1) < min_keep:
         return x
     return _keep(x, idx[above - 1:])
 

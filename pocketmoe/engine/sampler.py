@@ -45,6 +45,7 @@ LLAMA_CHAIN = CHAIN_STEPS[:-2]  # llama.cpp's default order
 MIROSTAT_CHAIN = ("temperature", "mirostat")  # llama.cpp's chain with mirostat on (its order then ignored)
 DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's default DRY sequence breakers
 MAX_DRY_BREAKERS, MAX_DRY_BREAKER_CHARS = 64, 40
+MAX_MIN_KEEP = 2**31 - 1  # llama.cpp's min_keep is an int32
 MAX_INFILL_CANDIDATES = 1024  # the infill step compares every pair of candidates' texts: a top_k ahead bounds them
 
 
@@ -188,6 +189,7 @@ class SamplingParams:
     mirostat: int = 0  # 1, 2: llama.cpp's mirostat version (its chain: MIROSTAT_CHAIN), 0: off
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    min_keep: int = 0  # llama.cpp's: top-p, min-p, typical and XTC each leave at least this many candidates (0: off)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -241,6 +243,7 @@ class SamplingParams:
                 isinstance(b, str) and 0 < len(b) <= MAX_DRY_BREAKER_CHARS for b in self.dry_sequence_breakers),
              "dry_sequence_breakers", f"1 to {MAX_DRY_BREAKERS} strings of 1 to {MAX_DRY_BREAKER_CHARS} characters"),
             (self.mirostat in (0, 1, 2), "mirostat", "0 (off), 1 or 2"),
+            (0 <= self.min_keep <= MAX_MIN_KEEP, "min_keep", f"in [0, {MAX_MIN_KEEP}]"),
             (math.isfinite(self.mirostat_tau) and self.mirostat_tau > 0, "mirostat_tau", "> 0"),
             (math.isfinite(self.mirostat_eta) and 0 < self.mirostat_eta <= 1, "mirostat_eta", "in (0, 1]"),
             ((self.mirostat != 0) == ("mirostat" in (self.chain or ())), "mirostat",
@@ -332,33 +335,38 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(keep, logits, torch.full_like(logits, -math.inf))
 
 
-def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest prefix of tokens sorted by probability whose mass reaches p (probabilities and their sums
-    in float64: in float32 a flat distribution's sum over 10^5 tokens drifts by more than a token's mass). Only
-    the head of the order is sorted where it can hold the mass (the top 256 tokens), else the whole row."""
+def apply_top_p(logits: torch.Tensor, p: float, min_keep: int = 0) -> torch.Tensor:
+    """Keep the smallest prefix of tokens sorted by probability whose mass reaches p, and at least the min_keep
+    likeliest (probabilities and their sums in float64: in float32 a flat distribution's sum over 10^5 tokens
+    drifts by more than a token's mass). Only the head of the order is sorted where it can hold the mass (the top
+    256 tokens), else the whole row."""
     if p >= 1.0:
         return logits
     probs = torch.softmax(logits.double(), dim=-1)
-    head_k = 256 if float(probs.max()) * 256 >= p else logits.numel()  # fewer than p / max tokens cannot reach p
+    # fewer than p / max tokens cannot reach p
+    head_k = 256 if float(probs.max()) * 256 >= p and min_keep <= 256 else logits.numel()
     order = descending(logits, head_k)
     head = probs[order]
     if head_k < logits.numel() and float(head.sum()) < p:
         order = descending(logits, logits.numel())
         head = probs[order]
     mass_before = torch.cumsum(head, dim=-1) - head
-    keep = order[mass_before < p]
+    keep = order[(mass_before < p) | (torch.arange(len(order)) < min_keep)]
     out = torch.full_like(logits, -math.inf)
     out[keep] = logits[keep]
     return out
 
 
-def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the largest probability."""
+def apply_min_p(logits: torch.Tensor, min_p: float, min_keep: int = 0) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the largest probability, but for the min_keep likeliest
+    (ties by lower id)."""
     if min_p <= 0.0:
         return logits
     # p_i >= min_p * p_max  <=>  logit_i >= logit_max + ln(min_p)
-    threshold = logits.max() + math.log(min_p)
-    return torch.where(logits >= threshold, logits, torch.full_like(logits, -math.inf))
+    keep = logits >= logits.max() + math.log(min_p)
+    if min_keep > int(keep.sum()):
+        keep[descending(logits, min_keep)[:min_keep]] = True
+    return torch.where(keep, logits, torch.full_like(logits, -math.inf))
 
 
 def keep_max(logits: torch.Tensor) -> torch.Tensor:
@@ -515,7 +523,7 @@ class Sampler:
         if p.top_k or self.constraint is not None:  # few finite values left: go on with those alone
             kept = torch.nonzero(x > -math.inf).flatten()
             x = x[kept]
-        return kept, apply_min_p(apply_top_p(x, p.top_p), p.min_p)
+        return kept, apply_min_p(apply_top_p(x, p.top_p, p.min_keep), p.min_p, p.min_keep)
 
     def _chain(self, x: torch.Tensor, history: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """_candidates for params.chain: its steps in its order on x [V] (penalized, biased, masked); after a top-k
@@ -529,17 +537,20 @@ class Sampler:
         def finite() -> int:
             return int((x > -math.inf).sum())
 
+        def kept(size: int) -> int:  # after a step that shrinks llama.cpp's array to min_keep or more
+            return max(finite(), min(p.min_keep, size))
+
         for step in p.chain or ():
             if step == "dry":
                 x = self.dry(ids, x, history) if self.dry is not None else x
             elif step == "top_n_sigma":
                 x = apply_top_n_sigma(x, p.top_n_sigma)
             elif step == "typical_p" and p.typical_p < 1:
-                x = apply_typical(x, p.typical_p)
-                size = finite()
+                x = apply_typical(x, p.typical_p, p.min_keep)
+                size = kept(size)
             elif step == "xtc":
                 before = finite()
-                x = apply_xtc(x, p.xtc_probability, p.xtc_threshold, self.generator)
+                x = apply_xtc(x, p.xtc_probability, p.xtc_threshold, self.generator, p.min_keep, size)
                 size -= before - finite()
             elif step == "temperature" and p.dynatemp_range > 0:
                 x = dynamic_temperature(x, p.temperature, p.dynatemp_range, p.dynatemp_exponent, size)
@@ -550,11 +561,11 @@ class Sampler:
                     ids, x = ids[keep], x[keep]
                     size = min(size, p.top_k)
             elif step == "top_p" and p.top_p < 1:
-                x = apply_top_p(x, p.top_p)
-                size = finite()
+                x = apply_top_p(x, p.top_p, p.min_keep)
+                size = kept(size)
             elif step == "min_p" and p.min_p > 0:
-                x = apply_min_p(x, p.min_p)
-                size = finite()
+                x = apply_min_p(x, p.min_p, p.min_keep)
+                size = kept(size)
             elif step == "temperature":
                 x = x / p.temperature if p.temperature > 0 else keep_max(x)
             elif step == "infill":

@@ -70,6 +70,7 @@ from pocketmoe.serve.messages import MessagesRequest, message_body, message_even
 from pocketmoe.serve.messages import error_body as anthropic_error
 from pocketmoe.serve.metrics import Metrics
 from pocketmoe.serve.protocol import (
+    EXTRA_DEFAULTS,
     ApplyTemplateRequest,
     ChatCompletionRequest,
     ChatMessage,
@@ -263,7 +264,7 @@ def _sampling(req: SamplingFields, grammar: Grammar | None, max_tokens: int, voc
         max_tokens=max_tokens, stop=req.stop_list(), ignore_eos=req.ignore_eos, logit_bias=tuple(bias), grammar=grammar,
         stop_token_ids=tuple(stop_ids), min_tokens=min(req.min_tokens, max_tokens),
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, reasoning_budget=reasoning_budget)
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, reasoning_budget=reasoning_budget, min_keep=req.min_keep)
     chain = req.llama_chain()
     if chain is not None:  # llama.cpp's other samplers: its order, as llama-server samples these routes
         base.update(req.extras(), chain=chain)
@@ -974,8 +975,9 @@ def create_app(state: ServerState) -> FastAPI:
         token = (lambda t: tok.tokens[t] if t is not None else "")  # noqa: E731
         return JSONResponse({
             "default_generation_settings": {"n_ctx": state.max_model_len, "model": state.model_name,
-                                            "params": {**LLAMA_DEFAULTS, "repeat_last_n": 64, "n_predict": -1,
-                                                       "seed": -1, "n_probs": 0, "samplers": list(LLAMA_CHAIN)}},
+                                            "params": {**LLAMA_DEFAULTS, **EXTRA_DEFAULTS, "repeat_last_n": 64,
+                                                       "n_predict": -1, "seed": -1, "n_probs": 0, "min_keep": 0,
+                                                       "mirostat": 0, "samplers": list(LLAMA_CHAIN)}},
             "total_slots": eng.cfg.max_num_seqs, "model_alias": state.model_name,
             "model_path": eng.runner.bundle.paths[0].name, "chat_template": tok.chat_template or "",
             "bos_token": token(tok.bos_id), "eos_token": token(tok.eos_id),

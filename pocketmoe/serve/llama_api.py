@@ -185,7 +185,7 @@ class LlamaCompletionRequest(SamplingFields):
                 "t_max_predict_ms": params.max_predict_ms, "samplers": list(params.chain or ()),
                 **{name: getattr(params, name) for name in EXTRA_DEFAULTS},
                 "dry_sequence_breakers": list(params.dry_sequence_breakers), "mirostat": params.mirostat,
-                "mirostat_tau": params.mirostat_tau, "mirostat_eta": params.mirostat_eta}
+                "mirostat_tau": params.mirostat_tau, "mirostat_eta": params.mirostat_eta, "min_keep": params.min_keep}
 
 
 def pick_fields(paths: list[str], result: dict[str, Any]) -> dict[str, Any]:

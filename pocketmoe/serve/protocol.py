@@ -29,6 +29,7 @@ from pocketmoe.engine.sampler import (
     MAX_DRY_BREAKER_CHARS,
     MAX_DRY_BREAKERS,
     MAX_LOGPROBS,
+    MAX_MIN_KEEP,
     MIROSTAT_CHAIN,
     llama_extras_on,
 )
@@ -148,6 +149,7 @@ class SamplingFields(_Body):
     mirostat: Annotated[int, Field(ge=0, le=2)] = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    min_keep: Annotated[int, Field(ge=0, le=MAX_MIN_KEEP)] = 0  # top-p, min-p, typical and XTC leave at least this many
     min_tokens: NonNegInt = 0
     stop_token_ids: Annotated[list[NonNegInt], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
@@ -180,7 +182,8 @@ class SamplingFields(_Body):
         out["top_n_sigma"] = out["top_n_sigma"] if out["top_n_sigma"] > 0 else -1.0
         out["xtc_probability"] = max(out["xtc_probability"], 0.0)
         out["dry_sequence_breakers"] = tuple(self.dry_sequence_breakers or DRY_BREAKERS)
-        out.update(mirostat=self.mirostat, mirostat_tau=self.mirostat_tau, mirostat_eta=self.mirostat_eta)
+        out.update(mirostat=self.mirostat, mirostat_tau=self.mirostat_tau, mirostat_eta=self.mirostat_eta,
+                   min_keep=self.min_keep)
         return out
 
     def llama_chain(self) -> tuple[str, ...] | None:
