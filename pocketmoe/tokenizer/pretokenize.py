@@ -18,6 +18,7 @@ from collections.abc import Callable
 from functools import cache
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTION = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"  # (?i:'s|'t|'re|'ve|'m|'ll|'d)
 
 # written as escapes: several of these code points (U+1F7D, U+2126, U+212A, ...) do not survive NFC
 _DEEPSEEK_LLM_LETTERS = (
@@ -54,8 +55,16 @@ PRE_REGEXES: dict[str, tuple[str, ...]] = {
         r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
         r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     ),
+    # GPT-4o's o200k split, which MiniMax-M2's tokenizer uses: a word's letters are upper-case ones then lower-case
+    # ones (or the reverse) with an English contraction after them (llama.cpp spells tokenizer.json's
+    # \p{Lu}/\p{Ll} classes with lookaheads over \p{L}, so a non-ASCII letter counts as both cases)
+    "gpt-4o": (
+        r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTION +
+        r"?|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTION +
+        r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
 }
-PRE_ALIASES = {"gpt2": "gpt-2", "deepseek3-llm": "deepseek-v3"}
+PRE_ALIASES = {"gpt2": "gpt-2", "deepseek3-llm": "deepseek-v3", "minimax-m2": "gpt-4o"}
 
 # category stand-ins and the ASCII members llama.cpp adds for each \p{X} (unicode.cpp)
 _CATEGORY_CHAR = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}
