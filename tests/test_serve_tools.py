@@ -13,14 +13,24 @@ from fastapi.testclient import TestClient
 
 from pocketmoe.gguf import open_bundle
 from pocketmoe.serve.api import ServerState, create_app
-from pocketmoe.serve.tools import DEEPSEEK, MINIMAX, ToolStream, call_grammar, parse, tool_format
+from pocketmoe.serve.tools import (
+    DEEPSEEK,
+    DEEPSEEK_V31,
+    MINIMAX,
+    ToolStream,
+    call_grammar,
+    parse,
+    tool_format,
+)
 from pocketmoe.testing.scripted import MM_CALL, TOOLS, client_for
 from pocketmoe.testing.synth import write_fixture
-from pocketmoe.testing.vocab import MINIMAX_SHAPED_TEMPLATE
+from pocketmoe.testing.vocab import DEEPSEEK_V31_SHAPED_TEMPLATE, MINIMAX_SHAPED_TEMPLATE
 from pocketmoe.tokenizer import Tokenizer
 
 DS_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
            '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+DS31_CALL = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "days": 3}'
+             "<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
 
 
 def test_minimax_calls_parse_with_schema_types() -> None:
@@ -51,7 +61,58 @@ def test_malformed_deepseek_calls_stay_text() -> None:
     assert parse(DEEPSEEK, bad, TOOLS) == (bad, [])
 
 
+def test_deepseek_v31_calls_parse() -> None:
+    """DeepSeek-V3.1's calls (no fence), read under either DeepSeek format: what the model wrote is read."""
+    for fmt in (DEEPSEEK_V31, DEEPSEEK):
+        content, calls = parse(fmt, "ok " + DS31_CALL, TOOLS)
+        assert content == "ok " and [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Paris", "days": 3}), ("now", {})]
+    assert [c.name for c in parse(DEEPSEEK_V31, DS_CALL, TOOLS)[1]] == ["get_weather"]  # R1's, under V3.1's
+
+
+@pytest.mark.parametrize("text", [
+    DS31_CALL.replace('"days": 3}', '"days": 3'),                     # arguments that are not JSON
+    DS31_CALL.replace("now<", "launch_rockets<"),                     # a call of no such tool
+    DS31_CALL.replace("<｜tool▁calls▁end｜>", ""),                    # cut off
+    DS31_CALL.replace("now<｜tool▁sep｜>{}", "now{}"),                # a call without its separator
+    DS31_CALL.replace("{}", "[]"),                                    # arguments that are not an object
+])
+def test_malformed_deepseek_v31_calls_stay_text(text: str) -> None:
+    assert parse(DEEPSEEK_V31, text, TOOLS) == (text, [])
+
+
+def test_deepseek_format_by_template() -> None:
+    """R1's template fences the arguments after the name, V3.1's writes them after the separator; a DeepSeek file
+    whose template writes no calls gets R1's (the fenced one, which its models were tuned on)."""
+    r1 = ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name']"
+          " + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}")
+    assert tool_format(r1, "deepseek2") is DEEPSEEK
+    assert tool_format(DEEPSEEK_V31_SHAPED_TEMPLATE, "deepseek2") is DEEPSEEK_V31
+    assert tool_format("{{ messages }}", "deepseek2") is DEEPSEEK and tool_format("{{ messages }}", "x") is None
+
+
+def test_deepseek_v31_calls_round_trip_through_its_template(model: Path) -> None:
+    """The calls a V3.1-shaped template writes back into the history are the calls the parser read from the
+    model, and a reply in that form comes back as tool_calls."""
+    tok2 = Tokenizer.from_metadata(open_bundle(model).metadata)
+    tok2.chat_template = DEEPSEEK_V31_SHAPED_TEMPLATE
+    c, eng = client_for(tok2, "ok " + DS31_CALL, arch="deepseek2")
+    r = c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, max_tokens=80)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "ok "
+    got = [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls]
+    assert got == [("get_weather", {"city": "Paris", "days": 3}), ("now", {})]
+    history = MSGS + [{"role": "assistant", "content": msg.content, "tool_calls": [t.model_dump() for t in
+                                                                                 msg.tool_calls]}]
+    c.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=5)
+    rendered = tok2.decode(eng.prompts[-1])
+    start, end = rendered.index(DEEPSEEK_V31.start), rendered.index(DEEPSEEK_V31.end) + len(DEEPSEEK_V31.end)
+    content, again = parse(tool_format(tok2.chat_template, "deepseek2"), rendered[start:end], TOOLS)
+    assert content == "" and [(t.name, json.loads(t.arguments)) for t in again] == got
+
+
 @pytest.mark.parametrize("fmt,text", [(MINIMAX, MM_CALL), (DEEPSEEK, "ok " + DS_CALL),
+                                      (DEEPSEEK_V31, "ok " + DS31_CALL),
                                       (MINIMAX, "no calls, but <minimax:tool a near miss")])
 def test_stream_holds_back_the_calls_at_any_split(fmt, text: str) -> None:  # noqa: ANN001
     want_content, want_calls = parse(fmt, text, TOOLS)
@@ -154,12 +215,16 @@ FORCED_TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["deepseek2", "minimax-m2"])
+@pytest.fixture(scope="module", params=["deepseek2", "minimax-m2", "deepseek2 v3.1"])
 def arch_llm(request, tmp_path_factory):  # noqa: ANN001, ANN201
     from pocketmoe.engine.llm import LLM
 
-    path = write_fixture(request.param, "tiny", "Q8_0", tmp_path_factory.mktemp("tc") / "m.gguf", seed=3)[0]
-    return request.param, LLM(path, n_ctx=512, threads=1, enable_prefix_caching=False)
+    arch = request.param.split()[0]
+    path = write_fixture(arch, "tiny", "Q8_0", tmp_path_factory.mktemp("tc") / "m.gguf", seed=3)[0]
+    llm = LLM(path, n_ctx=512, threads=1, enable_prefix_caching=False)
+    if request.param.endswith("v3.1"):
+        llm.tokenizer.chat_template = DEEPSEEK_V31_SHAPED_TEMPLATE
+    return arch, llm
 
 
 @pytest.mark.parametrize("only,parallel", [(None, True), (None, False), ("get_weather", True)])

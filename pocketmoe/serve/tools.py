@@ -1,11 +1,13 @@
 """Tool calls in model output, as the chat templates of these models write them, turned into OpenAI's.
 
-Two formats:
+Three formats:
 
 - MiniMax-M2: `<minimax:tool_call>` blocks of `<invoke name="f"><parameter name="p">value</parameter>
   </invoke>`; a value is JSON when the tool's schema says the parameter is not a string (else text).
-- DeepSeek: `<｜tool▁calls▁begin｜>` then per call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`
+- DeepSeek (V2.5, R1): `<｜tool▁calls▁begin｜>` then per call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`
   and its JSON arguments in a ```json fence, `<｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>`.
+- DeepSeek-V3.1: the same markers, a call `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>` and its JSON arguments as they
+  are, then `<｜tool▁call▁end｜>` (a template that writes DeepSeek's markers with no ```json fence).
 
 A call that does not parse (or names no tool the request gave) leaves the text as it is: content, never
 an error. With tool_choice "required" or a named function, `call_grammar` holds the output to calls in the
@@ -34,11 +36,15 @@ class ToolFormat:
 
 MINIMAX = ToolFormat("minimax", "<minimax:tool_call>", "</minimax:tool_call>")
 DEEPSEEK = ToolFormat("deepseek", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+DEEPSEEK_V31 = ToolFormat("deepseek-v3.1", DEEPSEEK.start, DEEPSEEK.end)
 
 _INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.S)
 _PARAM = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.S)
 _DS_CALL = re.compile(r"<｜tool▁call▁begin｜>function<｜tool▁sep｜>([^\n]+)\n```(?:json)?\n(.*?)\n```<｜tool▁call▁end｜>",
                       re.S)
+_DS31_CALL = re.compile(r"<｜tool▁call▁begin｜>([^\n<]+?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.S)
+# each DeepSeek format's calls, then the other's (what the model wrote is read, whichever its template showed)
+_DS_CALLS_OF = {DEEPSEEK: (_DS_CALL, _DS31_CALL), DEEPSEEK_V31: (_DS31_CALL, _DS_CALL)}
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,10 @@ def tool_format(chat_template: str, architecture: str) -> ToolFormat | None:
     """The format the template writes tool calls in (by its text, else by the architecture)."""
     if MINIMAX.start in chat_template or architecture == "minimax-m2":
         return MINIMAX
-    if DEEPSEEK.start in chat_template or architecture in ("deepseek2", "deepseek4"):
+    if DEEPSEEK.start in chat_template:  # the fence, if any, follows the function's name after the separator
+        sep = chat_template.find("<｜tool▁sep｜>")
+        return DEEPSEEK if sep < 0 or "```json" in chat_template[sep:sep + 120] else DEEPSEEK_V31
+    if architecture in ("deepseek2", "deepseek4"):
         return DEEPSEEK
     return None
 
@@ -102,15 +111,26 @@ def parse(fmt: ToolFormat, text: str, tools: list[dict[str, Any]]) -> tuple[str,
                 args[pname] = value
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False), _new_id()))
     else:
-        for name, raw in _DS_CALL.findall(body[:end]):
-            try:
-                args = json.loads(raw)
-            except json.JSONDecodeError:
-                return text, []
-            if name.strip() not in types or not isinstance(args, dict):
-                return text, []
-            calls.append(ToolCall(name.strip(), json.dumps(args, ensure_ascii=False), _new_id()))
+        calls = next((c for c in (_deepseek_calls(rx, body[:end], types) for rx in _DS_CALLS_OF[fmt]) if c), [])
     return (text[:i], calls) if calls else (text, [])
+
+
+def _deepseek_calls(rx: re.Pattern[str], text: str, types: dict[str, dict[str, str]]) -> list[ToolCall]:
+    """The calls of `text` (between DeepSeek's outer markers) in the form `rx` reads; [] unless every call reads,
+    names a tool and has an object of arguments."""
+    found = rx.findall(text)
+    if len(found) != text.count("<｜tool▁call▁begin｜>"):
+        return []
+    calls = []
+    for name, raw in found:
+        try:
+            args = json.loads(raw)
+        except json.JSONDecodeError:
+            return []
+        if name.strip() not in types or not isinstance(args, dict):
+            return []
+        calls.append(ToolCall(name.strip(), json.dumps(args, ensure_ascii=False), _new_id()))
+    return calls
 
 
 class ToolStream:
@@ -197,11 +217,15 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], tok: Tokenizer, o
                          + " ".join(parts) + ' "</invoke>\\n"')
     else:
         rules.append(f"start: {mark(fmt.start)} call{'+' if many else ''} {mark(fmt.end)}")
-        rules.append(f"call: {mark('<｜tool▁call▁begin｜>')} \"function\" {mark('<｜tool▁sep｜>')} fn "
-                     f"{mark('<｜tool▁call▁end｜>')}")
+        kind = "\"function\" " + mark('<｜tool▁sep｜>') if fmt is DEEPSEEK else ""
+        rules.append(f"call: {mark('<｜tool▁call▁begin｜>')} {kind}fn {mark('<｜tool▁call▁end｜>')}")
         rules.append("fn: " + " | ".join(f"f{i}" for i in range(len(fns))))
         for i, fn in enumerate(fns):
-            rules.append(f"f{i}: " + json.dumps(f"{fn['name']}\n```json\n", ensure_ascii=False) + f" f{i}a "
-                         + json.dumps("\n```"))
+            if fmt is DEEPSEEK:
+                rules.append(f"f{i}: " + json.dumps(f"{fn['name']}\n```json\n", ensure_ascii=False) + f" f{i}a "
+                             + json.dumps("\n```"))
+            else:
+                rules.append(f"f{i}: " + json.dumps(fn["name"], ensure_ascii=False) + f" {mark('<｜tool▁sep｜>')} "
+                             f"f{i}a")
             rules.append(f"f{i}a: {schema_rule(fn.get('parameters') or {'type': 'object'})}")
     return Grammar("lark", "\n".join(rules) + "\n")

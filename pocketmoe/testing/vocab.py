@@ -34,6 +34,18 @@ MINIMAX_SHAPED_TEMPLATE = (
     "</think>\n\n{% endif %}{{ m.content }}[e~[\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}]~b]ai\n<think>\n{% endif %}")
 
+# A chat template with DeepSeek-V3.1's conventions (written here from its documented format): no reasoning block
+# (the assistant turn opens with "</think>"), tool calls as NAME<｜tool▁sep｜>ARGUMENTS with no fence, tool results
+# between <｜tool▁output▁begin｜> and <｜tool▁output▁end｜>
+DEEPSEEK_V31_SHAPED_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}"
+    "{% elif m.role == 'user' %}<｜User｜>{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<｜Assistant｜></think>{{ m.content or '' }}{% if m.tool_calls %}"
+    "<｜tool▁calls▁begin｜>{% for t in m.tool_calls %}<｜tool▁call▁begin｜>{{ t.function.name }}<｜tool▁sep｜>"
+    "{{ t.function.arguments }}<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>{% endif %}<｜end▁of▁sentence｜>"
+    "{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}")
+
 
 def _learn_merges(words: Counter[tuple[str, ...]], limit: int) -> list[tuple[str, str]]:
     """Greedy BPE: merge the most frequent adjacent pair (ties: smallest pair) until `limit` merges
