@@ -16,6 +16,7 @@ from pocketmoe.serve.api import ServerState, create_app
 from pocketmoe.serve.tools import (
     DEEPSEEK,
     DEEPSEEK_V31,
+    KIMI,
     MINIMAX,
     ToolStream,
     call_grammar,
@@ -24,13 +25,20 @@ from pocketmoe.serve.tools import (
 )
 from pocketmoe.testing.scripted import MM_CALL, TOOLS, client_for
 from pocketmoe.testing.synth import write_fixture
-from pocketmoe.testing.vocab import DEEPSEEK_V31_SHAPED_TEMPLATE, MINIMAX_SHAPED_TEMPLATE
+from pocketmoe.testing.vocab import (
+    DEEPSEEK_V31_SHAPED_TEMPLATE,
+    KIMI_SHAPED_TEMPLATE,
+    MINIMAX_SHAPED_TEMPLATE,
+)
 from pocketmoe.tokenizer import Tokenizer
 
 DS_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
            '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
 DS31_CALL = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "days": 3}'
              "<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+KIMI_CALL = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+             '{"city": "Paris", "days": 3}<|tool_call_end|><|tool_call_begin|>functions.now:1'
+             "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
 
 
 def test_minimax_calls_parse_with_schema_types() -> None:
@@ -91,28 +99,52 @@ def test_deepseek_format_by_template() -> None:
     assert tool_format("{{ messages }}", "deepseek2") is DEEPSEEK and tool_format("{{ messages }}", "x") is None
 
 
-def test_deepseek_v31_calls_round_trip_through_its_template(model: Path) -> None:
-    """The calls a V3.1-shaped template writes back into the history are the calls the parser read from the
-    model, and a reply in that form comes back as tool_calls."""
+def test_kimi_calls_parse_with_the_ids_the_model_gave() -> None:
+    content, calls = parse(KIMI, "ok " + KIMI_CALL, TOOLS)
+    assert content == "ok " and [(c.id, c.name, json.loads(c.arguments)) for c in calls] == [
+        ("functions.get_weather:0", "get_weather", {"city": "Paris", "days": 3}), ("functions.now:1", "now", {})]
+
+
+@pytest.mark.parametrize("text", [
+    KIMI_CALL.replace('"days": 3}', '"days": 3'),                          # arguments that are not JSON
+    KIMI_CALL.replace("functions.now", "functions.launch_rockets"),        # a call of no such tool
+    KIMI_CALL.replace("<|tool_calls_section_end|>", ""),                   # cut off
+    KIMI_CALL.replace(":1<|tool_call_argument_begin|>", ":1"),             # a call without its argument marker
+])
+def test_malformed_kimi_calls_stay_text(text: str) -> None:
+    assert parse(KIMI, text, TOOLS) == (text, [])
+
+
+@pytest.mark.parametrize("template, script, fmt", [(DEEPSEEK_V31_SHAPED_TEMPLATE, DS31_CALL, DEEPSEEK_V31),
+                                                   (KIMI_SHAPED_TEMPLATE, KIMI_CALL, KIMI)])
+def test_calls_round_trip_through_their_template(model: Path, template: str, script: str, fmt) -> None:  # noqa: ANN001
+    """DeepSeek-V3.1's and Kimi-K2's calls come back as tool_calls (Kimi's with the ids the model gave), and what
+    their templates write back into the history reads as the same calls."""
     tok2 = Tokenizer.from_metadata(open_bundle(model).metadata)
-    tok2.chat_template = DEEPSEEK_V31_SHAPED_TEMPLATE
-    c, eng = client_for(tok2, "ok " + DS31_CALL, arch="deepseek2")
+    tok2.chat_template = template
+    assert tool_format(template, "deepseek2") is fmt
+    c, eng = client_for(tok2, "ok " + script, arch="deepseek2")
     r = c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, max_tokens=80)
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and msg.content == "ok "
     got = [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls]
     assert got == [("get_weather", {"city": "Paris", "days": 3}), ("now", {})]
+    ids = [t.id for t in msg.tool_calls]
+    assert (ids == ["functions.get_weather:0", "functions.now:1"]) == (fmt is KIMI)
     history = MSGS + [{"role": "assistant", "content": msg.content, "tool_calls": [t.model_dump() for t in
-                                                                                 msg.tool_calls]}]
+                                                                                 msg.tool_calls]},
+                      {"role": "tool", "tool_call_id": ids[0], "content": "sunny"}]
     c.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=5)
     rendered = tok2.decode(eng.prompts[-1])
-    start, end = rendered.index(DEEPSEEK_V31.start), rendered.index(DEEPSEEK_V31.end) + len(DEEPSEEK_V31.end)
-    content, again = parse(tool_format(tok2.chat_template, "deepseek2"), rendered[start:end], TOOLS)
+    start, end = rendered.index(fmt.start), rendered.index(fmt.end) + len(fmt.end)
+    content, again = parse(fmt, rendered[start:end], TOOLS)
     assert content == "" and [(t.name, json.loads(t.arguments)) for t in again] == got
+    if fmt is KIMI:
+        assert [t.id for t in again] == ids
 
 
 @pytest.mark.parametrize("fmt,text", [(MINIMAX, MM_CALL), (DEEPSEEK, "ok " + DS_CALL),
-                                      (DEEPSEEK_V31, "ok " + DS31_CALL),
+                                      (DEEPSEEK_V31, "ok " + DS31_CALL), (KIMI, "ok " + KIMI_CALL),
                                       (MINIMAX, "no calls, but <minimax:tool a near miss")])
 def test_stream_holds_back_the_calls_at_any_split(fmt, text: str) -> None:  # noqa: ANN001
     want_content, want_calls = parse(fmt, text, TOOLS)
@@ -215,7 +247,7 @@ FORCED_TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["deepseek2", "minimax-m2", "deepseek2 v3.1"])
+@pytest.fixture(scope="module", params=["deepseek2", "minimax-m2", "deepseek2 v3.1", "deepseek2 kimi"])
 def arch_llm(request, tmp_path_factory):  # noqa: ANN001, ANN201
     from pocketmoe.engine.llm import LLM
 
@@ -224,6 +256,8 @@ def arch_llm(request, tmp_path_factory):  # noqa: ANN001, ANN201
     llm = LLM(path, n_ctx=512, threads=1, enable_prefix_caching=False)
     if request.param.endswith("v3.1"):
         llm.tokenizer.chat_template = DEEPSEEK_V31_SHAPED_TEMPLATE
+    elif request.param.endswith("kimi"):
+        llm.tokenizer.chat_template = KIMI_SHAPED_TEMPLATE
     return arch, llm
 
 
@@ -245,7 +279,7 @@ def test_forced_tool_calls_parse_and_follow_their_schemas(arch_llm, only: str | 
         text = out.text
         if out.finish_reason == "length":  # only where calls may go on (a random model need not stop calling):
             assert parallel and only is None, text  # the calls made so far, closed, must stand
-            end = "</invoke>\n" if fmt is MINIMAX else "<｜tool▁call▁end｜>"
+            end = {MINIMAX: "</invoke>\n", KIMI: "<|tool_call_end|>"}.get(fmt, "<｜tool▁call▁end｜>")
             text = text[:text.rindex(end) + len(end)] + fmt.end
         content, calls = parse(fmt, text, FORCED_TOOLS)
         assert content == "" and calls, out.text

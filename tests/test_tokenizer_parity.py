@@ -23,7 +23,7 @@ FIXED = [
     "def f(x):\n    return x ** 2\n", "<｜begin▁of▁sentence｜>User: hi\n\nAssistant:",
     "a<｜end▁of▁sentence｜>b<｜User｜><｜Assistant｜>", "<s>text</s><unk>", "\u0378\ue000\ufffd\U0010fffd",
     "∑∫√∞ ≤≥≠ ←→ ①② ½¼ ²³", "XMLHttpRequest getHTTPResponse McDONALD'S I'LL can'T ÀÉÎõü ΑβΓδ ǅemal",
-    "path/to/file.py\n// a/b\n12345678 x1y22z333", "مرحبا بالعالم नमस्ते ภาษาไทย", "   leading", "trailing   ", "\n\n\n",
+    "path/to/file.py\n// a/b\n12345678 x1y22z333", "getUserName iPhone 中文abc12345DEF 漢字かな ,中 x\u0301y", "مرحبا بالعالم नमस्ते ภาษาไทย", "   leading", "trailing   ", "\n\n\n",
 ]
 POOL = (
     list("abcXYZ019 '\"!?.,;:-_()[]{}<>|/\\@#$%^&*+=~`") + ["  ", "   ", "\t", "\n", "\r", "\r\n"]
@@ -75,7 +75,7 @@ class LlamaVocab:
 
 CASES = [("gpt2", "deepseek-llm", 1024), ("gpt2", "deepseek-v3", 1024), ("gpt2", "default", 700),
          ("gpt2", "gpt-2", 700), ("gpt2", "deepseek-coder", 700), ("gpt2", "deepseek-llm", 4096),
-         ("gpt2", "minimax-m2", 1024), ("gpt2", "gpt-4o", 700), ("llama", "", 700)]
+         ("gpt2", "minimax-m2", 1024), ("gpt2", "gpt-4o", 700), ("gpt2", "kimi-k2", 1024), ("llama", "", 700)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1] or 'spm'}-{c[2]}")

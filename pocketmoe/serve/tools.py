@@ -1,6 +1,6 @@
 """Tool calls in model output, as the chat templates of these models write them, turned into OpenAI's.
 
-Three formats:
+Four formats:
 
 - MiniMax-M2: `<minimax:tool_call>` blocks of `<invoke name="f"><parameter name="p">value</parameter>
   </invoke>`; a value is JSON when the tool's schema says the parameter is not a string (else text).
@@ -8,6 +8,9 @@ Three formats:
   and its JSON arguments in a ```json fence, `<｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>`.
 - DeepSeek-V3.1: the same markers, a call `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>` and its JSON arguments as they
   are, then `<｜tool▁call▁end｜>` (a template that writes DeepSeek's markers with no ```json fence).
+- Kimi-K2: `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:INDEX
+  <|tool_call_argument_begin|>` and its JSON arguments, `<|tool_call_end|>`, then `<|tool_calls_section_end|>`; the
+  call's id is `functions.NAME:INDEX` as the model wrote it (its template writes the id back as the call's head).
 
 A call that does not parse (or names no tool the request gave) leaves the text as it is: content, never
 an error. With tool_choice "required" or a named function, `call_grammar` holds the output to calls in the
@@ -37,14 +40,22 @@ class ToolFormat:
 MINIMAX = ToolFormat("minimax", "<minimax:tool_call>", "</minimax:tool_call>")
 DEEPSEEK = ToolFormat("deepseek", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 DEEPSEEK_V31 = ToolFormat("deepseek-v3.1", DEEPSEEK.start, DEEPSEEK.end)
+KIMI = ToolFormat("kimi-k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 
 _INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.S)
 _PARAM = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.S)
-_DS_CALL = re.compile(r"<｜tool▁call▁begin｜>function<｜tool▁sep｜>([^\n]+)\n```(?:json)?\n(.*?)\n```<｜tool▁call▁end｜>",
-                      re.S)
-_DS31_CALL = re.compile(r"<｜tool▁call▁begin｜>([^\n<]+?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.S)
-# each DeepSeek format's calls, then the other's (what the model wrote is read, whichever its template showed)
-_DS_CALLS_OF = {DEEPSEEK: (_DS_CALL, _DS31_CALL), DEEPSEEK_V31: (_DS31_CALL, _DS_CALL)}
+# one call each, its name, its JSON arguments and (Kimi's) the id the model gave it
+_DS_CALL = re.compile(r"<｜tool▁call▁begin｜>function<｜tool▁sep｜>(?P<name>[^\n]+)\n```(?:json)?\n(?P<args>.*?)\n```"
+                      r"<｜tool▁call▁end｜>", re.S)
+_DS31_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<name>[^\n<]+?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>", re.S)
+_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>(?:functions\.)?(?P<name>[^\s:<]+)(?::\d+)?)\s*"
+                        r"<\|tool_call_argument_begin\|>(?P<args>.*?)<\|tool_call_end\|>", re.S)
+# a format whose arguments are JSON: the text that opens each call, and the forms its calls are read in, the first
+# that reads them all (a DeepSeek model's calls in either DeepSeek form: what it wrote is read, whichever form its
+# template showed)
+_JSON_CALLS = {DEEPSEEK: ("<｜tool▁call▁begin｜>", (_DS_CALL, _DS31_CALL)),
+               DEEPSEEK_V31: ("<｜tool▁call▁begin｜>", (_DS31_CALL, _DS_CALL)),
+               KIMI: ("<|tool_call_begin|>", (_KIMI_CALL,))}
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,8 @@ def tool_format(chat_template: str, architecture: str) -> ToolFormat | None:
     """The format the template writes tool calls in (by its text, else by the architecture)."""
     if MINIMAX.start in chat_template or architecture == "minimax-m2":
         return MINIMAX
+    if KIMI.start in chat_template:
+        return KIMI
     if DEEPSEEK.start in chat_template:  # the fence, if any, follows the function's name after the separator
         sep = chat_template.find("<｜tool▁sep｜>")
         return DEEPSEEK if sep < 0 or "```json" in chat_template[sep:sep + 120] else DEEPSEEK_V31
@@ -111,25 +124,27 @@ def parse(fmt: ToolFormat, text: str, tools: list[dict[str, Any]]) -> tuple[str,
                 args[pname] = value
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False), _new_id()))
     else:
-        calls = next((c for c in (_deepseek_calls(rx, body[:end], types) for rx in _DS_CALLS_OF[fmt]) if c), [])
+        begin, forms = _JSON_CALLS[fmt]
+        calls = next((c for c in (_json_calls(rx, begin, body[:end], types) for rx in forms) if c), [])
     return (text[:i], calls) if calls else (text, [])
 
 
-def _deepseek_calls(rx: re.Pattern[str], text: str, types: dict[str, dict[str, str]]) -> list[ToolCall]:
-    """The calls of `text` (between DeepSeek's outer markers) in the form `rx` reads; [] unless every call reads,
-    names a tool and has an object of arguments."""
-    found = rx.findall(text)
-    if len(found) != text.count("<｜tool▁call▁begin｜>"):
+def _json_calls(rx: re.Pattern[str], begin: str, text: str, types: dict[str, dict[str, str]]) -> list[ToolCall]:
+    """The calls of `text` (between the outer markers of a format whose arguments are JSON, each opened by `begin`)
+    in the form `rx` reads; [] unless every call reads, names a tool and has an object of arguments."""
+    found = list(rx.finditer(text))
+    if len(found) != text.count(begin):
         return []
     calls = []
-    for name, raw in found:
+    for m in found:
         try:
-            args = json.loads(raw)
+            args = json.loads(m["args"])
         except json.JSONDecodeError:
             return []
-        if name.strip() not in types or not isinstance(args, dict):
+        name = m["name"].strip()
+        if name not in types or not isinstance(args, dict):
             return []
-        calls.append(ToolCall(name.strip(), json.dumps(args, ensure_ascii=False), _new_id()))
+        calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False), m.groupdict().get("id") or _new_id()))
     return calls
 
 
@@ -215,6 +230,14 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], tok: Tokenizer, o
                 parts.append(f"f{i}p{j}" if pname in required else f"f{i}p{j}?")
             rules.append(f"f{i}: " + json.dumps(f'<invoke name="{fn["name"]}">\n', ensure_ascii=False) + " "
                          + " ".join(parts) + ' "</invoke>\\n"')
+    elif fmt is KIMI:
+        rules.append(f"start: {mark(fmt.start)} call{'+' if many else ''} {mark(fmt.end)}")
+        rules.append(f"call: {mark('<|tool_call_begin|>')} \"functions.\" fn")
+        rules.append("fn: " + " | ".join(f"f{i}" for i in range(len(fns))))
+        for i, fn in enumerate(fns):
+            rules.append(f"f{i}: " + json.dumps(fn["name"] + ":", ensure_ascii=False) + " /[0-9]{1,4}/ "
+                         f"{mark('<|tool_call_argument_begin|>')} f{i}a {mark('<|tool_call_end|>')}")
+            rules.append(f"f{i}a: {schema_rule(fn.get('parameters') or {'type': 'object'})}")
     else:
         rules.append(f"start: {mark(fmt.start)} call{'+' if many else ''} {mark(fmt.end)}")
         kind = "\"function\" " + mark('<｜tool▁sep｜>') if fmt is DEEPSEEK else ""

@@ -46,6 +46,18 @@ DEEPSEEK_V31_SHAPED_TEMPLATE = (
     "{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}")
 
+# A chat template with Kimi-K2's conventions (written here from its documented format): turns between
+# <|im_user|>/<|im_assistant|>/<|im_system|> ROLE<|im_middle|> and <|im_end|>; a call's head is its id
+# (functions.NAME:INDEX), which a tool result names back
+KIMI_SHAPED_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}<|im_system|>system<|im_middle|>{{ m.content }}<|im_end|>"
+    "{% elif m.role == 'user' %}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>"
+    "{% elif m.role == 'assistant' %}<|im_assistant|>assistant<|im_middle|>{{ m.content or '' }}{% if m.tool_calls %}"
+    "<|tool_calls_section_begin|>{% for t in m.tool_calls %}<|tool_call_begin|>{{ t.id }}<|tool_call_argument_begin|>"
+    "{{ t.function.arguments }}<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>{% endif %}<|im_end|>"
+    "{% elif m.role == 'tool' %}<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id }}\n{{ m.content }}"
+    "<|im_end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}")
+
 
 def _learn_merges(words: Counter[tuple[str, ...]], limit: int) -> list[tuple[str, str]]:
     """Greedy BPE: merge the most frequent adjacent pair (ties: smallest pair) until `limit` merges

@@ -65,6 +65,8 @@ PRE_REGEXES: dict[str, tuple[str, ...]] = {
     ),
 }
 PRE_ALIASES = {"gpt2": "gpt-2", "deepseek3-llm": "deepseek-v3", "minimax-m2": "gpt-4o"}
+# pre types llama.cpp splits with a hand-written scanner rather than its regexes (PRE_SPLITTERS, below)
+CUSTOM_PRES = ("kimi-k2",)
 
 # category stand-ins and the ASCII members llama.cpp adds for each \p{X} (unicode.cpp)
 _CATEGORY_CHAR = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}
@@ -87,7 +89,7 @@ def resolve_pre(pre: str | None) -> str:
     if not pre:
         return "default"
     pre = PRE_ALIASES.get(pre, pre)
-    if pre not in PRE_REGEXES:
+    if pre not in PRE_REGEXES and pre not in CUSTOM_PRES:
         warnings.warn(f"unknown tokenizer.ggml.pre {pre!r}; splitting words with the gpt-2 regex",
                       stacklevel=2)
         return "gpt-2"
@@ -170,14 +172,73 @@ def _split_pieces(view: str, lengths: list[int], pattern: re.Pattern[str]) -> li
     return out
 
 
+def _is_han(cp: int) -> bool:
+    """llama.cpp's Han ranges: CJK unified ideographs, extensions A to F, compatibility ideographs."""
+    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF
+            or 0x2A700 <= cp <= 0x2EBEF or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+
+
+def _kimi_k2_lengths(text: str) -> list[int]:
+    """Kimi-K2's split as llama.cpp's scanner makes it (not quite its tokenizer.json regex: a word's letters are
+    taken whatever their case). In turn: a run of Han characters; an optional leading character that is not a
+    newline, letter or digit, then non-Han letters and an English contraction; up to three digits; an optional
+    space, then characters that are not whitespace, letters or digits, then newlines; whitespace up to its last
+    newline; whitespace but its last character where more text follows; whitespace; any one character."""
+    n = len(text)
+    cps = [ord(c) for c in text]
+    cats = [unicodedata.category(c)[0] for c in text]
+
+    def letter(i: int) -> bool:  # a non-Han letter
+        return i < n and cats[i] == "L" and not _is_han(cps[i])
+
+    def plain(i: int) -> bool:  # in the text, and not whitespace, a letter or a digit
+        return i < n and cps[i] not in _WHITESPACE and cats[i] not in "LN"
+
+    out: list[int] = []
+    pos = 0
+    while pos < n:
+        start, cp = pos, cps[pos]
+        if _is_han(cp):
+            while pos < n and _is_han(cps[pos]):
+                pos += 1
+        elif letter(pos) or (cp not in (10, 13) and cats[pos] not in "LN" and letter(pos + 1)):
+            pos += 1
+            while letter(pos):
+                pos += 1
+            if pos + 1 < n and cps[pos] == 39:  # an apostrophe: 's 't 'm 'd, or 're 've 'll, either case
+                one, two = text[pos + 1].lower(), text[pos + 2].lower() if pos + 2 < n else ""
+                pos += 2 if one in ("s", "t", "m", "d") else 3 if one + two in ("re", "ve", "ll") else 0
+        elif cats[pos] == "N":
+            pos += 1
+            while pos < n and cats[pos] == "N" and pos - start < 3:
+                pos += 1
+        elif plain(pos + 1 if cp == 32 else pos):
+            pos += 1
+            while plain(pos):
+                pos += 1
+            while pos < n and cps[pos] in (10, 13):
+                pos += 1
+        else:
+            end = pos
+            while end < n and cps[end] in _WHITESPACE:
+                end += 1
+            newline = max((i + 1 for i in range(pos, end) if cps[i] in (10, 13)), default=0)
+            pos = newline if newline else end - 1 if end - pos > 1 and end < n else max(end, pos + 1)
+        out.append(pos - start)
+    return out
+
+
+PRE_SPLITTERS: dict[str, Callable[[str], list[int]]] = {"kimi-k2": _kimi_k2_lengths}
+
+
 def split_words(text: str, pre: str) -> list[str]:
     """Words of `text` (code points, not bytes) for pre type `pre` (already resolved)."""
     if not text:
         return []
     views: dict[bool, str] = {}
     view_of: dict[bool, Callable[[str], str]] = {True: _collapse_text, False: _wide_text}
-    lengths = [len(text)]
-    for expr in PRE_REGEXES[pre]:
+    lengths = PRE_SPLITTERS[pre](text) if pre in PRE_SPLITTERS else [len(text)]
+    for expr in PRE_REGEXES.get(pre, ()):
         pattern, collapsed = _compile(expr)
         if collapsed not in views:
             views[collapsed] = view_of[collapsed](text)
