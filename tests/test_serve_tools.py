@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -351,6 +352,30 @@ def test_reasoning_sent_back_renders_the_text_the_model_wrote(model: Path, scrip
     assert tok2.decode(eng.prompts[-1]).startswith(first + canonical + "\n</think>\n\nHello there.[e~[\n")
     if script.startswith("I"):  # written the template's way: the text itself, byte for byte
         assert tok2.decode(eng.prompts[-1]).startswith(first + script)
+
+
+def test_reasoning_asked_for_reaches_a_template_that_thinks_only_when_asked(model: Path) -> None:
+    """DeepSeek-V3.1's template reads `thinking` (default off): a reasoning_effort, enable_thinking, or the Messages
+    API's thinking turns it on, as llama.cpp passes enable_thinking to it; "none" or disabled leave it off."""
+    tok2 = Tokenizer.from_metadata(open_bundle(model).metadata)
+    tok2.chat_template = DEEPSEEK_V31_SHAPED_TEMPLATE
+    c, eng = client_for(tok2, "Paris.", arch="deepseek2")
+    http = TestClient(create_app(ServerState(model_name="m", max_model_len=4096, engine=eng,  # type: ignore[arg-type]
+                                             tokenizer=tok2)))
+
+    def opened(**extra: Any) -> bool:
+        c.chat.completions.create(model="m", messages=MSGS, max_tokens=5, extra_body=extra)
+        return tok2.decode(eng.prompts[-1]).endswith("<think>")
+
+    assert not opened() and not opened(reasoning_effort="none")
+    assert opened(reasoning_effort="low") and opened(chat_template_kwargs={"enable_thinking": True})
+    assert opened(chat_template_kwargs={"thinking": True})
+    assert not opened(reasoning_effort="high", chat_template_kwargs={"thinking": False})
+    for thinking, want in ((None, False), ({"type": "enabled", "budget_tokens": 2048}, True),
+                           ({"type": "disabled"}, False)):
+        body = {"model": "m", "max_tokens": 5, "messages": MSGS} | ({"thinking": thinking} if thinking else {})
+        assert http.post("/v1/messages", json=body).status_code == 200
+        assert tok2.decode(eng.prompts[-1]).endswith("<think>") == want, thinking
 
 
 @pytest.mark.parametrize("forced", [False, True])

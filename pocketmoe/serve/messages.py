@@ -205,8 +205,10 @@ class MessagesRequest(_Body):
                                                                               "schema": fmt.json_schema}}
         if self.thinking is not None and self.thinking.type == "disabled":
             body["reasoning_effort"] = "none"
-        elif self.thinking is not None and self.thinking.budget_tokens is not None:
-            body["thinking_budget_tokens"] = self.thinking.budget_tokens
+        elif self.thinking is not None:  # the template's reasoning switched on (a model that thinks only when asked)
+            body["chat_template_kwargs"] = {"enable_thinking": True}
+            if self.thinking.budget_tokens is not None:
+                body["thinking_budget_tokens"] = self.thinking.budget_tokens
         return chat_request(body)
 
 

@@ -422,10 +422,16 @@ class ChatStreamReader:
 
 
 def template_variables(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
-    """The extra variables the chat template renders with: chat_template_kwargs, and enable_thinking false where
-    reasoning_effort is "none"."""
-    off = {"enable_thinking": False} if getattr(req, "reasoning_effort", None) == "none" else {}
-    return {**off, **(req.chat_template_kwargs or {})}
+    """The extra variables the chat template renders with: chat_template_kwargs, with enable_thinking false where
+    reasoning_effort is "none" and true where it is another effort; `thinking` (DeepSeek-V3.1's name for it, as
+    llama.cpp passes it) follows enable_thinking unless given."""
+    effort = getattr(req, "reasoning_effort", None)
+    given = req.chat_template_kwargs or {}
+    out = {} if effort is None else {"enable_thinking": effort != "none"}
+    out.update(given)
+    if "enable_thinking" in out and "thinking" not in given:
+        out["thinking"] = out["enable_thinking"]
+    return out
 
 
 def check_template_options(req: ChatCompletionRequest | TokenizeRequest) -> None:

@@ -34,9 +34,10 @@ MINIMAX_SHAPED_TEMPLATE = (
     "</think>\n\n{% endif %}{{ m.content }}[e~[\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}]~b]ai\n<think>\n{% endif %}")
 
-# A chat template with DeepSeek-V3.1's conventions (written here from its documented format): no reasoning block
-# (the assistant turn opens with "</think>"), tool calls as NAME<｜tool▁sep｜>ARGUMENTS with no fence, tool results
-# between <｜tool▁output▁begin｜> and <｜tool▁output▁end｜>
+# A chat template with DeepSeek-V3.1's conventions (written here from its documented format): history's assistant
+# turns open with "</think>"; the generation prompt opens a reasoning block where the `thinking` variable is true
+# (else closes it); tool calls as NAME<｜tool▁sep｜>ARGUMENTS with no fence, tool results between
+# <｜tool▁output▁begin｜> and <｜tool▁output▁end｜>
 DEEPSEEK_V31_SHAPED_TEMPLATE = (
     "{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}"
     "{% elif m.role == 'user' %}<｜User｜>{{ m.content }}"
@@ -44,7 +45,7 @@ DEEPSEEK_V31_SHAPED_TEMPLATE = (
     "<｜tool▁calls▁begin｜>{% for t in m.tool_calls %}<｜tool▁call▁begin｜>{{ t.function.name }}<｜tool▁sep｜>"
     "{{ t.function.arguments }}<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>{% endif %}<｜end▁of▁sentence｜>"
     "{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}")
+    "{% if add_generation_prompt %}<｜Assistant｜>{{ '<think>' if thinking else '</think>' }}{% endif %}")
 
 # A chat template with Kimi-K2's conventions (written here from its documented format): turns between
 # <|im_user|>/<|im_assistant|>/<|im_system|> ROLE<|im_middle|> and <|im_end|>; a call's head is its id
