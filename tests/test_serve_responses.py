@@ -290,6 +290,7 @@ def test_format_effort_and_max_tokens(tok: Tokenizer) -> None:
     ({"input": "x", "conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation"),
     ({"input": "x", "conversation": {"name": "conv_1"}}, "conversation.id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": "x", "tools": [1.5, []]}, None),  # not objects (once a 500)
     ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input.0.content.0.type"),
     ({"input": "x", "include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs"),

@@ -139,9 +139,13 @@ class OtherTool(_Body):
     type: StrictStr
 
 
+def _tool_tag(v: Any) -> str:  # a tool that is not an object is "other", whose validation then says so
+    return "function" if (v.get("type") if isinstance(v, dict) else getattr(v, "type", None)) == "function" \
+        else "other"
+
+
 Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
-                 Discriminator(lambda v: "function" if (v.get("type") if isinstance(v, dict) else v.type) == "function"
-                               else "other")]
+                 Discriminator(_tool_tag)]
 
 
 class TextFormat(_Body):
