@@ -66,6 +66,31 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: 
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--repeat-last-n", type=int, default=0, dest="penalty_last_n",
+                   help="the penalties look at this many last tokens (default 0: all of them)")
+    g = p.add_argument_group("llama.cpp's other samplers", "llama-cli's flags; with any of them on, or --samplers, "
+                             "the steps run in llama.cpp's chain (the temperature after the filters)")
+    g.add_argument("--typical", type=float, default=1.0, dest="typical_p", help="locally typical p (1: off)")
+    g.add_argument("--top-nsigma", type=float, default=-1.0, dest="top_n_sigma", help="top-n-sigma (<= 0: off)")
+    g.add_argument("--xtc-probability", type=float, default=0.0)
+    g.add_argument("--xtc-threshold", type=float, default=0.1)
+    g.add_argument("--dynatemp-range", type=float, default=0.0)
+    g.add_argument("--dynatemp-exp", type=float, default=1.0, dest="dynatemp_exponent")
+    g.add_argument("--dry-multiplier", type=float, default=0.0)
+    g.add_argument("--dry-base", type=float, default=1.75)
+    g.add_argument("--dry-allowed-length", type=int, default=2)
+    g.add_argument("--dry-penalty-last-n", type=int, default=-1, help="-1: the whole history, 0: off")
+    g.add_argument("--dry-sequence-breaker", action="append", default=None, dest="dry_sequence_breakers",
+                   metavar="TEXT", help="repeatable; replaces the defaults (newline, colon, quote, asterisk)")
+    g.add_argument("--mirostat", type=int, default=0, choices=(0, 1, 2))
+    g.add_argument("--mirostat-lr", type=float, default=0.1, dest="mirostat_eta")
+    g.add_argument("--mirostat-ent", type=float, default=5.0, dest="mirostat_tau")
+    g.add_argument("--min-keep", type=int, default=0,
+                   help="top-p, min-p, typical and XTC each leave at least this many tokens")
+    order = g.add_mutually_exclusive_group()
+    order.add_argument("--samplers", default=None, metavar="NAMES",
+                       help="the chain, llama.cpp's names split by ';' (e.g. 'penalties;top_k;top_p;temperature')")
+    order.add_argument("--sampling-seq", default=None, metavar="LETTERS", help="the chain as letters (e.g. 'ekpt')")
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -82,13 +107,36 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_params(args: argparse.Namespace, grammar: Grammar | None = None):  # noqa: ANN201
     """The SamplingParams add_sampling_args' flags give (SamplingParamsError, one line, where one is out of range)."""
-    from pocketmoe.engine.sampler import SamplingParams
+    from pocketmoe.engine.sampler import (
+        DRY_BREAKERS,
+        LLAMA_CHAIN,
+        MIROSTAT_CHAIN,
+        SamplingParams,
+        SamplingParamsError,
+        llama_extras_on,
+        sampler_chain,
+    )
 
+    extras = {name: getattr(args, name) for name in (
+        "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
+        "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau",
+        "mirostat_eta", "min_keep")}
+    extras["dry_sequence_breakers"] = tuple(args.dry_sequence_breakers or DRY_BREAKERS)
+    order = args.samplers.split(";") if args.samplers is not None else args.sampling_seq
+    try:
+        chain = sampler_chain(order) if order is not None else None
+    except ValueError as e:
+        raise SamplingParamsError(f"--{'samplers' if args.samplers is not None else 'sampling-seq'} {e}") from None
+    if args.mirostat:
+        chain = MIROSTAT_CHAIN
+    elif chain is None and llama_extras_on(extras):
+        chain = LLAMA_CHAIN
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty, seed=args.seed, max_tokens=args.max_tokens,
-        stop=tuple(args.stop), ignore_eos=args.ignore_eos, grammar=grammar)
+        presence_penalty=args.presence_penalty, penalty_last_n=args.penalty_last_n, seed=args.seed,
+        max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos, grammar=grammar, chain=chain,
+        **extras)
 
 
 def parse_token_ids(text: str) -> list[int]:

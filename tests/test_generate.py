@@ -101,6 +101,10 @@ def test_chat_uses_template(llm):
     (["--prompt", "x", "--json-schema", "{bad"], "not JSON"),
     (["--prompt", "x", "--regex", "(ab"], "unclosed group"),
     (["--prompt", "x", "--grammar-file", "/nonexistent/g.gbnf"], "/nonexistent/g.gbnf"),
+    (["--prompt", "x", "--samplers", "top_k;warmth"], "'warmth'"),
+    (["--prompt", "x", "--sampling-seq", "kq"], "--sampling-seq has 'q'"),
+    (["--prompt", "x", "--typical", "0"], "typical_p"),
+    (["--prompt", "x", "--min-keep", "-1"], "min_keep"),
 ])
 def test_user_errors_are_one_line(model, args, needle):
     if "--model" not in args:
@@ -133,3 +137,30 @@ def test_structured_output_flags(model, llm, tmp_path):
         api = llm.generate(["out:"], SamplingParams(temperature=0, max_tokens=40, grammar=grammar))[0]
         assert out["text"] == api.text and out["finish_reason"] == "stop"
         assert keeps(out["text"]), (flags, out["text"])
+
+
+def test_llama_cli_sampler_flags(model, llm):
+    """llama-cli's flags for llama.cpp's other samplers: the tokens LLM.generate draws with the same params in
+    llama.cpp's chain; --samplers and --sampling-seq give the order; mirostat its own chain."""
+    from pocketmoe.engine.sampler import LLAMA_CHAIN, MIROSTAT_CHAIN
+
+    def cli_ids(*flags: str) -> list[int]:
+        r = run_cli("--model", str(model), "--prompt", "the cat sat on the mat and the cat", "--max-tokens", "12",
+                    "--json", "--threads", "1", "--n-ctx", "128", "--temperature", "0.9", "--seed", "7", *flags)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["token_ids"]
+
+    def api_ids(**kw) -> list[int]:  # noqa: ANN003
+        p = SamplingParams(temperature=0.9, seed=7, max_tokens=12, **kw)
+        return llm.generate(["the cat sat on the mat and the cat"], p)[0].token_ids
+
+    dry = dict(dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=("\n",), typical_p=0.9,
+               xtc_probability=0.5, xtc_threshold=0.05, min_keep=3, top_n_sigma=2.0, penalty_last_n=16)
+    assert cli_ids("--dry-multiplier", "0.8", "--dry-allowed-length", "1", "--dry-sequence-breaker", "\n",
+                   "--typical", "0.9", "--xtc-probability", "0.5", "--xtc-threshold", "0.05", "--min-keep", "3",
+                   "--top-nsigma", "2", "--repeat-last-n", "16") == api_ids(chain=LLAMA_CHAIN, **dry)
+    assert cli_ids("--samplers", "top_k;top_p;temperature", "--top-k", "5") == \
+        cli_ids("--sampling-seq", "kpt", "--top-k", "5") == api_ids(top_k=5, chain=("top_k", "top_p", "temperature"))
+    assert cli_ids("--mirostat", "2", "--mirostat-ent", "3", "--mirostat-lr", "0.2") == api_ids(
+        mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2, chain=MIROSTAT_CHAIN)
+    assert cli_ids() == api_ids() != api_ids(chain=LLAMA_CHAIN, **dry)  # none of them: the engine's own order

@@ -43,6 +43,14 @@ CHAIN_STEPS = ("penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p",
                "infill", "mirostat")
 LLAMA_CHAIN = CHAIN_STEPS[:-2]  # llama.cpp's default order
 MIROSTAT_CHAIN = ("temperature", "mirostat")  # llama.cpp's chain with mirostat on (its order then ignored)
+# a chain given as llama.cpp's sampler names (and the other spellings it reads), or as its one-letter codes
+SAMPLER_NAMES = {"penalties": "penalties", "top_k": "top_k", "top-k": "top_k", "top_p": "top_p", "top-p": "top_p",
+                 "nucleus": "top_p", "min_p": "min_p", "min-p": "min_p", "temperature": "temperature",
+                 "temp": "temperature", "infill": "infill", "dry": "dry", "typ_p": "typical_p",
+                 "typical_p": "typical_p", "typical-p": "typical_p", "typical": "typical_p", "typ-p": "typical_p",
+                 "typ": "typical_p", "xtc": "xtc", "top_n_sigma": "top_n_sigma", "top-n-sigma": "top_n_sigma"}
+SAMPLER_CODES = {"e": "penalties", "k": "top_k", "p": "top_p", "m": "min_p", "t": "temperature", "i": "infill",
+                 "d": "dry", "y": "typical_p", "x": "xtc", "s": "top_n_sigma"}
 DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's default DRY sequence breakers
 MAX_DRY_BREAKERS, MAX_DRY_BREAKER_CHARS = 64, 40
 MAX_MIN_KEEP = 2**31 - 1  # llama.cpp's min_keep is an int32
@@ -295,6 +303,16 @@ class SamplingParams:
         if not self.ignore_eos:
             ids.update(eot_ids)
         return frozenset(ids)
+
+
+def sampler_chain(samplers: str | Sequence[str]) -> tuple[str, ...]:
+    """The chain steps of llama.cpp's `samplers`: a list of its names, or a string of its one-letter codes
+    (ValueError, a sentence's end naming the first it does not know)."""
+    table, names = (SAMPLER_CODES, list(samplers)) if isinstance(samplers, str) else (SAMPLER_NAMES, list(samplers))
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"has {unknown[0]!r}, which is not one of llama.cpp's ({', '.join(table)}).")
+    return tuple(table[n] for n in names)
 
 
 def llama_extras_on(values: Mapping[str, Any]) -> list[str]:

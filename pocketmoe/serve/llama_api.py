@@ -24,6 +24,7 @@ from pocketmoe.engine.sampler import (
     MAX_INFILL_CANDIDATES,
     MIROSTAT_CHAIN,
     SamplingParams,
+    sampler_chain,
 )
 from pocketmoe.engine.structured import Grammar
 from pocketmoe.serve.protocol import (
@@ -38,14 +39,6 @@ from pocketmoe.tokenizer import Tokenizer
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
 RANDOM_SEED = -1  # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF as an int32)
-# `samplers`: llama.cpp's names (and the other spellings it reads) and one-letter codes, to its chain's steps
-SAMPLER_NAMES = {"penalties": "penalties", "top_k": "top_k", "top-k": "top_k", "top_p": "top_p", "top-p": "top_p",
-                 "nucleus": "top_p", "min_p": "min_p", "min-p": "min_p", "temperature": "temperature",
-                 "temp": "temperature", "infill": "infill", "dry": "dry", "typ_p": "typical_p",
-                 "typical_p": "typical_p", "typical-p": "typical_p", "typical": "typical_p", "typ-p": "typical_p",
-                 "typ": "typical_p", "xtc": "xtc", "top_n_sigma": "top_n_sigma", "top-n-sigma": "top_n_sigma"}
-SAMPLER_CODES = {"e": "penalties", "k": "top_k", "p": "top_p", "m": "min_p", "t": "temperature", "i": "infill",
-                 "d": "dry", "y": "typical_p", "x": "xtc", "s": "top_n_sigma"}
 # /infill's window for the text around the cursor: llama-server's n_batch (2048), or half the context where that
 # is less; the prefix's last 3/4 of it, the suffix's first 1/4 less the typed prompt; the extra context fills the
 # rest of the context but 2 x n_predict
@@ -94,13 +87,10 @@ class LlamaCompletionRequest(SamplingFields):
         """The sampler chain `samplers` gives (llama.cpp's default without it), in the engine's step names."""
         if self.samplers is None:
             return LLAMA_CHAIN
-        table, names = (SAMPLER_CODES, list(self.samplers)) if isinstance(self.samplers, str) else \
-            (SAMPLER_NAMES, self.samplers)
-        unknown = [n for n in names if n not in table]
-        if unknown:
-            raise RequestError(f"samplers has {unknown[0]!r}, which is not one of llama.cpp's ("
-                               f"{', '.join(k for k in table)}).", "samplers")
-        chain = tuple(step for n in names if (step := table[n]) is not None)
+        try:
+            chain = sampler_chain(self.samplers)
+        except ValueError as e:
+            raise RequestError(f"samplers {e}", "samplers") from None
         if "infill" in chain:
             top_k = DEFAULTS["top_k"] if self.top_k is None else self.top_k
             if "top_k" not in chain[:chain.index("infill")] or not 0 < top_k <= MAX_INFILL_CANDIDATES:
