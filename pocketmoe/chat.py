@@ -11,7 +11,8 @@ continues from the KV rows the previous turn left, so a turn computes only what 
 no longer leaves room for a reply of --max-tokens in --n-ctx, its oldest turns are dropped. A thinking model's
 reasoning shows between <think> and </think>; the conversation keeps it as the reply's reasoning_content, which
 templates that keep history's reasoning (MiniMax-M2's) render back as the model wrote it and the others leave out;
---no-think closes a block the template opens; --reasoning-budget N closes it for the model after N tokens of thought
+--no-think renders the template with enable_thinking (and DeepSeek-V3.1's thinking) false and closes a block it
+still opens; --reasoning-budget N closes it for the model after N tokens of thought
 (after --reasoning-budget-message, if given), as llama-cli does. Commands: /reset forgets the conversation, /exit
 (or the end of the input) ends. Ctrl-C stops a reply (what it wrote so far stays in the conversation); at the prompt it ends.
 --json prints one JSON object per turn instead of the streamed text; --stats a line of counts and speed per turn.
@@ -89,7 +90,10 @@ class ChatSession:
         from pocketmoe.serve.reasoning import thinking_prompt
 
         tok = self.llm.tokenizer
-        text, thinking = thinking_prompt(tok.apply_chat_template(self.system + messages, True), self.think)
+        # the template told whether to reason (enable_thinking; `thinking`, DeepSeek-V3.1's name), as llama-cli does
+        rendered = tok.apply_chat_template(self.system + messages, True, enable_thinking=self.think,
+                                           thinking=self.think)
+        text, thinking = thinking_prompt(rendered, self.think)
         return tok.encode_rendered_chat(text), thinking
 
     def ask(self, text: str, on_text: Callable[[str], None] | None = None) -> Turn:

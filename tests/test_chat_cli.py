@@ -206,6 +206,21 @@ def test_reasoning_shows_and_stays_out_where_the_template_drops_it(model, ref, t
     assert "<user>Capital of France?<assistant>Paris.<user>And of Spain?" in tok.decode(llm.prompts[-1])
 
 
+@pytest.mark.parametrize("think", [True, False])
+def test_a_template_that_reasons_when_asked_is_asked(model, ref, think):
+    """DeepSeek-V3.1's template opens the block only where `thinking` is true: chat asks it to unless --no-think."""
+    from pocketmoe.chat import ChatSession
+    from pocketmoe.testing.vocab import DEEPSEEK_V31_SHAPED_TEMPLATE
+    from pocketmoe.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(ref.bundle.metadata)
+    tok.chat_template = DEEPSEEK_V31_SHAPED_TEMPLATE
+    llm = Scripted(tok, "Let me think.</think>Paris." if think else "Paris.")
+    turn = ChatSession(llm, SamplingParams(max_tokens=50), think=think).ask("Capital of France?")
+    assert tok.decode(llm.prompts[-1]).endswith("<｜Assistant｜><think>" if think else "<｜Assistant｜></think>")
+    assert (turn.reasoning, turn.reply) == (("Let me think." if think else None), "Paris.")
+
+
 def test_reasoning_budget_closes_the_block_for_the_model(model, ref):
     """--reasoning-budget: the reply's thought is the unbounded one's first tokens and the message, and the answer is
     what the model writes after the closing tag (the engine given that text, with no budget)."""
