@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +155,39 @@ def test_full_deepseek2_q4_k_m_plan_matches_the_real_file_size() -> None:
     assert types["blk.1.ffn_down_exps.weight"] == "Q8_0"  # Q6_K wanted, rows of 1408 fall back
     assert types["blk.3.ffn_down_exps.weight"] == "Q5_0"  # Q4_K wanted, falls back
     assert types["blk.1.ffn_gate_inp.weight"] == "F32" and types["blk.1.attn_k_b.weight"] == "Q5_0"
+
+
+@pytest.mark.parametrize("preset, total, active", [("v3", 671e9, 37e9), ("kimi-k2", 1.0e12, 32e9)])
+def test_v3_and_kimi_k2_presets_have_their_published_sizes(preset: str, total: float, active: float) -> None:
+    """DeepSeek-V3 (671B parameters, 37B active a token) and Kimi-K2 (1T, 32B) as deepseek2 files: the counts the
+    model cards give, from the tensors' shapes (no MTP layer: llama.cpp's converter leaves it out)."""
+    plan = plan_fixture("deepseek2", preset, "Q4_K_M")
+    c = plan.config
+    params = sum(int(np.prod(p.shape)) for p in plan.tensors)
+    routed = sum(int(np.prod(p.shape)) for p in plan.tensors if "_exps." in p.name)
+    assert abs(params / total - 1) < 0.03
+    assert 0 <= (params - routed + routed * c.n_expert_used // c.n_expert) / active - 1 < 0.03
+    assert c.n_layer == 61 and c.n_dense_lead == (3 if preset == "v3" else 1)
+
+
+def test_sparse_v3_file_is_placed_over_gpus_and_host(tmp_path: Path) -> None:
+    """A V3-shaped IQ2_XXS file, sparse: four 22 GiB GPUs and 256 GiB of host memory hold it heterogeneously (hot
+    experts cached, the rest computed on the CPU); a 4 GiB GPU cannot hold its attention, one clear error."""
+    from pocketmoe.inspect_gguf import main as inspect
+
+    (path,) = write_fixture("deepseek2", "v3", "IQ2_XXS", tmp_path / "v3.gguf", sparse=True)
+    assert path.stat().st_blocks * 512 < 64e6
+    out = tmp_path / "out.json"
+    with open(out, "w") as f, contextlib.redirect_stdout(f):
+        assert inspect([str(path), "--json", "--placement-report", "--host-memory-gib", "256", "--num-gpus", "4",
+                        "--gpu-memory-gib", "22"]) == 0
+    placement = json.loads(out.read_text())["placement"]
+    assert placement["mode"] == "heterogeneous" and len(placement["devices"]) == 4
+    assert all(d["cache_slots"] > 0 for d in placement["devices"])
+    with open(out, "w") as f, contextlib.redirect_stdout(f):
+        assert inspect([str(path), "--json", "--placement-report", "--host-memory-gib", "256", "--num-gpus", "1",
+                        "--gpu-memory-gib", "4"]) != 0
+    assert "need" in json.loads(out.read_text())["placement"]["error"]
 
 
 def test_bench_preset_is_the_452m_moe() -> None:

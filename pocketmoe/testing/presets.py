@@ -48,6 +48,20 @@ _DS4_TINY = DeepSeek4Config(
     swiglu_clamp_shexp=(10.0,) * 4, n_hash_layers=1, hc_count=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
     rms_eps=1e-6, rope_freq_base=10000.0, compress_rope_freq_base=160000.0, rope_scaling=_YARN4)
 
+# DeepSeek-V3 / R1 (671B) and Kimi-K2 (1T), both `deepseek2` files (their HF configs): 61 layers at hidden 7168,
+# 2048-wide routed experts top-8 with one shared, sigmoid routing with weights normalized and scaled; V3 routes in
+# 8 groups of which 4 are used, Kimi-K2 over 384 experts with 64 heads. For `--sparse` files and placement
+# reports (hundreds of GB when written).
+_DS3 = DeepSeek2Config(
+    n_vocab=129280, n_ctx=163840, n_embd=7168, n_layer=61, n_head=128, n_ff=18432, n_expert=256, n_expert_used=8,
+    n_expert_shared=1, n_ff_exp=2048, n_dense_lead=3, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, mla_layout="absorbed", gating_func=2, expert_weights_norm=True,
+    expert_weights_scale=2.5, n_expert_groups=8, n_expert_groups_used=4, rms_eps=1e-6, rope_freq_base=10000.0,
+    rope_scaling=RopeScaling("yarn", 40.0, 4096, 32.0, 1.0), mscale_all_dim=1.0, bos_token_id=0, eos_token_id=1)
+_KIMI_K2 = replace(_DS3, n_vocab=163840, n_ctx=131072, n_head=64, n_expert=384, n_dense_lead=1,
+                   expert_weights_scale=2.827, n_expert_groups=1, n_expert_groups_used=1, rope_freq_base=50000.0,
+                   rope_scaling=RopeScaling("yarn", 32.0, 4096, 1.0, 1.0), bos_token_id=163584, eos_token_id=163585)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "deepseek2": {
         "tiny": _DS2_TINY,
@@ -55,6 +69,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tiny-qlora": replace(_DS2_TINY, q_lora_rank=256),
         "bench": _DS2_BENCH,
         "full": DeepSeek2Config.v2_lite(),
+        "v3": _DS3,
+        "kimi-k2": _KIMI_K2,
     },
     "minimax-m2": {
         "tiny": _MM2_TINY,
