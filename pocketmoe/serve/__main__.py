@@ -3,7 +3,7 @@
     python -m pocketmoe.serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
         [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
         [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N] [--reasoning-format auto|none]
-        [--responses-store-mib M] [--reasoning-budget N] [--reasoning-budget-message TEXT] [--spm-infill]
+        [--responses-store-mib M] [--responses-store-dir DIR] [--reasoning-budget N] [--reasoning-budget-message TEXT] [--spm-infill]
         [--prefix-cache-dir DIR] [--prefix-cache-disk-gib G] [--allowed-origins ORIGIN[,ORIGIN...]]
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
@@ -110,6 +110,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="memory for the /v1/responses replies kept for previous_response_id and GET /v1/responses/ID "
                    "and, as much again, for /v1/conversations "
                    f"(default {DEFAULT_RESPONSES_STORE_MIB}; the least recently used go first; 0: keep none)")
+    p.add_argument("--responses-store-dir", default=None, metavar="DIR",
+                   help="keep the stored responses and conversations as files here too, so they outlive the server "
+                   "(read back at start; default: memory only)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -181,6 +184,21 @@ def runner_config(args: argparse.Namespace, budget: int, max_len: int):  # noqa:
                         kv_dtype=args.kv_dtype, kv_cache_bytes=budget, max_seqs=args.max_num_seqs,
                         placement=placement_from_args(args), prefix_cache_dir=args.prefix_cache_dir,
                         prefix_cache_disk_bytes=int(args.prefix_cache_disk_gib * 2**30))
+
+
+def stores(args: argparse.Namespace) -> dict[str, object]:
+    """The stored responses' and conversations' stores (ServerState's fields), read back from
+    --responses-store-dir where it is given."""
+    from pocketmoe.serve.conversations import ConversationStore
+    from pocketmoe.serve.responses import ResponseStore
+
+    capacity = int(args.responses_store_mib * 2**20)
+    try:
+        return {"responses": ResponseStore(capacity, args.responses_store_dir),
+                "conversations": ConversationStore(capacity, args.responses_store_dir)}
+    except OSError as e:
+        raise PocketMoEError(f"--responses-store-dir {args.responses_store_dir}: {e.strerror or e}; give a "
+                             "directory this user can write.") from None
 
 
 def from_rank0(value: object) -> object:
@@ -301,8 +319,6 @@ def worker(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from pocketmoe.serve.api import ServerState, create_app
-    from pocketmoe.serve.conversations import ConversationStore
-    from pocketmoe.serve.responses import ResponseStore
 
     if args.model is None:
         from pocketmoe.demo_model import demo_model_path
@@ -318,8 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format,
                         reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
                         spm_infill=args.spm_infill, allowed_origins=args.allowed_origins,
-                        responses=ResponseStore(int(args.responses_store_mib * 2**20)),
-                        conversations=ConversationStore(int(args.responses_store_mib * 2**20)))
+                        **stores(args))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -9,6 +9,7 @@ metadata), retrieve, update (metadata), delete; and a conversation's items: add 
 
 Conversations are kept in memory, at most the server's `--responses-store-mib` of their JSON (apart from the
 responses' own store); the least recently used goes first to make room, and one that is gone is a 404 that says so.
+With `--responses-store-dir` they are files there too, read back when the server starts again.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictStr
 
+from pocketmoe.serve.persist import JsonDir
 from pocketmoe.serve.protocol import RequestError, _Body
 from pocketmoe.serve.responses import _ITEMS, InputItem, ResponsesRequest, _id, input_item, item_page
 
@@ -65,11 +68,23 @@ def _readable(items: list[Any], field: str) -> list[dict[str, Any]]:
 
 
 class ConversationStore:
-    """Conversations by id, in memory, at most `capacity` bytes of their JSON; the least recently used goes first."""
+    """Conversations by id, in memory, at most `capacity` bytes of their JSON; the least recently used goes first.
+    With a `directory` each is also a file there (serve/persist.py), read back when the server starts again."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, directory: str | Path | None = None) -> None:
         self.capacity, self.size = capacity, 0
         self._kept: OrderedDict[str, Conversation] = OrderedDict()
+        self._disk = JsonDir(directory, "conversations")
+        for key, v in self._disk.load():
+            try:
+                conv = Conversation(key, int(v["created_at"]), dict(v["metadata"]), list(v["items"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+            self._kept[key] = conv
+            try:
+                self._resize(conv, save=False)
+            except RequestError:  # larger than the store now holds: dropped (its file too)
+                pass
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -90,11 +105,13 @@ class ConversationStore:
                                "dropped when the conversations passed the server's --responses-store-mib.",
                                status=404, code="not_found")
         self._kept.move_to_end(conversation_id)
+        self._disk.touch(conversation_id)
         return conv
 
     def delete(self, conversation_id: str) -> None:
         self.size -= self.get(conversation_id).size
         del self._kept[conversation_id]
+        self._disk.remove(conversation_id)
 
     def add(self, conversation_id: str, items: list[dict[str, Any]]) -> None:
         """Append items, then make room (others first); a conversation larger than the whole store is a 400."""
@@ -126,7 +143,8 @@ class ConversationStore:
         """The conversation's items as a Responses request's input items (what goes before its own)."""
         return _ITEMS.validate_python(self.get(conversation_id).items)
 
-    def _resize(self, conv: Conversation) -> None:
+    def _resize(self, conv: Conversation, save: bool = True) -> None:
+        """Count a changed conversation's bytes (and write it out), then make room: the others first."""
         size = len(json.dumps(conv.items)) + len(json.dumps(conv.metadata))
         if size > self.capacity:
             self.delete(conv.id)
@@ -135,9 +153,12 @@ class ConversationStore:
                                "input instead.", "items")
         self.size += size - conv.size
         conv.size = size
+        if save:
+            self._disk.save(conv.id, {"created_at": conv.created_at, "metadata": conv.metadata, "items": conv.items})
         while self.size > self.capacity:
             oldest = next(iter(self._kept))
             self.size -= self._kept.pop(oldest).size
+            self._disk.remove(oldest)
 
 
 def add_routes(app: FastAPI, store: ConversationStore, parse: Any) -> None:

@@ -24,10 +24,12 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import ConfigDict, Discriminator, Field, StrictStr, Tag, TypeAdapter
 
+from pocketmoe.serve.persist import JsonDir
 from pocketmoe.serve.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
@@ -394,27 +396,45 @@ class Stored:
 
 class ResponseStore:
     """The responses kept for previous_response_id and GET / DELETE /v1/responses/{id}: in memory, at most
-    `capacity` bytes of their JSON; the least recently used (made, read or continued) goes first to make room."""
+    `capacity` bytes of their JSON; the least recently used (made, read or continued) goes first to make room.
+    With a `directory` each is also a file there (serve/persist.py), read back when the server starts again; a
+    background response that was still running then is failed."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, directory: str | Path | None = None) -> None:
         self.capacity, self.size = capacity, 0
         self._kept: OrderedDict[str, Stored] = OrderedDict()
+        self._disk = JsonDir(directory, "responses")
+        for key, v in self._disk.load():
+            response = v.get("response")
+            if not isinstance(response, dict) or response.get("id") != key:
+                continue
+            if response.get("status") in ("queued", "in_progress"):
+                response = {**response, "status": "failed", "error": {
+                    "code": "server_error", "message": "the server stopped before this background response finished."}}
+            if not self.put(response, v.get("items") or [], v.get("previous"), save=response is not v["response"]):
+                self._disk.remove(key)
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, response: dict[str, Any], items: list[dict[str, Any]], previous: str | None) -> bool:
+    def put(self, response: dict[str, Any], items: list[dict[str, Any]], previous: str | None,
+            save: bool = True) -> bool:
         """Keep a response (False: it alone is larger than the store)."""
         size = len(json.dumps(response)) + len(json.dumps(items))
         old = self._kept.pop(response["id"], None)  # a background response kept again as it runs
         if old is not None:
             self.size -= old.size
         if size > self.capacity:
+            self._disk.remove(response["id"])
             return False
         while self.size + size > self.capacity:
-            self.size -= self._kept.popitem(last=False)[1].size
+            gone, kept = self._kept.popitem(last=False)
+            self.size -= kept.size
+            self._disk.remove(gone)
         self._kept[response["id"]] = Stored(response, items, previous, size)
         self.size += size
+        if save:
+            self._disk.save(response["id"], {"response": response, "items": items, "previous": previous})
         return True
 
     def get(self, response_id: str) -> Stored:
@@ -424,12 +444,17 @@ class ResponseStore:
             raise RequestError(f"there is no stored response {response_id!r}: it was made with store false, deleted, "
                                "or dropped when the store passed its --responses-store-mib.", status=404,
                                code="not_found")
-        self._kept.move_to_end(response_id)
+        self._used(response_id)
         return kept
 
     def delete(self, response_id: str) -> None:
         self.size -= self.get(response_id).size
         del self._kept[response_id]
+        self._disk.remove(response_id)
+
+    def _used(self, response_id: str) -> None:
+        self._kept.move_to_end(response_id)
+        self._disk.touch(response_id)
 
     def conversation(self, response_id: str) -> list[Any]:
         """The input items that continue response `response_id`: from the first response of its chain on, each
@@ -450,7 +475,7 @@ class ResponseStore:
             chain.append((at, kept))
             at = kept.previous
         for at, _ in reversed(chain):
-            self._kept.move_to_end(at)
+            self._used(at)
         return _ITEMS.validate_python([x for _, kept in reversed(chain) for x in (*kept.items,
                                                                                   *kept.response["output"])])
 
