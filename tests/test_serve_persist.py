@@ -55,6 +55,9 @@ def test_responses_come_back_in_their_order_of_use(tmp_path: Path, caplog: pytes
     assert failed["status"] == "failed" and "stopped" in failed["error"]["message"]
     assert json.loads((tmp_path / "responses" / "resp_4.json").read_text())["response"]["status"] == "failed"
     assert (tmp_path / "responses" / "notes.txt").exists() and len(third) == 2
+    before = sorted(p.name for p in (tmp_path / "responses").iterdir())
+    assert len(ResponseStore(0, tmp_path)) == 0  # a server that keeps none leaves the files be
+    assert sorted(p.name for p in (tmp_path / "responses").iterdir()) == before
 
 
 def test_conversations_come_back_as_they_were_left(tmp_path: Path) -> None:

@@ -74,7 +74,7 @@ class ConversationStore:
     def __init__(self, capacity: int, directory: str | Path | None = None) -> None:
         self.capacity, self.size = capacity, 0
         self._kept: OrderedDict[str, Conversation] = OrderedDict()
-        self._disk = JsonDir(directory, "conversations")
+        self._disk = JsonDir(directory if capacity else None, "conversations")  # keeping none: the files are left be
         for key, v in self._disk.load():
             try:
                 conv = Conversation(key, int(v["created_at"]), dict(v["metadata"]), list(v["items"]))

@@ -403,7 +403,7 @@ class ResponseStore:
     def __init__(self, capacity: int, directory: str | Path | None = None) -> None:
         self.capacity, self.size = capacity, 0
         self._kept: OrderedDict[str, Stored] = OrderedDict()
-        self._disk = JsonDir(directory, "responses")
+        self._disk = JsonDir(directory if capacity else None, "responses")  # keeping none: the files are left be
         for key, v in self._disk.load():
             response = v.get("response")
             if not isinstance(response, dict) or response.get("id") != key:
