@@ -74,12 +74,16 @@ class JsonDir:
         """(key, value) of every entry, least recently used first."""
         if self.dir is None:
             return []
-        files = sorted((p for p in self.dir.glob("*.json") if _NAME.fullmatch(p.stem)),
-                       key=lambda p: (p.stat().st_mtime_ns, p.name))
-        if files:
-            self._last = max(self._last, files[-1].stat().st_mtime_ns)
+        stamped = []
+        for p in self.dir.glob("*.json"):
+            if _NAME.fullmatch(p.stem):
+                with contextlib.suppress(FileNotFoundError):  # gone since the listing
+                    stamped.append((p.stat().st_mtime_ns, p.name, p))
+        stamped.sort()
+        if stamped:
+            self._last = max(self._last, stamped[-1][0])
         out = []
-        for p in files:
+        for _, _, p in stamped:
             try:
                 value = json.loads(p.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
