@@ -23,7 +23,8 @@ FIXED = [
     "def f(x):\n    return x ** 2\n", "<｜begin▁of▁sentence｜>User: hi\n\nAssistant:",
     "a<｜end▁of▁sentence｜>b<｜User｜><｜Assistant｜>", "<s>text</s><unk>", "\u0378\ue000\ufffd\U0010fffd",
     "∑∫√∞ ≤≥≠ ←→ ①② ½¼ ²³", "XMLHttpRequest getHTTPResponse McDONALD'S I'LL can'T ÀÉÎõü ΑβΓδ ǅemal",
-    "path/to/file.py\n// a/b\n12345678 x1y22z333", "getUserName iPhone 中文abc12345DEF 漢字かな ,中 x\u0301y", "مرحبا بالعالم नमस्ते ภาษาไทย", "   leading", "trailing   ", "\n\n\n",
+    "path/to/file.py\n// a/b\n12345678 x1y22z333", "getUserName iPhone 中文abc12345DEF 漢字かな ,中 x\u0301y",
+    "مرحبا بالعالم नमस्ते ภาษาไทย", "   leading", "trailing   ", "\n\n\n",
 ]
 POOL = (
     list("abcXYZ019 '\"!?.,;:-_()[]{}<>|/\\@#$%^&*+=~`") + ["  ", "   ", "\t", "\n", "\r", "\r\n"]

@@ -3,7 +3,8 @@
     python -m pocketmoe.serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
         [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
         [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N] [--reasoning-format auto|none]
-        [--responses-store-mib M] [--responses-store-dir DIR] [--reasoning-budget N] [--reasoning-budget-message TEXT] [--spm-infill]
+        [--responses-store-mib M] [--responses-store-dir DIR] [--reasoning-budget N]
+        [--reasoning-budget-message TEXT] [--spm-infill]
         [--prefix-cache-dir DIR] [--prefix-cache-disk-gib G] [--allowed-origins ORIGIN[,ORIGIN...]]
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 

@@ -65,8 +65,6 @@ PRE_REGEXES: dict[str, tuple[str, ...]] = {
     ),
 }
 PRE_ALIASES = {"gpt2": "gpt-2", "deepseek3-llm": "deepseek-v3", "minimax-m2": "gpt-4o"}
-# pre types llama.cpp splits with a hand-written scanner rather than its regexes (PRE_SPLITTERS, below)
-CUSTOM_PRES = ("kimi-k2",)
 
 # category stand-ins and the ASCII members llama.cpp adds for each \p{X} (unicode.cpp)
 _CATEGORY_CHAR = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}
@@ -89,7 +87,7 @@ def resolve_pre(pre: str | None) -> str:
     if not pre:
         return "default"
     pre = PRE_ALIASES.get(pre, pre)
-    if pre not in PRE_REGEXES and pre not in CUSTOM_PRES:
+    if pre not in PRE_REGEXES and pre not in PRE_SPLITTERS:
         warnings.warn(f"unknown tokenizer.ggml.pre {pre!r}; splitting words with the gpt-2 regex",
                       stacklevel=2)
         return "gpt-2"
@@ -228,6 +226,7 @@ def _kimi_k2_lengths(text: str) -> list[int]:
     return out
 
 
+# pre types llama.cpp splits with a hand-written scanner rather than its regexes: the words' lengths
 PRE_SPLITTERS: dict[str, Callable[[str], list[int]]] = {"kimi-k2": _kimi_k2_lengths}
 
 
