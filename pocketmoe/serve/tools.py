@@ -230,25 +230,26 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], tok: Tokenizer, o
                 parts.append(f"f{i}p{j}" if pname in required else f"f{i}p{j}?")
             rules.append(f"f{i}: " + json.dumps(f'<invoke name="{fn["name"]}">\n', ensure_ascii=False) + " "
                          + " ".join(parts) + ' "</invoke>\\n"')
-    elif fmt is KIMI:
+    else:  # arguments as JSON: the format's frame of a call, and the text before and after each tool's arguments
+        if fmt is KIMI:
+            frame = f"{mark('<|tool_call_begin|>')} \"functions.\" fn"
+
+            def around(name: str) -> tuple[str, str]:
+                return (json.dumps(name + ":", ensure_ascii=False) + " /[0-9]{1,4}/ "
+                        + mark("<|tool_call_argument_begin|>"), mark("<|tool_call_end|>"))
+        else:
+            kind = "\"function\" " + mark("<｜tool▁sep｜>") + " " if fmt is DEEPSEEK else ""
+            frame = f"{mark('<｜tool▁call▁begin｜>')} {kind}fn {mark('<｜tool▁call▁end｜>')}"
+
+            def around(name: str) -> tuple[str, str]:
+                if fmt is DEEPSEEK:
+                    return json.dumps(f"{name}\n```json\n", ensure_ascii=False), json.dumps("\n```")
+                return json.dumps(name, ensure_ascii=False) + " " + mark("<｜tool▁sep｜>"), ""
         rules.append(f"start: {mark(fmt.start)} call{'+' if many else ''} {mark(fmt.end)}")
-        rules.append(f"call: {mark('<|tool_call_begin|>')} \"functions.\" fn")
+        rules.append(f"call: {frame}")
         rules.append("fn: " + " | ".join(f"f{i}" for i in range(len(fns))))
         for i, fn in enumerate(fns):
-            rules.append(f"f{i}: " + json.dumps(fn["name"] + ":", ensure_ascii=False) + " /[0-9]{1,4}/ "
-                         f"{mark('<|tool_call_argument_begin|>')} f{i}a {mark('<|tool_call_end|>')}")
-            rules.append(f"f{i}a: {schema_rule(fn.get('parameters') or {'type': 'object'})}")
-    else:
-        rules.append(f"start: {mark(fmt.start)} call{'+' if many else ''} {mark(fmt.end)}")
-        kind = "\"function\" " + mark('<｜tool▁sep｜>') if fmt is DEEPSEEK else ""
-        rules.append(f"call: {mark('<｜tool▁call▁begin｜>')} {kind}fn {mark('<｜tool▁call▁end｜>')}")
-        rules.append("fn: " + " | ".join(f"f{i}" for i in range(len(fns))))
-        for i, fn in enumerate(fns):
-            if fmt is DEEPSEEK:
-                rules.append(f"f{i}: " + json.dumps(f"{fn['name']}\n```json\n", ensure_ascii=False) + f" f{i}a "
-                             + json.dumps("\n```"))
-            else:
-                rules.append(f"f{i}: " + json.dumps(fn["name"], ensure_ascii=False) + f" {mark('<｜tool▁sep｜>')} "
-                             f"f{i}a")
+            before, after = around(fn["name"])
+            rules.append(f"f{i}: {before} f{i}a {after}".rstrip())
             rules.append(f"f{i}a: {schema_rule(fn.get('parameters') or {'type': 'object'})}")
     return Grammar("lark", "\n".join(rules) + "\n")
