@@ -861,7 +861,7 @@ def test_a_stream_waiting_on_a_long_prefill_keeps_alive(model: Path, monkeypatch
     from pocketmoe.tokenizer import Tokenizer
 
     class SlowEngine(ScriptedEngine):
-        def submit(self, ids, params, *, out=None, index_base=0, progress=False):  # noqa: ANN001, ANN201
+        def submit(self, ids, params, *, out=None, index_base=0, progress=False, slot=-1):  # noqa: ANN001, ANN201
             later: asyncio.Queue = asyncio.Queue()
             req = super().submit(ids, params, out=later, index_base=index_base)
 

@@ -352,3 +352,26 @@ def test_a_preempted_embedding_pools_its_prompt_afresh(model: Path) -> None:
     assert torch.equal(embed(small), want)
     assert any(isinstance(v.pooler, Pooler) for v in victims)  # the embedding itself was preempted
     assert small.cache.used_pages == 0
+
+
+def test_slots_lowest_free_or_the_one_asked_for_in_fifo_order(model: Path) -> None:
+    """A running sequence holds a slot: the lowest free one, or the one its request names, which it waits for
+    (and the queue behind it, though another slot is free); its deltas name it; the tokens are the solo ones."""
+    alone, _ = one_at_a_time(model, PROMPTS, 6, n_ctx=64, seqs=2)
+    eng, steps = make_engine(model, n_ctx=64, seqs=2)
+    got: dict[int, list] = {0: [], 1: [], 2: []}
+    reqs = [eng.submit(p, [greedy(6)], sink=got[i].append, slot=0 if i == 1 else -1)
+            for i, p in enumerate(PROMPTS)]
+    with pytest.raises(ValueError, match="slot 2 is not -1 nor in"):
+        eng.submit(PROMPTS[0], [greedy(1)], sink=got[0].append, slot=2)
+    eng.run_until_done()
+    a, b, c = (r.seqs[0] for r in reqs)
+    assert (a.slot, b.slot, c.slot) == (0, 0, 1)
+    for i, s in enumerate((a, b, c)):
+        deltas = [d for d in got[i] if d is not None]
+        assert {d.slot for d in deltas} == {s.slot}
+        assert [t for d in deltas for t in d.token_ids] == alone[i]
+    ran = [[c.seq for c in step.chunks] for step in steps]
+    a_last = max(k for k, keys in enumerate(ran) if a.key in keys)
+    assert min(k for k, keys in enumerate(ran) if c.key in keys) > a_last, "c ran ahead of b, which waits for slot 0"
+    assert eng.slots == [None, None] and eng.slot_last == [b, c]

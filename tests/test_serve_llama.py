@@ -437,3 +437,102 @@ def test_spm_infill_puts_the_suffix_first(llm):
                                suf, *enc(body["input_suffix"]), pre, *enc(body["input_prefix"]), *enc("ret"), mid]
     assert http.post("/v1/completions", json={"prompt": "def f(", "suffix": "):", "max_tokens": 4}).status_code == 200
     assert eng.prompts[-1] == [tok.bos_id, suf, *enc("):"), pre, *enc("def f("), mid]
+
+
+def test_slots_show_what_each_slot_ran(server, llm):
+    """GET /slots on the live server: one entry per --parallel slot; a /completion pinned by id_slot runs there
+    (its reply and stream say so), and that slot then shows the finished task: its counts match the reply, its
+    params the reply's generation_settings, and nothing of its text without --slots-debug."""
+    idle = httpx.get(server.url + "/slots", timeout=30).json()
+    assert [s["id"] for s in idle] == list(range(16))
+    assert all(s["n_ctx"] == MAX_LEN and s["is_processing"] is False and s["speculative"] is False for s in idle)
+    want = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+    out = post(server, {"prompt": "hello world", "n_predict": 7, "temperature": 0, "ignore_eos": True,
+                        "id_slot": 5, "top_k": 12}).json()
+    assert out["id_slot"] == 5 and out["content"] == want.text
+    assert {json.loads(e[6:])["id_slot"] for e in events(server, {"prompt": "hi", "n_predict": 3, "id_slot": 3})} \
+        == {3}
+    five = httpx.get(server.url + "/slots", timeout=30).json()[5]
+    assert five["is_processing"] is False and five["n_prompt_tokens"] == out["tokens_evaluated"]
+    assert five["n_prompt_tokens_processed"] + five["n_prompt_tokens_cache"] == out["tokens_evaluated"]
+    assert five["n_prompt_tokens_cache"] == out["tokens_cached"]
+    assert five["next_token"] == [{"has_next_token": False, "has_new_line": "\n" in want.text, "n_remain": 0,
+                                   "n_decoded": 7}]
+    settings = out["generation_settings"]
+    for key in ("temperature", "top_k", "top_p", "min_p", "seed", "n_predict", "repeat_penalty", "samplers",
+                "ignore_eos", "min_keep", "typical_p", "dry_multiplier"):
+        assert five["params"][key] == settings[key], key
+    assert "prompt" not in five and "generated" not in five and "stop" not in five["params"]
+    assert httpx.get(server.url + "/slots?fail_on_no_slot=1", timeout=30).status_code == 200
+    assert httpx.get(server.url + "/props", timeout=30).json()["endpoint_slots"] is True
+    bad = post(server, {"prompt": "hi", "n_predict": 1, "id_slot": 16})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "id_slot"
+    assert "0..15" in bad.json()["error"]["message"]
+
+
+def test_slots_while_a_task_runs(model: Path, llm):
+    """In-process, one slot, the engine held inside a step: /slots shows the running task's progress, and with
+    fail_on_no_slot a 503 (every slot busy); released, the reply is the solo greedy one and the slot idle again.
+    --slots-debug adds the prompt and text; --no-slots answers 501; --api-key guards /slots."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from pocketmoe.engine import ModelRunner, RunnerConfig
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.serve.__main__ import parse_args
+    from pocketmoe.serve.api import ServerState, create_app
+    from pocketmoe.serve.engine import Engine, EngineConfig
+    from pocketmoe.serve.metrics import Metrics
+
+    assert not parse_args(["--no-slots"]).slots and parse_args([]).slots and parse_args(["--slots-debug"]).slots_debug
+    bundle = open_bundle(model)
+    runner = ModelRunner(bundle, RunnerConfig(n_ctx=MAX_LEN, threads=1, max_seqs=1))
+    held, go, run_step, n = threading.Event(), threading.Event(), runner.run_step, [0]
+
+    def gated(step):  # noqa: ANN001, ANN202
+        n[0] += 1
+        if n[0] == 3:  # the prompt, one decode, then hold: two tokens drawn
+            held.set()
+            go.wait(60)
+        return run_step(step)
+
+    runner.run_step = gated  # type: ignore[method-assign]
+    tok = llm.tokenizer
+    eng = Engine(runner, tok, EngineConfig(max_num_seqs=1, max_model_len=MAX_LEN), Metrics())
+    eng.start()
+    try:
+        state = ServerState(model_name="m", max_model_len=MAX_LEN, engine=eng, tokenizer=tok, slots_debug=True)
+        http = TestClient(create_app(state))
+        body = {"prompt": "the quick brown fox", "n_predict": 9, "temperature": 0, "ignore_eos": True,
+                "return_tokens": True}
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(http.post, "/completion", json=body)
+            assert held.wait(60)
+            (busy,) = http.get("/slots").json()
+            assert http.get("/slots?fail_on_no_slot=1").status_code == 503
+            assert http.get("/slots?fail_on_no_slot=0").status_code == 200
+            go.set()
+            out = reply.result(60).json()
+        want = llm.generate(["the quick brown fox"], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))[0]
+        assert out["content"] == want.text and out["id_slot"] == 0
+        assert busy["is_processing"] is True and busy["id"] == 0 and busy["n_prompt_tokens"] == out["tokens_evaluated"]
+        assert busy["next_token"] == [{"has_next_token": True, "has_new_line": "\n" in tok.decode(out["tokens"][:2]),
+                                       "n_remain": 7, "n_decoded": 2}]
+        assert busy["prompt"] == tok.decode(want.prompt_token_ids) and busy["generated"] == tok.decode(out["tokens"][:2])
+        assert busy["params"]["stop"] == [] and busy["params"]["n_predict"] == 9
+        (done,) = http.get("/slots").json()
+        assert done["is_processing"] is False and done["next_token"][0]["n_decoded"] == 9
+        assert done["id_task"] == busy["id_task"] and done["generated"] == tok.decode(out["tokens"])
+        assert http.get("/slots?fail_on_no_slot=1").status_code == 200
+        off = TestClient(create_app(ServerState(model_name="m", max_model_len=MAX_LEN, engine=eng, tokenizer=tok,
+                                                slots_endpoint=False))).get("/slots")
+        assert off.status_code == 501 and "--no-slots" in off.json()["error"]["message"]
+        keyed = TestClient(create_app(ServerState(model_name="m", max_model_len=MAX_LEN, engine=eng, tokenizer=tok,
+                                                  api_key="k")))
+        assert keyed.get("/slots").status_code == 401
+        assert keyed.get("/slots", headers={"Authorization": "Bearer k"}).status_code == 200
+    finally:
+        go.set()
+        eng.stop()

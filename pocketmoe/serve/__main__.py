@@ -4,7 +4,7 @@
         [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
         [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N] [--reasoning-format auto|none]
         [--responses-store-mib M] [--responses-store-dir DIR] [--reasoning-budget N]
-        [--reasoning-budget-message TEXT] [--spm-infill]
+        [--reasoning-budget-message TEXT] [--spm-infill] [--no-slots] [--slots-debug]
         [--prefix-cache-dir DIR] [--prefix-cache-disk-gib G] [--allowed-origins ORIGIN[,ORIGIN...]]
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
@@ -114,6 +114,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--responses-store-dir", default=None, metavar="DIR",
                    help="keep the stored responses and conversations as files here too, so they outlive the server "
                    "(read back at start; default: memory only)")
+    p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve llama-server's GET /slots (each slot's state and sampling settings; default on)")
+    p.add_argument("--slots-debug", action="store_true",
+                   default=os.environ.get("LLAMA_SERVER_SLOTS_DEBUG", "") not in ("", "0"),
+                   help="/slots shows each slot's prompt and generated text too (as llama-server with "
+                        "LLAMA_SERVER_SLOTS_DEBUG=1, which also turns this on)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -335,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format,
                         reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
                         spm_infill=args.spm_infill, allowed_origins=args.allowed_origins,
-                        **stores(args))
+                        slots_endpoint=args.slots, slots_debug=args.slots_debug, **stores(args))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -63,6 +63,7 @@ from pocketmoe.serve.llama_api import (
     fim_layout,
     pick_fields,
     probabilities,
+    slot_view,
     stop_fields,
 )
 from pocketmoe.serve.llama_api import timings as llama_timings
@@ -105,11 +106,11 @@ ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/respo
              "/v1/messages", "/v1/messages/count_tokens", "/completion", "/completions", "/infill", "/tokenize",
              "/detokenize", "/apply-template", "/props", "/health", "/metrics", "/chat/completions", "/models",
              "/v1/health", "/v1/embeddings", "/embedding", "/embeddings", "/score", "/v1/score", "/rerank",
-             "/v1/rerank", "/v2/rerank")
+             "/v1/rerank", "/v2/rerank", "/slots")
 ANTHROPIC_ROUTES = "/v1/messages"
 # the routes --api-key guards (/completions too), but llama-server's /v1/health
 GATED = ("/v1", "/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props", "/chat/completions",
-         "/models", "/embedding", "/score", "/rerank", "/v2")
+         "/models", "/embedding", "/score", "/rerank", "/v2", "/slots")
 PUBLIC = ("/v1/health",)
 MAX_COMPLETION_CHOICES = 64  # prompts x n of one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
@@ -143,6 +144,8 @@ class ServerState:
     background: BackgroundRuns = field(default_factory=BackgroundRuns)  # background: true responses
     conversations: ConversationStore = field(
         default_factory=lambda: ConversationStore(DEFAULT_RESPONSES_STORE_MIB << 20))
+    slots_endpoint: bool = True  # GET /slots answers (--no-slots: 501)
+    slots_debug: bool = False  # /slots shows each slot's prompt and text too (--slots-debug)
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -281,8 +284,10 @@ class _Choice:
         self.error: str | None = None
         self.cached_tokens = 0
         self.stop_reason: str | int | None = None
+        self.slot = -1
 
     def add(self, d: Delta) -> None:
+        self.slot = d.slot if d.slot >= 0 else self.slot
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
@@ -379,16 +384,16 @@ def create_app(state: ServerState) -> FastAPI:
                                "shorten the prompt.", "prompt", code="context_length_exceeded")
         return ids
 
-    def run(prompts: list[list[int]], params: list[list[SamplingParams]], progress: bool = False
+    def run(prompts: list[list[int]], params: list[list[SamplingParams]], progress: bool = False, slot: int = -1
             ) -> tuple[asyncio.Queue, list]:
         """Submit one engine request per prompt; their deltas (global choice index) share one queue (with progress,
-        each prompt's progress deltas too)."""
+        each prompt's progress deltas too; `slot` >= 0: each runs in that slot, in turn)."""
         eng = engine()
         q: asyncio.Queue[Delta | None] = asyncio.Queue()
         reqs = []
         try:
             for i, (ids, ps) in enumerate(zip(prompts, params, strict=True)):
-                reqs.append(eng.submit(ids, ps, out=q, index_base=i * len(ps), progress=progress))
+                reqs.append(eng.submit(ids, ps, out=q, index_base=i * len(ps), progress=progress, slot=slot))
         except QueueFullError as e:
             for r in reqs:
                 eng.abort(r)
@@ -783,6 +788,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def llama_reply(request: Request, model: type[LlamaCompletionRequest]) -> Response:
         t0 = time.perf_counter()
         req, eng, tok, grammar = await accept(request, model)
+        if req.id_slot >= eng.cfg.max_num_seqs:
+            raise RequestError(f"id_slot {req.id_slot} names no slot: this server has {eng.cfg.max_num_seqs} "
+                               f"(--parallel), 0..{eng.cfg.max_num_seqs - 1}; give one of those, or -1 for any.",
+                               "id_slot")
         if isinstance(req, InfillRequest):
             prompts = [await encode_prompt(tok, await asyncio.to_thread(req.infill_ids, tok, state.max_model_len,
                                                                         state.spm_infill))]
@@ -811,7 +820,7 @@ def create_app(state: ServerState) -> FastAPI:
 
         def result(i: int, content: str) -> dict[str, Any]:
             c, ids = choices[i], prompts[i]
-            out = {"index": i, "content": content, "tokens": c.token_ids if req.return_tokens else [], "id_slot": -1,
+            out = {"index": i, "content": content, "tokens": c.token_ids if req.return_tokens else [], "id_slot": c.slot,
                    "stop": True, "model": state.model_name, "tokens_predicted": len(c.token_ids),
                    "tokens_evaluated": len(ids), "tokens_cached": c.cached_tokens,
                    "generation_settings": {**req.settings(params[i], state.max_model_len, state.model_name),
@@ -831,8 +840,8 @@ def create_app(state: ServerState) -> FastAPI:
             end[i] = now
             return i
 
-        q, reqs = run([prompts[i] for i in ran], [[params[i]] for i in ran], req.stream and req.return_progress) \
-            if ran else (asyncio.Queue(), [])
+        q, reqs = run([prompts[i] for i in ran], [[params[i]] for i in ran], req.stream and req.return_progress,
+                      req.id_slot) if ran else (asyncio.Queue(), [])
         if req.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
                 for i in set(choices) - set(ran):
@@ -842,7 +851,7 @@ def create_app(state: ServerState) -> FastAPI:
                         yield _error_event(d.error)
                         return
                     if d.progress is not None:  # llama-server's progress chunk
-                        yield {"index": ran[d.index], "content": "", "tokens": [], "stop": False, "id_slot": -1,
+                        yield {"index": ran[d.index], "content": "", "tokens": [], "stop": False, "id_slot": d.slot,
                                "prompt_progress": d.progress}
                         continue
                     i = seen(d, time.perf_counter())
@@ -854,7 +863,7 @@ def create_app(state: ServerState) -> FastAPI:
                         continue
                     c.add(d)
                     if d.text or d.token_ids:
-                        chunk = {"index": i, "content": d.text, "tokens": d.token_ids, "stop": False, "id_slot": -1,
+                        chunk = {"index": i, "content": d.text, "tokens": d.token_ids, "stop": False, "id_slot": d.slot,
                                  "tokens_predicted": len(c.token_ids), "tokens_evaluated": len(prompts[i])}
                         if req.n_probs:
                             chunk["completion_probabilities"] = probabilities(piece, d.logprobs, req.post_sampling_probs)
@@ -979,9 +988,27 @@ def create_app(state: ServerState) -> FastAPI:
                                                        "n_predict": -1, "seed": -1, "n_probs": 0, "min_keep": 0,
                                                        "mirostat": 0, "samplers": list(LLAMA_CHAIN)}},
             "total_slots": eng.cfg.max_num_seqs, "model_alias": state.model_name,
+            "endpoint_slots": state.slots_endpoint, "endpoint_props": False, "endpoint_metrics": True,
             "model_path": eng.runner.bundle.paths[0].name, "chat_template": tok.chat_template or "",
             "bos_token": token(tok.bos_id), "eos_token": token(tok.eos_id),
             "modalities": {"vision": False, "audio": False}, "build_info": f"pocketmoe {__version__}"})
+
+    @app.get("/slots")
+    async def slots(fail_on_no_slot: str = "") -> Response:
+        """llama-server's /slots: each of the --parallel slots, busy or idle, with the sequence it runs or ran last
+        (fail_on_no_slot: a 503 while every slot is busy, for a load balancer)."""
+        if not state.slots_endpoint:
+            raise RequestError("this server does not serve /slots (it was started with --no-slots); restart it "
+                               "without that flag.", status=501, type_="not_supported_error")
+        eng = engine()
+        busy, last = list(eng.slots), list(eng.slot_last)  # the engine thread writes them
+        if fail_on_no_slot not in ("", "0", "false") and None not in busy:
+            raise RequestError(f"no slot available: all {len(busy)} slots are busy (--parallel {len(busy)}); retry "
+                               "later.", status=503, type_="unavailable_error")
+        views = await asyncio.to_thread(lambda: [
+            slot_view(i, b or s, b is not None, state.max_model_len, eng.tok.decode, state.slots_debug)
+            for i, (b, s) in enumerate(zip(busy, last, strict=True))])
+        return JSONResponse(views)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -21,6 +21,10 @@ kernels: `ops.chunk_invariant`) a cached row is bitwise the row a prefill would 
 are the same with the cache as without, so that is where it is on by default. Sequences that want
 prompt logprobs compute their whole prompt.
 
+Slots (llama-server's): a running sequence holds one of `max_num_seqs` slots, the lowest free one or the one
+its request named (id_slot: it then waits for that slot, FIFO); /slots shows each slot's sequence, or the one it
+ran last. The prefix cache is shared, so which slot runs a prompt changes nothing in what it reuses.
+
 Legend: V vocab.
 """
 
@@ -86,6 +90,7 @@ class Delta:
     # "cache", "processed" (cached ones included), "time_ms" (since its prefill began)}
     progress: dict[str, int] | None = None
     embedding: torch.Tensor | None = None  # an embedding's: its prompt's pooled hidden state [D] ([T, D] unpooled)
+    slot: int = -1  # the slot its choice ran in (llama-server's id_slot; -1: none yet)
 
 
 @dataclass
@@ -113,6 +118,8 @@ class Seq:
     want_progress: bool = False  # send progress deltas while the prompt is computed (Delta.progress)
     admitted_at: float = 0.0
     pooler: Pooler | None = None  # an embedding's: its prompt is computed and pooled, nothing is generated
+    slot: int = -1  # the slot it runs in while running, else the one it last ran in (-1: none yet)
+    want_slot: int = -1  # the slot it must run in (llama-server's id_slot; -1: any free one)
 
     @property
     def decoding(self) -> bool:
@@ -161,6 +168,10 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Request | None]] = queue.SimpleQueue()
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
+        # llama-server's slots: each running sequence holds one of max_num_seqs; `slot_last` keeps the sequence a
+        # slot ran last (what /slots shows of an idle slot). Written by the engine thread alone.
+        self.slots: list[Seq | None] = [None] * cfg.max_num_seqs
+        self.slot_last: list[Seq | None] = [None] * cfg.max_num_seqs
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards the count of queued requests
         self._queued = 0
@@ -200,12 +211,15 @@ class Engine:
                loop: asyncio.AbstractEventLoop | None = None,
                out: asyncio.Queue[Delta | None] | None = None, index_base: int = 0,
                sink: Callable[[Delta | None], None] | None = None, samplers: Sequence[Sampler] | None = None,
-               progress: bool = False) -> Request:
+               progress: bool = False, slot: int = -1) -> Request:
         """Queue one request of len(params) choices over `prompt` (QueueFullError past max_queue). Its deltas
         (choice indices from index_base) go to `sink` (called in the engine's thread), else to `out` (default:
         its own queue), then one None; with `progress`, the first choice's progress deltas too. A grammar in the
         params that does not compile raises GrammarError here (`samplers`: the choices' samplers, built by the
-        caller)."""
+        caller). `slot` >= 0: the first choice runs in that slot, waiting (and the queue behind it) while it is
+        taken."""
+        if not -1 <= slot < self.cfg.max_num_seqs:
+            raise ValueError(f"slot {slot} is not -1 nor in [0, {self.cfg.max_num_seqs})")
         if samplers is None:
             samplers = [Sampler(p, self.tok) for p in params]
         req = self._request(len(prompt), loop, out, sink)
@@ -214,7 +228,8 @@ class Engine:
                 key=(req.id, i), request=req, index=index_base + i, prompt_len=len(prompt), tokens=list(prompt), params=p,
                 sampler=sampler, stop=StopChecker(p.stop, p.include_stop_str_in_output, p.n_indent),
                 decoder=self.tok.stream_decoder(p.skip_special_tokens),
-                want_prompt_logprobs=p.prompt_logprobs is not None, want_progress=progress and i == 0))
+                want_prompt_logprobs=p.prompt_logprobs is not None, want_progress=progress and i == 0,
+                want_slot=slot if i == 0 else -1))
         req.open = len(req.seqs)
         self._inbox.put(("add", req))
         return req
@@ -334,6 +349,7 @@ class Engine:
         self._dequeue(s.request)
         if s in self.running:
             self.running.remove(s)
+            self._vacate(s)
         elif s in self.waiting:
             self.waiting.remove(s)
         self.cache.free(s.key)
@@ -347,7 +363,7 @@ class Engine:
         stays free for its next decode token."""
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             s = self.waiting[0]
-            if self._sibling_prefilling(s):
+            if self._sibling_prefilling(s) or (s.want_slot >= 0 and self.slots[s.want_slot] is not None):
                 return
             reused = self._attach_prefix(s)
             pages = self.cache.pages_for(len(s.tokens)) - self.cache.pages_for(reused)
@@ -367,7 +383,17 @@ class Engine:
                     self.metrics.prefix_cache_queries.inc(len(s.tokens))
                     self.metrics.prefix_cache_hits.inc(reused)
             self.running.append(self.waiting.popleft())
+            self._occupy(s)
             self._dequeue(s.request)
+
+    def _occupy(self, s: Seq) -> None:
+        """Give an admitted sequence its slot: the one it asked for, else the lowest free one."""
+        s.slot = s.want_slot if s.want_slot >= 0 else self.slots.index(None)
+        self.slots[s.slot] = self.slot_last[s.slot] = s
+
+    def _vacate(self, s: Seq) -> None:
+        if self.slots[s.slot] is s:
+            self.slots[s.slot] = None
 
     def _sibling_prefilling(self, s: Seq) -> bool:
         """Whether another choice of s's request is computing the same prompt now: with prefix caching s then
@@ -393,6 +419,7 @@ class Engine:
     def _preempt(self) -> Seq:
         """Give the newest running sequence's pages back; it waits at the head of the queue to be recomputed."""
         victim = self.running.pop()
+        self._vacate(victim)
         self.cache.free(victim.key)
         victim.computed = 0
         if victim.pooler is not None:
@@ -472,7 +499,7 @@ class Engine:
 
     def _progress(self, s: Seq) -> None:
         if s.want_progress:
-            s.request.put(Delta(s.index, progress={
+            s.request.put(Delta(s.index, slot=s.slot, progress={
                 "total": s.prompt_len, "cache": s.cached, "processed": min(s.computed, s.prompt_len),
                 "time_ms": int((time.perf_counter() - s.admitted_at) * 1e3)}))
 
@@ -508,7 +535,7 @@ class Engine:
         text, stopped = s.stop.push(s.decoder.push(token))
         lp = s.sampler.logprob(logits, token)
         lps = [lp] if lp is not None else []
-        delta = Delta(s.index, text, [token], lps)
+        delta = Delta(s.index, text, [token], lps, slot=s.slot)
         if stopped or s.sampler.complete:
             delta.stop_reason = s.stop.matched
             self._finish(s, "stop", delta)
@@ -526,7 +553,7 @@ class Engine:
         d.text += s.stop.end(s.decoder.flush())
         if s.stop.limited:  # a line under n_indent (a limit, as llama.cpp counts it), not a stop string or token
             reason, d.stop_reason = "length", None
-        d.finish_reason, d.error, d.cached_tokens = reason, error, s.cached
+        d.finish_reason, d.error, d.cached_tokens, d.slot = reason, error, s.cached, s.slot
         req = s.request
         req.put(d)
         req.open -= 1

@@ -15,7 +15,8 @@ the other filters then unused).
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, StrictStr
 
@@ -36,6 +37,9 @@ from pocketmoe.serve.protocol import (
     _Body,
 )
 from pocketmoe.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pocketmoe.serve.engine import Seq
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
 RANDOM_SEED = -1  # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF as an int32)
@@ -69,6 +73,7 @@ class LlamaCompletionRequest(SamplingFields):
     # the sampler chain's order: names (llama.vim sends ["top_k", "top_p", "infill"]) or one-letter codes ("kpmt");
     # default llama.cpp's (penalties, top_k, top_p, min_p, temperature: the filters before the temperature)
     samplers: Annotated[list[StrictStr] | StrictStr, Field(max_length=32)] | None = None
+    id_slot: Annotated[int, Field(ge=-1)] = -1  # run in this slot (waiting while it is taken); -1: any free one
 
     def check(self) -> None:
         self.check_common()
@@ -163,19 +168,54 @@ class LlamaCompletionRequest(SamplingFields):
 
     def settings(self, params: SamplingParams, n_ctx: int, model: str) -> dict[str, Any]:
         """generation_settings: what the request ran with."""
-        return {"n_ctx": n_ctx, "model": model, "n_predict": params.max_tokens, "temperature": params.temperature,
-                "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
-                "repeat_penalty": params.repetition_penalty, "repeat_last_n": self.repeat_last_n,
-                "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
-                "seed": RANDOM_SEED if params.seed is None else params.seed, "stop": list(params.stop),
-                "ignore_eos": params.ignore_eos, "n_probs": self.n_probs,
-                "post_sampling_probs": self.post_sampling_probs, "stream": self.stream,
-                "logit_bias": [[t, b if b != float("-inf") else False] for t, b in params.logit_bias],
-                "grammar": self.grammar or "", "cache_prompt": self.cache_prompt, "n_indent": params.n_indent,
-                "t_max_predict_ms": params.max_predict_ms, "samplers": list(params.chain or ()),
-                **{name: getattr(params, name) for name in EXTRA_DEFAULTS},
-                "dry_sequence_breakers": list(params.dry_sequence_breakers), "mirostat": params.mirostat,
-                "mirostat_tau": params.mirostat_tau, "mirostat_eta": params.mirostat_eta, "min_keep": params.min_keep}
+        return {"n_ctx": n_ctx, "model": model, **sampling_settings(params), **content_settings(params),
+                "repeat_last_n": self.repeat_last_n, "stream": self.stream, "grammar": self.grammar or "",
+                "cache_prompt": self.cache_prompt}
+
+
+def sampling_settings(params: SamplingParams) -> dict[str, Any]:
+    """llama-server's settings of params that carry nothing of a request's text (what /slots shows: its
+    only_metrics set)."""
+    return {"n_predict": params.max_tokens, "max_tokens": params.max_tokens, "temperature": params.temperature,
+            "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "repeat_penalty": params.repetition_penalty, "repeat_last_n": params.penalty_last_n or -1,
+            "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+            "seed": RANDOM_SEED if params.seed is None else params.seed, "ignore_eos": params.ignore_eos,
+            "n_probs": params.logprobs or 0, "post_sampling_probs": params.logprobs_mode == "processed_logprobs",
+            "n_indent": params.n_indent, "t_max_predict_ms": params.max_predict_ms,
+            "samplers": list(params.chain or ()), **{name: getattr(params, name) for name in EXTRA_DEFAULTS},
+            "mirostat": params.mirostat, "mirostat_tau": params.mirostat_tau, "mirostat_eta": params.mirostat_eta,
+            "min_keep": params.min_keep}
+
+
+def content_settings(params: SamplingParams) -> dict[str, Any]:
+    """llama-server's settings of params that carry a request's text: stop strings, biases, grammar, DRY's
+    breakers."""
+    return {"stop": list(params.stop),
+            "logit_bias": [[t, b if b != float("-inf") else False] for t, b in params.logit_bias],
+            "grammar": params.grammar.source if params.grammar is not None else "",
+            "dry_sequence_breakers": list(params.dry_sequence_breakers)}
+
+
+def slot_view(slot: int, seq: Seq | None, busy: bool, n_ctx: int, decode: Callable[[list[int]], str],
+              debug: bool = False) -> dict[str, Any]:
+    """One entry of llama-server's /slots: the slot, and the sequence it runs (busy) or ran last. Its prompt and
+    text, and the settings that carry text, only with `debug` (llama-server's LLAMA_SERVER_SLOTS_DEBUG)."""
+    out: dict[str, Any] = {"id": slot, "n_ctx": n_ctx, "speculative": False, "is_processing": busy}
+    if seq is None:
+        return out
+    tokens = list(seq.tokens)  # the engine thread appends to it
+    text = decode(tokens[seq.prompt_len:])
+    out.update({
+        "id_task": seq.request.id, "n_prompt_tokens": seq.prompt_len,
+        "n_prompt_tokens_processed": max(min(seq.computed, seq.prompt_len) - seq.cached, 0),
+        "n_prompt_tokens_cache": seq.cached,
+        "params": {**sampling_settings(seq.params), **(content_settings(seq.params) if debug else {})},
+        "next_token": [{"has_next_token": busy, "has_new_line": "\n" in text,
+                        "n_remain": seq.params.max_tokens - seq.generated, "n_decoded": seq.generated}]})
+    if debug:
+        out.update(prompt=decode(tokens[:seq.prompt_len]), generated=text)
+    return out
 
 
 def pick_fields(paths: list[str], result: dict[str, Any]) -> dict[str, Any]:

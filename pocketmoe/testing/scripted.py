@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from pocketmoe.engine.sampler import TokenLogprob
 from pocketmoe.serve.api import ServerState, create_app
-from pocketmoe.serve.engine import Delta
+from pocketmoe.serve.engine import Delta, EngineConfig
 from pocketmoe.tokenizer import Tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -27,6 +27,7 @@ class ScriptedEngine:
 
     alive = True
     prefix_caching = False
+    cfg = EngineConfig()
     hold = False  # True: each choice sends its first token, then nothing until aborted (a reply that runs on)
 
     def __init__(self, tok: Tokenizer, architecture: str, script: str) -> None:
@@ -35,7 +36,7 @@ class ScriptedEngine:
         self.runner = type("R", (), {"vocab_size": tok.vocab_size,
                                      "bundle": type("B", (), {"architecture": architecture})()})()
 
-    def submit(self, ids, params, *, out=None, index_base=0, progress=False):  # noqa: ANN001, ANN201
+    def submit(self, ids, params, *, out=None, index_base=0, progress=False, slot=-1):  # noqa: ANN001, ANN201
         self.prompts.append(list(ids))
         self.params.append(list(params))
         for i, ps in enumerate(params):
