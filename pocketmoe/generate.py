@@ -54,6 +54,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
     """The sampling flags (generate's and chat's); sampling_params reads them."""
+    from pocketmoe.engine.sampler import SAMPLING_DEFAULTS as D
+
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=temperature,
                    help=f"0 = greedy (default {temperature:g})")
@@ -70,22 +72,22 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: 
                    help="the penalties look at this many last tokens (default 0: all of them)")
     g = p.add_argument_group("llama.cpp's other samplers", "llama-cli's flags; with any of them on, or --samplers, "
                              "the steps run in llama.cpp's chain (the temperature after the filters)")
-    g.add_argument("--typical", type=float, default=1.0, dest="typical_p", help="locally typical p (1: off)")
-    g.add_argument("--top-nsigma", type=float, default=-1.0, dest="top_n_sigma", help="top-n-sigma (<= 0: off)")
-    g.add_argument("--xtc-probability", type=float, default=0.0)
-    g.add_argument("--xtc-threshold", type=float, default=0.1)
-    g.add_argument("--dynatemp-range", type=float, default=0.0)
-    g.add_argument("--dynatemp-exp", type=float, default=1.0, dest="dynatemp_exponent")
-    g.add_argument("--dry-multiplier", type=float, default=0.0)
-    g.add_argument("--dry-base", type=float, default=1.75)
-    g.add_argument("--dry-allowed-length", type=int, default=2)
-    g.add_argument("--dry-penalty-last-n", type=int, default=-1, help="-1: the whole history, 0: off")
+    g.add_argument("--typical", type=float, default=D["typical_p"], dest="typical_p", help="locally typical p (1: off)")
+    g.add_argument("--top-nsigma", type=float, default=D["top_n_sigma"], dest="top_n_sigma", help="top-n-sigma (<= 0: off)")
+    g.add_argument("--xtc-probability", type=float, default=D["xtc_probability"])
+    g.add_argument("--xtc-threshold", type=float, default=D["xtc_threshold"])
+    g.add_argument("--dynatemp-range", type=float, default=D["dynatemp_range"])
+    g.add_argument("--dynatemp-exp", type=float, default=D["dynatemp_exponent"], dest="dynatemp_exponent")
+    g.add_argument("--dry-multiplier", type=float, default=D["dry_multiplier"])
+    g.add_argument("--dry-base", type=float, default=D["dry_base"])
+    g.add_argument("--dry-allowed-length", type=int, default=D["dry_allowed_length"])
+    g.add_argument("--dry-penalty-last-n", type=int, default=D["dry_penalty_last_n"], help="-1: the whole history, 0: off")
     g.add_argument("--dry-sequence-breaker", action="append", default=None, dest="dry_sequence_breakers",
                    metavar="TEXT", help="repeatable; replaces the defaults (newline, colon, quote, asterisk)")
     g.add_argument("--mirostat", type=int, default=0, choices=(0, 1, 2))
-    g.add_argument("--mirostat-lr", type=float, default=0.1, dest="mirostat_eta")
-    g.add_argument("--mirostat-ent", type=float, default=5.0, dest="mirostat_tau")
-    g.add_argument("--min-keep", type=int, default=0,
+    g.add_argument("--mirostat-lr", type=float, default=D["mirostat_eta"], dest="mirostat_eta")
+    g.add_argument("--mirostat-ent", type=float, default=D["mirostat_tau"], dest="mirostat_tau")
+    g.add_argument("--min-keep", type=int, default=D["min_keep"],
                    help="top-p, min-p, typical and XTC each leave at least this many tokens")
     order = g.add_mutually_exclusive_group()
     order.add_argument("--samplers", default=None, metavar="NAMES",
@@ -110,6 +112,7 @@ def sampling_params(args: argparse.Namespace, grammar: Grammar | None = None):  
     from pocketmoe.engine.sampler import (
         DRY_BREAKERS,
         LLAMA_CHAIN,
+        LLAMA_EXTRA_DEFAULTS,
         MIROSTAT_CHAIN,
         SamplingParams,
         SamplingParamsError,
@@ -117,10 +120,8 @@ def sampling_params(args: argparse.Namespace, grammar: Grammar | None = None):  
         sampler_chain,
     )
 
-    extras = {name: getattr(args, name) for name in (
-        "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
-        "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau",
-        "mirostat_eta", "min_keep")}
+    extras = {name: getattr(args, name) for name in (*LLAMA_EXTRA_DEFAULTS, "mirostat", "mirostat_tau", "mirostat_eta",
+                                                     "min_keep")}
     extras["dry_sequence_breakers"] = tuple(args.dry_sequence_breakers or DRY_BREAKERS)
     order = args.samplers.split(";") if args.samplers is not None else args.sampling_seq
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -303,6 +303,14 @@ class SamplingParams:
         if not self.ignore_eos:
             ids.update(eot_ids)
         return frozenset(ids)
+
+
+# SamplingParams' defaults (a CLI's or an API's own defaults start from these)
+SAMPLING_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(SamplingParams) if f.default is not MISSING}
+# llama.cpp's other samplers' knobs, at its defaults (each sampler off but for its own knobs)
+LLAMA_EXTRA_DEFAULTS: dict[str, Any] = {name: SAMPLING_DEFAULTS[name] for name in (
+    "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
+    "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n")}
 
 
 def sampler_chain(samplers: str | Sequence[str]) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from pydantic import (
 from pocketmoe.engine.sampler import (
     DRY_BREAKERS,
     LLAMA_CHAIN,
+    LLAMA_EXTRA_DEFAULTS,
     MAX_DRY_BREAKER_CHARS,
     MAX_DRY_BREAKERS,
     MAX_LOGPROBS,
@@ -49,10 +50,7 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_pr
                                          "self", "source"})
 
 NonNegInt = Annotated[int, Field(ge=0)]
-# llama.cpp's defaults of its other samplers (each off but for its own knobs)
-EXTRA_DEFAULTS = {"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
-                  "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75,
-                  "dry_allowed_length": 2, "dry_penalty_last_n": -1}
+EXTRA_DEFAULTS = LLAMA_EXTRA_DEFAULTS  # llama.cpp's other samplers' knobs at its defaults (SamplingParams')
 
 
 class RequestError(Exception):
