@@ -208,3 +208,46 @@ def test_generate_cli_reads_the_prompt_back(tmp_path: Path) -> None:
     runs = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300).stdout)
             for _ in range(2)]
     assert runs[0]["text"] == runs[1]["text"] and runs[0]["cached_tokens"] == 0 < runs[1]["cached_tokens"]
+
+
+def test_a_slot_file_puts_a_prompt_back_in_another_pool_bitwise(tmp_path: Path) -> None:
+    """llama-server's slot save / restore / erase at the pool's level: the full pages of a prompt go to one file
+    and back into a fresh pool (no store), bitwise, where a prompt starting with its tokens attaches them; a pool
+    too small takes what fits without touching held pages; erase drops the pages no sequence holds."""
+    from pocketmoe.engine.prefix_store import SlotFileError, read_slot_file, write_slot_file
+
+    tokens = list(range(300, 300 + 4 * PAGE + 5))
+    first = PagedKVCache(L, W, 16, 16 * PAGE)
+    values = compute(first, "a", tokens)
+    first.free("a")
+    rows = first.prefix_rows(tokens)
+    assert len(rows) == 4
+    path = tmp_path / "s.bin"
+    written = write_slot_file(path, b"k" * 16, tokens[:4 * PAGE], rows)
+    assert written == path.stat().st_size == 10 + 16 + 4 + 4 * 4 * PAGE + 4 * L * PAGE * W * 4
+    got_tokens, got_rows, read = read_slot_file(path, b"k" * 16, (L, PAGE, W), torch.float32)
+    assert got_tokens == tokens[:4 * PAGE] and read == written
+    fresh = PagedKVCache(L, W, 16, 16 * PAGE)
+    assert fresh.index_rows(got_tokens, got_rows) == 4 * PAGE and fresh.cached_pages == 4
+    assert fresh.attach("b", tokens) == 4 * PAGE
+    assert torch.equal(rows_of(fresh, "b", 4 * PAGE), values[:, :4 * PAGE])
+    assert fresh.index_rows(got_tokens, got_rows) == 4 * PAGE and fresh.cached_pages == 4  # already there
+    # three pages held by a running sequence, one free: one page goes in, the held ones stay as they were
+    small = PagedKVCache(L, W, 4, 4 * PAGE)
+    compute(small, "busy", list(range(900, 900 + 3 * PAGE)), seed=4)
+    held = rows_of(small, "busy", 3 * PAGE).clone()
+    assert small.index_rows(got_tokens, got_rows) == PAGE
+    assert torch.equal(rows_of(small, "busy", 3 * PAGE), held)
+    # erase: the pages "b" holds stay, then go once it is done
+    assert fresh.forget_prefix(tokens) == 0
+    fresh.free("b")
+    assert fresh.forget_prefix(tokens) == 4 * PAGE and fresh.cached_pages == 0 and fresh.free_pages == 16
+    assert fresh.attach("c", tokens) == 0
+    with pytest.raises(SlotFileError, match="another model"):
+        read_slot_file(path, b"x" * 16, (L, PAGE, W), torch.float32)
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(SlotFileError, match="cut short"):
+        read_slot_file(path, b"k" * 16, (L, PAGE, W), torch.float32)
+    (tmp_path / "t.bin").write_bytes(b"hello")
+    with pytest.raises(SlotFileError, match="not a slot file"):
+        read_slot_file(tmp_path / "t.bin", b"k" * 16, (L, PAGE, W), torch.float32)

@@ -477,44 +477,33 @@ def test_slots_while_a_task_runs(model: Path, llm):
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from fastapi.testclient import TestClient
-
-    from pocketmoe.engine import ModelRunner, RunnerConfig
-    from pocketmoe.gguf import open_bundle
     from pocketmoe.serve.__main__ import parse_args
-    from pocketmoe.serve.api import ServerState, create_app
-    from pocketmoe.serve.engine import Engine, EngineConfig
-    from pocketmoe.serve.metrics import Metrics
 
     assert not parse_args(["--no-slots"]).slots and parse_args([]).slots and parse_args(["--slots-debug"]).slots_debug
-    bundle = open_bundle(model)
-    runner = ModelRunner(bundle, RunnerConfig(n_ctx=MAX_LEN, threads=1, max_seqs=1))
-    held, go, run_step, n = threading.Event(), threading.Event(), runner.run_step, [0]
+    held, go, n = threading.Event(), threading.Event(), [0]
 
-    def gated(step):  # noqa: ANN001, ANN202
+    def gate() -> None:
         n[0] += 1
         if n[0] == 3:  # the prompt, one decode, then hold: two tokens drawn
             held.set()
             go.wait(60)
-        return run_step(step)
 
-    runner.run_step = gated  # type: ignore[method-assign]
     tok = llm.tokenizer
-    eng = Engine(runner, tok, EngineConfig(max_num_seqs=1, max_model_len=MAX_LEN), Metrics())
-    eng.start()
+    eng = started_engine(model, tok, 1, gate)
     try:
-        state = ServerState(model_name="m", max_model_len=MAX_LEN, engine=eng, tokenizer=tok, slots_debug=True)
-        http = TestClient(create_app(state))
+        http = client(eng, tok, slots_debug=True)
         body = {"prompt": "the quick brown fox", "n_predict": 9, "temperature": 0, "ignore_eos": True,
                 "return_tokens": True}
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(2) as pool:
             reply = pool.submit(http.post, "/completion", json=body)
             assert held.wait(60)
             (busy,) = http.get("/slots").json()
             assert http.get("/slots?fail_on_no_slot=1").status_code == 503
             assert http.get("/slots?fail_on_no_slot=0").status_code == 200
+            erase = pool.submit(http.post, "/slots/0?action=erase")  # runs between steps: the slot is still busy
             go.set()
             out = reply.result(60).json()
+            assert erase.result(60).status_code == 409 and erase.result().json()["error"]["code"] == "slot_busy", erase.result().text
         want = llm.generate(["the quick brown fox"], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))[0]
         assert out["content"] == want.text and out["id_slot"] == 0
         assert busy["is_processing"] is True and busy["id"] == 0 and busy["n_prompt_tokens"] == out["tokens_evaluated"]
@@ -526,13 +515,109 @@ def test_slots_while_a_task_runs(model: Path, llm):
         assert done["is_processing"] is False and done["next_token"][0]["n_decoded"] == 9
         assert done["id_task"] == busy["id_task"] and done["generated"] == tok.decode(out["tokens"])
         assert http.get("/slots?fail_on_no_slot=1").status_code == 200
-        off = TestClient(create_app(ServerState(model_name="m", max_model_len=MAX_LEN, engine=eng, tokenizer=tok,
-                                                slots_endpoint=False))).get("/slots")
+        off = client(eng, tok, slots_endpoint=False).get("/slots")
         assert off.status_code == 501 and "--no-slots" in off.json()["error"]["message"]
-        keyed = TestClient(create_app(ServerState(model_name="m", max_model_len=MAX_LEN, engine=eng, tokenizer=tok,
-                                                  api_key="k")))
+        keyed = client(eng, tok, api_key="k")
         assert keyed.get("/slots").status_code == 401
         assert keyed.get("/slots", headers={"Authorization": "Bearer k"}).status_code == 200
     finally:
         go.set()
         eng.stop()
+
+
+def started_engine(model: Path, tok, seqs: int, gate=None):  # noqa: ANN001, ANN201
+    """A running serving engine over the model with `seqs` slots; `gate` (if given) is called before each step."""
+    from pocketmoe.engine import ModelRunner, RunnerConfig
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.serve.engine import Engine, EngineConfig
+    from pocketmoe.serve.metrics import Metrics
+
+    runner = ModelRunner(open_bundle(model), RunnerConfig(n_ctx=MAX_LEN, threads=1, max_seqs=seqs, backend="auto"))
+    if gate is not None:
+        run_step = runner.run_step
+
+        def gated(step):  # noqa: ANN001, ANN202
+            gate()
+            return run_step(step)
+
+        runner.run_step = gated  # type: ignore[method-assign]
+    eng = Engine(runner, tok, EngineConfig(max_num_seqs=seqs, max_model_len=MAX_LEN), Metrics())
+    eng.start()
+    return eng
+
+
+def client(eng, tok, **state):  # noqa: ANN001, ANN003, ANN201
+    """An in-process client of the app over `eng` (ServerState's other fields as given)."""
+    from fastapi.testclient import TestClient
+
+    from pocketmoe.serve.api import ServerState, create_app
+
+    return TestClient(create_app(ServerState(model_name="m", max_model_len=MAX_LEN, engine=eng, tokenizer=tok, **state)))
+
+
+def test_slot_save_erase_restore_and_restore_after_a_restart(model: Path, llm, tmp_path: Path):
+    """POST /slots/{id}?action=...: save writes the full KV pages of what the slot ran last; erase drops them from
+    the prefix cache (the prompt is computed again); restore puts them back, in this server or a restarted one,
+    and the same prompt then takes them from the cache with the same tokens. Bad names, actions, slots, missing or
+    foreign files are clear errors; without --slot-save-path save and restore answer 501."""
+    from pocketmoe.engine.kv_cache import PAGE
+    from pocketmoe.engine.prefix_store import write_slot_file
+    from pocketmoe.serve.__main__ import parse_args
+
+    assert parse_args(["--slot-save-path", "d"]).slot_save_path == "d" and parse_args([]).slot_save_path is None
+    tok = llm.tokenizer
+    body = {"prompt": " ".join(f"w{i}" for i in range(40)), "n_predict": 6, "temperature": 0, "ignore_eos": True,
+            "id_slot": 1}
+    eng = started_engine(model, tok, 2)
+    if not eng.prefix_caching:
+        eng.stop()
+        pytest.skip("slot actions work on the prefix cache, on with the native kernels (not built here)")
+    try:
+        http = client(eng, tok, slot_save_path=tmp_path)
+        first = http.post("/completion", json=body).json()
+        n_prompt = first["tokens_evaluated"]
+        full = (n_prompt + 5) // PAGE * PAGE  # the prompt and 5 of the 6 tokens drawn have KV rows
+        reused = (n_prompt - 1) // PAGE * PAGE  # a prompt attaches pages of all but its last token
+        assert reused >= 2 * PAGE
+        saved = http.post("/slots/1?action=save", json={"filename": "chat.bin"}).json()
+        assert (saved["id_slot"], saved["filename"], saved["n_saved"]) == (1, "chat.bin", full)
+        assert saved["n_written"] == (tmp_path / "chat.bin").stat().st_size and saved["timings"]["save_ms"] > 0
+        assert http.post("/slots/0?action=save", json={"filename": "none.bin"}).json()["n_saved"] == 0
+        assert http.post("/slots/1?action=erase").json() == {"id_slot": 1, "n_erased": full}
+        again = http.post("/completion", json=body).json()
+        assert again["tokens_cached"] == 0 and again["content"] == first["content"]
+        assert http.post("/slots/1?action=erase").json()["n_erased"] == full
+        restored = http.post("/slots/0?action=restore", json={"filename": "chat.bin"}).json()
+        assert (restored["n_restored"], restored["n_read"]) == (full, saved["n_written"])
+        third = http.post("/completion", json={**body, "id_slot": 0}).json()
+        assert third["tokens_cached"] == reused and third["content"] == first["content"]
+        for url, payload, status, param in [
+                ("/slots/1?action=save", {"filename": "../x.bin"}, 400, "filename"),
+                ("/slots/1?action=save", {"filename": ".hidden"}, 400, "filename"),
+                ("/slots/1?action=save", {}, 400, "filename"),
+                ("/slots/1?action=load", {"filename": "a"}, 400, "action"),
+                ("/slots/2?action=save", {"filename": "a"}, 404, "id_slot"),
+                ("/slots/-1?action=erase", None, 404, "id_slot"),
+                ("/slots/0?action=restore", {"filename": "missing.bin"}, 404, "filename")]:
+            r = http.post(url, json=payload)
+            assert (r.status_code, r.json()["error"]["param"]) == (status, param), (url, r.text)
+        write_slot_file(tmp_path / "other.bin", b"z" * 16, [], [])
+        r = http.post("/slots/0?action=restore", json={"filename": "other.bin"})
+        assert r.status_code == 400 and "another model" in r.json()["error"]["message"]
+        bare = client(eng, tok)
+        assert bare.post("/slots/1?action=save", json={"filename": "a.bin"}).status_code == 501
+        assert bare.post("/slots/1?action=erase").status_code == 200
+        eng.cache.mirror = object()  # tensor parallel: each rank holds a share of the rows
+        r = http.post("/slots/1?action=erase")
+        assert r.status_code == 501 and "tensor parallelism" in r.json()["error"]["message"]
+        eng.cache.mirror = None
+    finally:
+        eng.stop()
+    restarted = started_engine(model, tok, 2)
+    try:
+        http = client(restarted, tok, slot_save_path=tmp_path)
+        assert http.post("/slots/1?action=restore", json={"filename": "chat.bin"}).json()["n_restored"] == full
+        out = http.post("/completion", json=body).json()
+        assert out["tokens_cached"] == reused and out["content"] == first["content"]
+    finally:
+        restarted.stop()

@@ -226,6 +226,58 @@ class PagedKVCache:
         self._page_key[page] = digest
         return page
 
+    # -- a prefix's rows out and in (llama-server's slot save / restore / erase) ------------------------------
+    def prefix_rows(self, tokens: Sequence[int]) -> list[torch.Tensor]:
+        """The rows [L, page, W] of the longest run of full pages of `tokens`, from the start, that the index (or
+        its store) holds: what indexed_rows takes back."""
+        out = []
+        for _, digest in self._digests(tokens):
+            page = self._index.get(digest)
+            rows = self.page_rows(page) if page is not None else (
+                self.store.load(digest) if self.store is not None else None)
+            if rows is None:
+                break
+            out.append(rows)
+        return out
+
+    def index_rows(self, tokens: Sequence[int], rows: Sequence[torch.Tensor]) -> int:
+        """Index pages of `rows` (prefix_rows' answer for `tokens`) so that sequences starting with those tokens
+        attach them; returns the positions the index then holds from the start. They take free pages, then the
+        least recently used of the index's, never each other's nor one a sequence holds: as many as the pool
+        has free or evictable pages for."""
+        room = len(self._free) + len(self._evictable)
+        n = 0
+        for i, digest in self._digests(tokens[:len(rows) * self.page]):
+            if digest not in self._index:
+                if not room:
+                    break
+                room -= 1
+                if not self._free:
+                    self._evict_one()
+                page = self._free.pop()
+                self.write_page(page, rows[i])
+                self._ref[page] = 1  # the index's
+                self._index[digest] = page
+                self._page_key[page] = digest
+                self._evictable[page] = None  # the most recently used: evicted after the pages indexed before
+                if self.store is not None and digest not in self.store:
+                    self.save_page(digest, page)
+            n = (i + 1) * self.page
+        return n
+
+    def forget_prefix(self, tokens: Sequence[int]) -> int:
+        """Drop from the index the pages of `tokens`' full pages that no sequence holds (a held one stays, and the
+        store's files stay); returns the positions dropped."""
+        n = 0
+        for _, digest in self._digests(tokens):
+            page = self._index.get(digest)
+            if page is not None and page in self._evictable:
+                del self._evictable[page]
+                del self._index[self._page_key.pop(page)]
+                self._release(page)
+                n += self.page
+        return n
+
     # -- the store for a sequence of its own (the single-sequence path: its pages are never shared) ----------------
     def stored_digests(self, tokens: Sequence[int]) -> list[bytes]:
         """The digests of the longest run of full pages of `tokens`, from the start, that the store keeps (none

@@ -11,6 +11,10 @@ model, quantization, backend or KV dtype never sees them. A file that is short, 
 miss and is removed. The files are kept within a byte budget, least recently used first.
 
 File: MAGIC, the key (16 bytes), the digest (16), then the page's rows [L, page, W] as the pool stores them.
+
+A slot file (llama-server's POST /slots/{id}?action=save, write_slot_file) holds one prompt's pages whole, for a
+later restore (read_slot_file) by the same key: SLOT_MAGIC, the key, the page count n (uint32 LE), the n * page
+tokens (int32 LE), then each page's rows as above.
 """
 
 from __future__ import annotations
@@ -25,13 +29,17 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+from pocketmoe.errors import PocketMoEError
 
 if TYPE_CHECKING:
     from pocketmoe.gguf import GGUFBundle
 
 log = logging.getLogger("pocketmoe.prefix_store")
 MAGIC = b"PMKVPAGE1\0"
+SLOT_MAGIC = b"PMKVSLOT1\0"
 SUFFIX = ".kv"
 SAMPLE = 4096  # bytes of each tensor's start and end that go into the model's key
 _HEX32 = re.compile(r"[0-9a-f]{32}")  # a key's directory and a page's file name (before SUFFIX)
@@ -142,3 +150,46 @@ class PrefixStore:
     def _drop(self, path: Path) -> None:
         self.bytes -= self._files.pop(path, 0)
         path.unlink(missing_ok=True)
+
+
+class SlotFileError(PocketMoEError):
+    """A slot file that cannot be read back here: not one, cut short, or from another model, backend or KV layout."""
+
+
+def write_slot_file(path: Path, key: bytes, tokens: list[int], rows: list[torch.Tensor]) -> int:
+    """Write the pages `rows` ([L, page, W] each) of `tokens` (len(rows) * page of them) to `path`, whole or not at
+    all (a temporary file, then renamed); returns the bytes written."""
+    head = SLOT_MAGIC + key + len(rows).to_bytes(4, "little") + np.asarray(tokens, dtype="<i4").tobytes()
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(head)
+            for r in rows:
+                f.write(r.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.stat().st_size
+
+
+def read_slot_file(path: Path, key: bytes, shape: tuple[int, int, int], dtype: torch.dtype
+                   ) -> tuple[list[int], list[torch.Tensor], int]:
+    """(tokens, the pages' rows [L, page, W], bytes read) of a slot file written for `key` (SlotFileError
+    otherwise; OSError where it cannot be read at all)."""
+    data = path.read_bytes()
+    page_bytes = shape[0] * shape[1] * shape[2] * torch.tensor([], dtype=dtype).element_size()
+    start = len(SLOT_MAGIC) + len(key) + 4
+    if not data.startswith(SLOT_MAGIC) or len(data) < start:
+        raise SlotFileError(f"{path.name} is not a slot file of this server; give a file a slot save wrote.")
+    if data[len(SLOT_MAGIC):start - 4] != key:
+        raise SlotFileError(f"{path.name} was saved from another model, op backend or KV layout (--kv-dtype) than "
+                            "this server's, whose rows it cannot use; restore it where it was saved.")
+    n = int.from_bytes(data[start - 4:start], "little")
+    tokens_end = start + 4 * n * shape[1]
+    if len(data) != tokens_end + n * page_bytes:
+        raise SlotFileError(f"{path.name} holds {len(data)} bytes but its {n} pages need {tokens_end + n * page_bytes}; "
+                            "it was cut short or changed since it was saved.")
+    tokens = np.frombuffer(data, dtype="<i4", count=n * shape[1], offset=start).tolist()
+    rows = [torch.frombuffer(bytearray(data[tokens_end + i * page_bytes:tokens_end + (i + 1) * page_bytes]),
+                             dtype=torch.uint8).view(dtype).reshape(shape) for i in range(n)]
+    return tokens, rows, len(data)

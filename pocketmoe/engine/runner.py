@@ -9,6 +9,7 @@ Legend: T tokens, V vocab.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -194,12 +195,25 @@ class ModelRunner:
         cache.store = self.store
         return cache
 
+    @functools.cached_property
+    def kv_key(self) -> bytes:
+        """prefix_store.model_key of this model, op backend and KV layout: the rows a prefix store's or a slot
+        file's pages hold are this runner's only under the same key."""
+        n_layer, width, dtype, _ = self._kv_layout
+        return model_key(self.bundle, type(self.ops).__name__, (n_layer, PAGE, width, dtype))
+
+    @property
+    def kv_page_shape(self) -> tuple[tuple[int, int, int], torch.dtype]:
+        """One KV page's rows: ([L, page, W], dtype)."""
+        n_layer, width, dtype, _ = self._kv_layout
+        return (n_layer, PAGE, width), dtype
+
     def _prefix_store(self) -> PrefixStore | None:
         """cfg.prefix_cache_dir's store for this model, backend and KV layout (None without the directory)."""
         if self.cfg.prefix_cache_dir is None:
             return None
         n_layer, width, dtype, _ = self._kv_layout
-        key = model_key(self.bundle, type(self.ops).__name__, (n_layer, PAGE, width, dtype))
+        key = self.kv_key
         root, budget = Path(self.cfg.prefix_cache_dir), self.cfg.prefix_cache_disk_bytes
         tp = self.parallel
         if tp.world > 1:  # each rank keeps its shard of every row, in a directory of its own, within its share

@@ -4,7 +4,7 @@
         [--api-key KEY] [--max-num-seqs N] [--max-model-len N] [--kv-cache-gib G] [--threads N]
         [--chat-template FILE] [--max-queue N] [--max-body-mib M] [--chunk-size N] [--reasoning-format auto|none]
         [--responses-store-mib M] [--responses-store-dir DIR] [--reasoning-budget N]
-        [--reasoning-budget-message TEXT] [--spm-infill] [--no-slots] [--slots-debug]
+        [--reasoning-budget-message TEXT] [--spm-infill] [--no-slots] [--slots-debug] [--slot-save-path DIR]
         [--prefix-cache-dir DIR] [--prefix-cache-disk-gib G] [--allowed-origins ORIGIN[,ORIGIN...]]
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
@@ -120,6 +120,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    default=os.environ.get("LLAMA_SERVER_SLOTS_DEBUG", "") not in ("", "0"),
                    help="/slots shows each slot's prompt and generated text too (as llama-server with "
                         "LLAMA_SERVER_SLOTS_DEBUG=1, which also turns this on)")
+    p.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="where POST /slots/{id}?action=save writes a slot's KV pages and action=restore reads them "
+                        "(llama-server's flag; without it those two answer 501)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -206,6 +209,19 @@ def stores(args: argparse.Namespace) -> dict[str, object]:
     except OSError as e:
         raise PocketMoEError(f"--responses-store-dir {args.responses_store_dir}: {e.strerror or e}; give a "
                              "directory this user can write.") from None
+
+
+def slot_save_path(args: argparse.Namespace) -> Path | None:
+    """--slot-save-path, made where it is missing (None without the flag)."""
+    if args.slot_save_path is None:
+        return None
+    path = Path(args.slot_save_path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PocketMoEError(f"--slot-save-path {path}: {e.strerror or e}; give a directory this user can write.") \
+            from None
+    return path
 
 
 def from_rank0(value: object) -> object:
@@ -341,7 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format,
                         reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
                         spm_infill=args.spm_infill, allowed_origins=args.allowed_origins,
-                        slots_endpoint=args.slots, slots_debug=args.slots_debug, **stores(args))
+                        slots_endpoint=args.slots, slots_debug=args.slots_debug, slot_save_path=slot_save_path(args),
+                        **stores(args))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -31,6 +32,7 @@ from starlette.middleware.cors import CORSMiddleware
 from pocketmoe import __version__
 from pocketmoe.defaults import DEFAULT_POOLING, DEFAULT_RESPONSES_STORE_MIB
 from pocketmoe.engine.budget import ReasoningBudget
+from pocketmoe.engine.prefix_store import SlotFileError, read_slot_file, write_slot_file
 from pocketmoe.engine.sampler import (
     LLAMA_CHAIN,
     SamplingParams,
@@ -55,11 +57,12 @@ from pocketmoe.serve.embeddings import (
     rerank_body,
     score_body,
 )
-from pocketmoe.serve.engine import Delta, Engine, QueueFullError
+from pocketmoe.serve.engine import Delta, Engine, QueueFullError, SlotBusyError
 from pocketmoe.serve.llama_api import DEFAULTS as LLAMA_DEFAULTS
 from pocketmoe.serve.llama_api import (
     InfillRequest,
     LlamaCompletionRequest,
+    SlotFileRequest,
     fim_layout,
     pick_fields,
     probabilities,
@@ -102,6 +105,7 @@ from pocketmoe.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pocketmoe.serve")
 Body = TypeVar("Body", bound=_Body)  # a request body type
+T = TypeVar("T")
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens",
              "/v1/messages", "/v1/messages/count_tokens", "/completion", "/completions", "/infill", "/tokenize",
              "/detokenize", "/apply-template", "/props", "/health", "/metrics", "/chat/completions", "/models",
@@ -146,6 +150,7 @@ class ServerState:
         default_factory=lambda: ConversationStore(DEFAULT_RESPONSES_STORE_MIB << 20))
     slots_endpoint: bool = True  # GET /slots answers (--no-slots: 501)
     slots_debug: bool = False  # /slots shows each slot's prompt and text too (--slots-debug)
+    slot_save_path: Path | None = None  # POST /slots/{id}?action=save|restore's files (--slot-save-path)
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -163,6 +168,8 @@ def _endpoint(path: str) -> str:
         return "/v1/responses/{id}"
     if path.startswith("/v1/conversations"):
         return "/v1/conversations"
+    if path.startswith("/slots/"):
+        return "/slots/{id}"
     return path if path in ENDPOINTS else "other"
 
 
@@ -243,6 +250,14 @@ def _parse(model: type[Body], body: bytes) -> Body:
         raise pydantic_error(e.errors()) from None
     req.check()
     return req
+
+
+async def _engine_call(eng: Engine, fn: Callable[[], T]) -> T:
+    """fn's result, run in the engine's thread between steps (a busy slot: 409)."""
+    try:
+        return await asyncio.wrap_future(eng.call(fn))
+    except SlotBusyError as e:
+        raise RequestError(str(e), status=409, type_="invalid_request_error", code="slot_busy") from None
 
 
 def _sampling(req: SamplingFields, grammar: Grammar | None, max_tokens: int, vocab: int, n_prompt: int,
@@ -1009,6 +1024,61 @@ def create_app(state: ServerState) -> FastAPI:
             slot_view(i, b or s, b is not None, state.max_model_len, eng.tok.decode, state.slots_debug)
             for i, (b, s) in enumerate(zip(busy, last, strict=True))])
         return JSONResponse(views)
+
+    @app.post("/slots/{id_slot}")
+    async def slot_action(request: Request, id_slot: str, action: str = "") -> Response:
+        """llama-server's slot actions on the prefix cache: save (the full KV pages of what the slot ran last, to
+        a file in --slot-save-path), restore (a saved file's pages back into the cache, where any slot's prompt
+        that starts with its tokens attaches them) and erase (drop the slot's pages from the cache)."""
+        eng = engine()
+        if not (id_slot.isdecimal() and int(id_slot) < eng.cfg.max_num_seqs):
+            raise RequestError(f"{id_slot[:40]!r} names no slot: this server has {eng.cfg.max_num_seqs} "
+                               f"(--parallel), 0..{eng.cfg.max_num_seqs - 1}.", "id_slot", status=404)
+        slot = int(id_slot)
+        if action not in ("save", "restore", "erase"):
+            raise RequestError(f"action {action[:40]!r} is not one of save, restore, erase; add ?action=save (or "
+                               "restore, erase) to the URL.", "action")
+        if not eng.prefix_caching:
+            raise RequestError("slot actions work on the prefix cache, which is off here (--no-enable-prefix-caching, "
+                               "or kernels whose rows depend on the chunking); turn it on with "
+                               "--enable-prefix-caching.", status=501, type_="not_supported_error")
+        if eng.cache.mirror is not None:
+            raise RequestError("slot actions are not served under tensor parallelism (each rank holds a share of "
+                               "the KV rows); use --prefix-cache-dir to keep prompts across restarts instead.",
+                               status=501, type_="not_supported_error")
+        if action == "erase":
+            n = await _engine_call(eng, lambda: eng.slot_erase(slot))
+            return JSONResponse({"id_slot": slot, "n_erased": n})
+        if state.slot_save_path is None:
+            raise RequestError("slot save and restore need a directory for their files; start the server with "
+                               "--slot-save-path DIR.", status=501, type_="not_supported_error")
+        name = _parse(SlotFileRequest, await request.body()).filename
+        path = state.slot_save_path / name
+        t0 = time.perf_counter()
+        shape, dtype = eng.runner.kv_page_shape
+        if action == "save":
+            tokens, rows = await _engine_call(eng, lambda: eng.slot_rows(slot))
+            try:
+                written = await asyncio.to_thread(write_slot_file, path, eng.runner.kv_key, tokens, rows)
+            except OSError as e:
+                raise RequestError(f"{name} could not be written in {state.slot_save_path} ({e.strerror}); free "
+                                   "some space or give a --slot-save-path this user can write.", status=500,
+                                   type_="server_error") from None
+            return JSONResponse({"id_slot": slot, "filename": name, "n_saved": len(tokens), "n_written": written,
+                                 "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}})
+        try:
+            tokens, rows, read = await asyncio.to_thread(read_slot_file, path, eng.runner.kv_key, shape, dtype)
+        except FileNotFoundError:
+            raise RequestError(f"there is no file {name} in {state.slot_save_path} (--slot-save-path); save the "
+                               "slot under that name first.", "filename", status=404) from None
+        except SlotFileError as e:
+            raise RequestError(str(e), "filename") from None
+        except OSError as e:
+            raise RequestError(f"{name} could not be read ({e.strerror}).", "filename", status=500,
+                               type_="server_error") from None
+        n = await _engine_call(eng, lambda: eng.slot_restore(slot, tokens, rows))
+        return JSONResponse({"id_slot": slot, "filename": name, "n_restored": n, "n_read": read,
+                             "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -38,7 +38,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -56,10 +58,15 @@ from pocketmoe.tokenizer import Tokenizer
 from pocketmoe.tokenizer.stream import StreamDecoder
 
 log = logging.getLogger("pocketmoe.serve")
+T = TypeVar("T")
 
 
 class QueueFullError(Exception):
     """The waiting queue holds `max_queue` requests already (the server answers 503)."""
+
+
+class SlotBusyError(Exception):
+    """A slot action asked of a slot a sequence runs in (the server answers 409)."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +172,7 @@ class Engine:
         self.runner, self.tok, self.cfg, self.metrics = runner, tokenizer, cfg, metrics
         self.cache = runner.cache
         self.prefix_caching = runner.reuses_rows(cfg.prefix_caching)
-        self._inbox: queue.SimpleQueue[tuple[str, Request | None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         # llama-server's slots: each running sequence holds one of max_num_seqs; `slot_last` keeps the sequence a
@@ -266,6 +273,45 @@ class Engine:
         """Drop the request's sequences and their KV pages before the next step (a client went away)."""
         self._inbox.put(("abort", req))
 
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run fn in the engine thread between two steps, where it may touch the KV cache and the slots; its result
+        or exception comes back on the future (an exception too where the engine stops first)."""
+        fut: Future[T] = Future()
+        if not self.alive:
+            fut.set_exception(PocketMoEError("the engine is not running; retry once the server is up."))
+        else:
+            self._inbox.put(("call", (fn, fut)))
+        return fut
+
+    # -- slot actions (llama-server's POST /slots/{id}; in the engine thread, through call) -------------------------
+    def slot_rows(self, slot: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The tokens and KV rows [L, page, W] of the full pages of what `slot` ran last that the prefix cache
+        still holds (from the start; none for a slot that ran nothing)."""
+        s = self._idle(slot)
+        if s is None:
+            return [], []
+        rows = self.cache.prefix_rows(s.tokens[:s.computed])
+        return s.tokens[:len(rows) * self.cache.page], rows
+
+    def slot_restore(self, slot: int, tokens: list[int], rows: list[torch.Tensor]) -> int:
+        """Put a saved prompt's pages back in the prefix cache (slot_rows' answer, read back): a later prompt that
+        starts with those tokens attaches them, in any slot. Returns the positions the cache then holds."""
+        self._idle(slot)
+        return self.cache.index_rows(tokens, rows)
+
+    def slot_erase(self, slot: int) -> int:
+        """Drop the prefix cache's pages of what `slot` ran last (those no running sequence shares) and forget it;
+        returns the positions dropped."""
+        s = self._idle(slot)
+        self.slot_last[slot] = None
+        return self.cache.forget_prefix(s.tokens[:s.computed]) if s is not None else 0
+
+    def _idle(self, slot: int) -> Seq | None:
+        """What `slot` ran last (SlotBusyError while a sequence runs in it)."""
+        if self.slots[slot] is not None:
+            raise SlotBusyError(f"slot {slot} is running a task; retry once GET /slots shows it idle.")
+        return self.slot_last[slot]
+
     def run_until_done(self) -> None:
         """Run the loop in the caller's thread until every submitted request has finished (LLM.generate's
         batch: requests submitted with a sink, the engine thread never started)."""
@@ -313,6 +359,17 @@ class Engine:
             self._finish_all(error="the engine stopped after an internal error; see the server log.")
         finally:
             self.alive = False
+            self._fail_calls()
+
+    def _fail_calls(self) -> None:
+        """Answer the calls still queued once the loop has ended (their callers would wait forever)."""
+        while True:
+            try:
+                what, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if what == "call":
+                payload[1].set_exception(PocketMoEError("the engine stopped before it could run this."))
 
     def _drain(self, block: bool) -> bool:
         """Take what the asyncio side sent; False once asked to stop."""
@@ -328,6 +385,13 @@ class Engine:
             if what == "lost":
                 self._finish_all(error=self._lost_error)
                 return False
+            if what == "call":
+                fn, fut = req
+                try:
+                    fut.set_result(fn())
+                except Exception as e:  # the caller's to report
+                    fut.set_exception(e)
+                continue
             assert req is not None
             if what == "add":
                 self.waiting.extend(req.seqs)

@@ -173,6 +173,20 @@ class LlamaCompletionRequest(SamplingFields):
                 "cache_prompt": self.cache_prompt}
 
 
+class SlotFileRequest(_Body):
+    """POST /slots/{id}?action=save|restore: the file, a plain name in --slot-save-path."""
+
+    filename: StrictStr
+
+    def check(self) -> None:
+        name = self.filename
+        if not 0 < len(name.encode()) <= 255 or name.startswith((".", " ")) or name.endswith(" ") or \
+                any(c in name for c in "/\\:") or not name.isprintable():
+            raise RequestError(f"filename {name[:80]!r} is not a plain file name (1 to 255 bytes, printable, no path "
+                               "separator or colon, not starting with a dot or space); give one such as "
+                               "\"chat.bin\".", "filename")
+
+
 def sampling_settings(params: SamplingParams) -> dict[str, Any]:
     """llama-server's settings of params that carry nothing of a request's text (what /slots shows: its
     only_metrics set)."""
