@@ -9,7 +9,9 @@
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 llama-server's spellings of the same flags work too: -m, -a / --alias, -c / --ctx-size (the context of each
-sequence), -np / --parallel, -t, --chat-template-file. Without --model it serves the built-in demo model. The port
+sequence), -np / --parallel, -t, --chat-template-file; and its other common flags are taken as serve/llama_flags.py
+says (-ngl, -ot exps=CPU, -ctk, -ub, --chat-template-kwargs ... set this server's own; --jinja, -fa ... are noted;
+--context-shift, --temp ... are refused with the reason). Without --model it serves the built-in demo model. The port
 opens at once (GET /health answers 503 while the model loads); one line `ready on http://HOST:PORT (...)` follows when requests are taken.
 SIGINT or SIGTERM stops taking requests, ends in-flight streams with a final chunk and exits 0.
 
@@ -44,6 +46,7 @@ from pocketmoe.defaults import (
     POOLINGS,
 )
 from pocketmoe.errors import PocketMoEError
+from pocketmoe.serve.llama_flags import add_llama_flags, apply_llama_flags
 
 log = logging.getLogger("pocketmoe.serve")
 
@@ -88,9 +91,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-cache-disk-gib", type=float, default=float(DEFAULT_PREFIX_CACHE_DISK_GIB),
                    help="bytes the files in --prefix-cache-dir may take, GiB (default "
                    f"{DEFAULT_PREFIX_CACHE_DISK_GIB}; least recently used go first)")
-    p.add_argument("--reasoning-format", default="auto", choices=["auto", "none"],
+    p.add_argument("--reasoning-format", default="auto", choices=["auto", "none", "deepseek", "deepseek-legacy"],
                    help="auto: a thinking model's <think> block comes back as the message's reasoning_content (and "
-                   "reasoning), apart from its content; none: all of it as content")
+                   "reasoning), apart from its content (llama-server's deepseek, deepseek-legacy: the same); none: all "
+                   "of it as content")
     p.add_argument("--reasoning-budget", type=int, default=-1,
                    help="at most this many tokens of a thinking model's <think> block, after which the block is "
                    "closed for it and it answers (-1: no bound, the default; 0: closed as it opens); a request's "
@@ -128,7 +132,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="ranks sharing the model: taken from torchrun's world size (give it only to check that)")
     add_placement_args(p)
+    add_llama_flags(p)
     args = p.parse_args(argv)
+    try:
+        args.llama_notes = apply_llama_flags(args, {name: p.get_default(name) for name in (
+            "device", "mode", "kv_dtype", "chunk_size", "log_level", "api_key")})
+    except PocketMoEError as e:
+        p.error(str(e))
+    if args.reasoning_format in ("deepseek", "deepseek-legacy"):  # llama-server's names of what auto does
+        args.reasoning_format = "auto"
     for name in ("max_num_seqs", "max_queue", "chunk_size", "threads", "max_model_len"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -343,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from pocketmoe.serve.api import ServerState, create_app
 
+
     if args.model is None:
         from pocketmoe.demo_model import demo_model_path
 
@@ -352,13 +365,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     tp = tensor_parallel(args)
     if not tp.is_lead:
         return worker(args)
+    for note in args.llama_notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
     state = ServerState(model_name=name, max_model_len=0, api_key=args.api_key or None,
                         max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format,
                         reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
                         spm_infill=args.spm_infill, allowed_origins=args.allowed_origins,
                         slots_endpoint=args.slots, slots_debug=args.slots_debug, slot_save_path=slot_save_path(args),
-                        **stores(args))
+                        chat_template_kwargs=args.chat_template_kwargs, **stores(args))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -151,6 +151,7 @@ class ServerState:
     slots_endpoint: bool = True  # GET /slots answers (--no-slots: 501)
     slots_debug: bool = False  # /slots shows each slot's prompt and text too (--slots-debug)
     slot_save_path: Path | None = None  # POST /slots/{id}?action=save|restore's files (--slot-save-path)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # every chat's, unless it sets its own
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -472,7 +473,7 @@ def create_app(state: ServerState) -> FastAPI:
         """A chat as the template renders it, with a block the template opened closed empty where no reasoning is
         wanted (enable_thinking false, or a grammar deciding the output from its first token), and whether the
         output starts inside a block."""
-        variables = template_variables(req)
+        variables = template_variables(req, state.chat_template_kwargs)
         try:
             text = await asyncio.to_thread(tok.apply_chat_template, template_messages(messages),
                                            req.add_generation_prompt, req.continue_final_message, tools=tools or None,

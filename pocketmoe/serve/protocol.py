@@ -10,6 +10,7 @@ structured output three ways: OpenAI's `response_format` (json_object, json_sche
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -419,15 +420,18 @@ class ChatStreamReader:
         return choice["delta"]
 
 
-def template_variables(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
-    """The extra variables the chat template renders with: chat_template_kwargs, with enable_thinking false where
-    reasoning_effort is "none" and true where it is another effort; `thinking` (DeepSeek-V3.1's name for it, as
-    llama.cpp passes it) follows enable_thinking unless given."""
+def template_variables(req: ChatCompletionRequest | TokenizeRequest, defaults: Mapping[str, Any] | None = None
+                       ) -> dict[str, Any]:
+    """The extra variables the chat template renders with: the server's `defaults` (--chat-template-kwargs), then
+    enable_thinking false where reasoning_effort is "none" and true where it is another effort, then the request's
+    chat_template_kwargs; `thinking` (DeepSeek-V3.1's name for it, as llama.cpp passes it) follows enable_thinking
+    unless the request gives it, or the defaults do and the request leaves enable_thinking alone."""
     effort = getattr(req, "reasoning_effort", None)
-    given = req.chat_template_kwargs or {}
-    out = {} if effort is None else {"enable_thinking": effort != "none"}
-    out.update(given)
-    if "enable_thinking" in out and "thinking" not in given:
+    chosen = {} if effort is None else {"enable_thinking": effort != "none"}
+    chosen.update(req.chat_template_kwargs or {})
+    out = {**(defaults or {}), **chosen}
+    if "enable_thinking" in out and "thinking" not in chosen and ("enable_thinking" in chosen or
+                                                                  "thinking" not in (defaults or {})):
         out["thinking"] = out["enable_thinking"]
     return out
 

@@ -1,0 +1,218 @@
+"""llama-server's command-line flags, for a user's script or service file that passes them.
+
+Each flag a llama-server command line commonly carries is one of three kinds here:
+- **mapped**: it means one of this server's own flags, which it then sets (`-ngl 0`: `--device cpu`; `-ot exps=CPU`,
+  `--cpu-moe`: routed experts in host memory, `--mode heterogeneous`; `-ctk f16`: `--kv-dtype f16`; `-ub N`:
+  `--chunk-size N`; `-v`: `--log-level debug`; `--api-key-file`: `--api-key`; `--chat-template-kwargs`: the
+  variables every chat renders with unless its request sets them);
+- **noted**: this server always does what it asks, or it does not apply (`--jinja`, `-fa`, `--cont-batching`,
+  `--metrics`, `--mlock`, `--no-mmap`, `-b`, `-tb`, `--cache-reuse`, `--no-context-shift`, `-sm`, `-ts`, ...): taken,
+  with one line saying so at start;
+- **refused**: it asks for what this server does not do (`--context-shift`, a quantized KV cache, a draft model,
+  downloads, server-wide sampling defaults): one line saying why and what to do, before anything loads.
+Where one of this server's own flags is given too and says otherwise, the command line is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any
+
+from pocketmoe.errors import PocketMoEError
+
+# flags this server always honours, or that do not apply here: (flags, nargs, what happens instead)
+NOTED: tuple[tuple[tuple[str, ...], str | int, str], ...] = (
+    (("--jinja",), 0, "chat templates always render with jinja2 here"),
+    (("-fa", "--flash-attn"), "?", "attention always runs fused over chunks of the cache here"),
+    (("-cb", "--cont-batching"), 0, "requests are always batched together here"),
+    (("-nocb", "--no-cont-batching"), 0, "requests are always batched together here"),
+    (("--metrics",), 0, "GET /metrics is always served here"),
+    (("--no-webui", "--webui"), 0, "this server has no web UI"),
+    (("--mlock",), 0, "weights stay memory-mapped from the file; the OS keeps them while memory allows"),
+    (("--no-mmap", "--mmap"), 0, "weights are always memory-mapped from the file here"),
+    (("-b", "--batch-size"), 1, "a step's prompt tokens are --chunk-size (llama-server's -ub)"),
+    (("-tb", "--threads-batch"), 1, "one --threads count serves prompts and generation"),
+    (("--cache-reuse",), 1, "the prefix cache reuses a prompt's computed start on its own (--enable-prefix-caching)"),
+    (("--no-context-shift",), 0, "the context is never shifted here: a full context ends the reply"),
+    (("--keep",), 1, "the context is never shifted here, so there is nothing to keep"),
+    (("-sm", "--split-mode"), 1, "several GPUs are planned by memory here (--gpu-memory-gib), or run tensor "
+                                 "parallel under torchrun"),
+    (("-ts", "--tensor-split"), 1, "several GPUs are planned by memory here (--gpu-memory-gib)"),
+    (("-mg", "--main-gpu"), 1, "every visible GPU is planned for here (CUDA_VISIBLE_DEVICES picks them)"),
+    (("--no-warmup",), 0, "there is no warm-up run here"),
+    (("--threads-http",), 1, "one event loop serves every connection here"),
+    (("-to", "--timeout"), 1, "connections are kept open while a reply runs (streams send keep-alives)"),
+    (("--log-disable",), 0, "only warnings and errors are logged unless --log-level says otherwise"),
+    (("--fit",), "?", "the placement plan always fits the weights, cache and KV pool to memory here"),
+    (("--swa-full",), 0, "these models have no sliding-window attention"),
+    (("--props",), 0, "POST /props is not served; GET /props is"),
+    (("--rerank", "--reranking"), 0, "POST /rerank is always served here"),
+)
+
+# flags that ask for what this server does not do: (flags, nargs, why and what to do)
+REFUSED: tuple[tuple[tuple[str, ...], str | int, str], ...] = (
+    (("--context-shift",), 0, "the context is never shifted here (a full context ends the reply with finish_reason "
+                              "length); raise --ctx-size instead"),
+    (("-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"), 1,
+     "this server downloads nothing; download the GGUF file and give it with -m"),
+    (("-md", "--model-draft", "--spec-type", "--draft-max", "--draft", "--draft-n", "--draft-min"), 1,
+     "speculative decoding is not supported here; drop the draft-model flags"),
+    (("--lora", "--lora-scaled", "--control-vector"), 1, "LoRA adapters and control vectors are not supported here"),
+    (("--mmproj", "-mm"), 1, "these models take text only; drop --mmproj"),
+    *((flags, 1, "sampling settings are given per request here (llama-server's defaults apply to /completion); "
+                 "send them in the request body")
+      for flags in (("--temp", "--temperature"), ("--top-k",), ("--top-p",), ("--min-p",), ("--repeat-penalty",),
+                    ("--presence-penalty",), ("--frequency-penalty",), ("-s", "--seed"),
+                    ("-n", "--n-predict", "--predict"))),
+)
+
+KV_TYPES = ("f32", "f16", "bf16")
+
+
+def add_llama_flags(p: argparse.ArgumentParser) -> None:
+    """llama-server's flags (module docstring), in a group of their own."""
+    noted = ", ".join(_name(flags) for flags, _, _ in NOTED)
+    refused = ", ".join(_name(flags) for flags, _, _ in REFUSED)
+    g = p.add_argument_group("llama-server's flags", "taken as llama-server takes them where they mean one of the "
+                             f"flags above (these); taken with a note where this server always does what they ask "
+                             f"or they do not apply ({noted}); refused with the reason where they ask for what it "
+                             f"does not do ({refused})")
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="llama_ngl", default=None, metavar="N",
+                   help="0: run on the CPU alone (--device cpu); more, all or auto: the GPUs as planned by memory")
+    g.add_argument("-ot", "--override-tensor", dest="llama_ot", action="append", default=None, metavar="PAT=BUFT",
+                   help="exps=CPU (routed experts in host memory): --mode heterogeneous; other rules are noted")
+    g.add_argument("-cmoe", "--cpu-moe", dest="llama_cpu_moe", action="store_true",
+                   help="routed experts in host memory: --mode heterogeneous")
+    g.add_argument("-ncmoe", "--n-cpu-moe", dest="llama_n_cpu_moe", type=int, default=None, metavar="N",
+                   help="routed experts in host memory (every layer's, with a hot-expert cache on the GPU): "
+                        "--mode heterogeneous")
+    g.add_argument("-ctk", "--cache-type-k", dest="llama_ctk", default=None, metavar="TYPE",
+                   help=f"the KV cache's type, one of {', '.join(KV_TYPES)}: --kv-dtype")
+    g.add_argument("-ctv", "--cache-type-v", dest="llama_ctv", default=None, metavar="TYPE",
+                   help="as -ctk (DeepSeek's latent cache has one type for both)")
+    g.add_argument("-ub", "--ubatch-size", dest="llama_ubatch", type=int, default=None, metavar="N",
+                   help="prompt tokens per step: --chunk-size")
+    g.add_argument("-v", "--verbose", "--log-verbose", dest="llama_verbose", action="store_true",
+                   help="--log-level debug")
+    g.add_argument("--api-key-file", dest="llama_api_key_file", default=None, metavar="FILE",
+                   help="the API key, the file's first line (--api-key)")
+    g.add_argument("--chat-template-kwargs", dest="chat_template_kwargs", default=None, metavar="JSON",
+                   help="a JSON object of variables every chat template renders with, unless the request's own "
+                        "chat_template_kwargs (or reasoning_effort) sets them; e.g. '{\"enable_thinking\": false}'")
+    for flags, nargs, _ in (*NOTED, *REFUSED):
+        kw: dict[str, Any] = {"action": "store_true"} if nargs == 0 else {"nargs": nargs, "metavar": "X"}
+        if nargs == "?":
+            kw["const"] = True  # given without a value
+        g.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS, **kw)
+
+
+def apply_llama_flags(args: argparse.Namespace, defaults: dict[str, Any]) -> list[str]:
+    """Set this server's flags from the llama-server flags given; returns the notes to print at start.
+    PocketMoEError (one line) for a refused flag, a value this server cannot take, or a clash with a flag of its own
+    (`defaults`: the parser's defaults, to tell a flag given from one left alone)."""
+    notes = []
+    for flags, _, why in REFUSED:
+        if getattr(args, _dest(flags)) not in (None, False):
+            raise PocketMoEError(f"{_name(flags)}: {why}.")
+    for flags, _, why in NOTED:
+        if getattr(args, _dest(flags)) not in (None, False):
+            notes.append(f"{_name(flags)} is taken as llama-server's but changes nothing: {why}.")
+
+    def put(name: str, value: Any, flag: str) -> None:
+        mine = getattr(args, name)
+        if mine != defaults[name] and mine != value:
+            raise PocketMoEError(f"{flag} asks for --{name.replace('_', '-')} {value} but --{name.replace('_', '-')} "
+                                 f"{mine} was given too; give one of them.")
+        setattr(args, name, value)
+
+    if args.llama_ngl is not None:
+        ngl = str(args.llama_ngl).strip().lower()
+        if not (ngl in ("auto", "all") or ngl.lstrip("-").isdigit()):
+            raise PocketMoEError(f"-ngl {args.llama_ngl!r} is not a layer count, auto or all; give e.g. -ngl 99, or "
+                                 "-ngl 0 for the CPU alone.")
+        if ngl.lstrip("-").isdigit() and int(ngl) == 0:
+            put("device", "cpu", "-ngl 0")
+        else:
+            notes.append(f"-ngl {args.llama_ngl}: the GPUs are used (if any) as the placement plan fits the model to "
+                         "their memory, not by layer count; see --mode and --gpu-memory-gib.")
+    host_experts = args.llama_cpu_moe or args.llama_n_cpu_moe is not None
+    for rule in args.llama_ot or ():
+        pattern, _, buft = rule.partition("=")
+        if "exps" in pattern and buft.strip().upper() == "CPU":
+            host_experts = True
+        else:
+            notes.append(f"-ot {rule}: only routed experts on the CPU (exps=CPU) is taken here; the placement plan "
+                         "puts every other tensor.")
+    if host_experts and args.device != "cpu" and gpu_visible():
+        put("mode", "heterogeneous", "-ot exps=CPU / --cpu-moe")
+        notes.append("routed experts stay in host memory (--mode heterogeneous): each step computes a missed expert "
+                     "on the CPU or copies it to the GPU, whichever the cost model finds faster.")
+    elif host_experts:
+        notes.append("-ot exps=CPU / --cpu-moe: no GPU is in use, so every weight, the routed experts too, is read "
+                     "from host memory already.")
+    kv = {t.lower() for t in (args.llama_ctk, args.llama_ctv) if t is not None}
+    if kv:
+        bad = sorted(kv - set(KV_TYPES))
+        if bad:
+            raise PocketMoEError(f"-ctk/-ctv {bad[0]}: the KV cache here holds {', '.join(KV_TYPES)}; give -ctk f16 "
+                                 "(half of f32's memory, as llama.cpp's default).")
+        if len(kv) > 1:
+            raise PocketMoEError(f"-ctk and -ctv differ ({' and '.join(sorted(kv))}), but the cache here has one type; "
+                                 "give the same to both.")
+        put("kv_dtype", kv.pop(), "-ctk")
+    if args.llama_ubatch is not None:
+        if args.llama_ubatch < 1:
+            raise PocketMoEError(f"-ub must be >= 1, got {args.llama_ubatch}.")
+        put("chunk_size", args.llama_ubatch, "-ub")
+    if args.llama_verbose:
+        put("log_level", "debug", "-v")
+    if args.llama_api_key_file is not None:
+        try:
+            with open(args.llama_api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise PocketMoEError(f"--api-key-file {args.llama_api_key_file}: {e.strerror or e}; give a file this user "
+                                 "can read.") from None
+        if not key:
+            raise PocketMoEError(f"--api-key-file {args.llama_api_key_file}: its first line is empty; write the key "
+                                 "there.")
+        put("api_key", key, "--api-key-file")
+    args.chat_template_kwargs = template_kwargs(args.chat_template_kwargs)
+    return notes
+
+
+def gpu_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def template_kwargs(text: str | None) -> dict[str, Any]:
+    """--chat-template-kwargs: a JSON object (PocketMoEError naming what is wrong)."""
+    from pocketmoe.serve.protocol import RESERVED_TEMPLATE_VARIABLES
+
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise PocketMoEError(f"--chat-template-kwargs is not JSON ({e}); give an object, e.g. "
+                             "'{\"enable_thinking\": false}'.") from None
+    if not isinstance(value, dict):
+        raise PocketMoEError(f"--chat-template-kwargs is a JSON {type(value).__name__}, not an object; give e.g. "
+                             "'{\"enable_thinking\": false}'.")
+    clash = sorted(RESERVED_TEMPLATE_VARIABLES & set(value))
+    if clash:
+        raise PocketMoEError(f"--chat-template-kwargs may not set {', '.join(clash)}; each request's own fields do.")
+    return value
+
+
+def _name(flags: tuple[str, ...]) -> str:
+    """A flag's name in messages: its first long spelling."""
+    return next((f for f in flags if f.startswith("--")), flags[0])
+
+
+def _dest(flags: tuple[str, ...]) -> str:
+    return "llama_" + re.sub(r"\W", "_", max(flags, key=len).lstrip("-"))
