@@ -41,7 +41,11 @@ def test_mapped_flags_set_the_servers_own(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert parse_args(["--api-key-file", str(key)]).api_key == "s3cret"
     assert parse_args(["--chat-template-kwargs", '{"enable_thinking": false}']).chat_template_kwargs == {
         "enable_thinking": False}
-    assert parse_args([]).chat_template_kwargs == {}
+    assert parse_args([]).chat_template_kwargs == {} and parse_args([]).sampling_defaults == {}
+    a = parse_args(["--temp", "0.6", "--top-k", "20", "--top-p", "0.95", "--min-p", "0", "--repeat-penalty", "1.1",
+                    "-s", "7"])
+    assert a.sampling_defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0,
+                                   "repeat_penalty": 1.1, "seed": 7} and a.llama_notes == []
 
 
 def test_noted_flags_change_nothing_and_say_so() -> None:
@@ -58,8 +62,9 @@ def test_noted_flags_change_nothing_and_say_so() -> None:
 @pytest.mark.parametrize("argv, words", [
     (["--context-shift"], "never shifted"),
     (["-hf", "org/model"], "downloads nothing"),
-    (["--temp", "0.6"], "per request"),
-    (["-n", "128"], "per request"),
+    (["--temp", "3"], "less than or equal to 2"),
+    (["--top-p", "0"], "greater than 0"),
+    (["-n", "128"], "send max_tokens"),
     (["-md", "draft.gguf"], "speculative decoding"),
     (["-ctk", "q8_0"], "f32, f16, bf16"),
     (["-ctk", "f16", "-ctv", "bf16"], "give the same to both"),
@@ -103,3 +108,40 @@ def test_server_chat_template_kwargs_are_every_chats_unless_it_sets_them(tmp_pat
     assert not opened({"thinking": True}, chat_template_kwargs={"thinking": False})
     assert opened({"enable_thinking": False}, reasoning_effort="high")
     assert not opened({"enable_thinking": False})
+
+
+def test_server_sampling_defaults_fill_what_a_request_leaves_out(tmp_path: Path) -> None:
+    """--temp / --top-k / --seed ... (llama-server's): the engine gets them on every route where the request does not
+    give that field, and the request's own where it does; GET /props shows them."""
+    from pocketmoe.gguf import open_bundle
+    from pocketmoe.serve.api import ServerState, create_app
+    from pocketmoe.testing.scripted import ScriptedEngine
+    from pocketmoe.testing.synth import write_fixture
+    from pocketmoe.tokenizer import Tokenizer
+
+    model = write_fixture("deepseek2", "tiny", "Q4_K_M", tmp_path / "m.gguf", seed=3)[0]
+    tok = Tokenizer.from_metadata(open_bundle(model).metadata)
+    eng = ScriptedEngine(tok, "deepseek2", "Paris.")
+    eng.runner.bundle.paths = [model]
+    defaults = {"temperature": 0.25, "top_k": 7, "top_p": 0.5, "repeat_penalty": 1.3, "seed": 11}
+    http = TestClient(create_app(ServerState(model_name="m", max_model_len=4096, engine=eng,  # type: ignore[arg-type]
+                                             tokenizer=tok, sampling_defaults=defaults)))
+    msgs = [{"role": "user", "content": "hi"}]
+    vllm = {"temperature": 0.9, "top_k": 3, "seed": 5, "repetition_penalty": 1.05}
+    for path, body, own in [
+            ("/v1/chat/completions", {"messages": msgs}, vllm), ("/v1/completions", {"prompt": "hi"}, vllm),
+            ("/completion", {"prompt": "hi"}, {"temperature": 0.9, "top_k": 3, "seed": 5, "repeat_penalty": 1.05}),
+            ("/v1/messages", {"messages": msgs}, {"temperature": 0.9, "top_k": 3}),  # Anthropic's fields
+            ("/v1/responses", {"input": "hi"}, {"temperature": 0.9})]:
+        assert http.post(path, json={**body, "max_tokens": 4}).status_code == 200, path
+        p = eng.params[-1][0]
+        assert (p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.seed) == (0.25, 7, 0.5, 1.3, 11), path
+        assert http.post(path, json={**body, **own, "max_tokens": 4}).status_code == 200, path
+        p = eng.params[-1][0]
+        got = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "seed": p.seed,
+               "repetition_penalty": p.repetition_penalty}
+        want = {"temperature": 0.25, "top_k": 7, "top_p": 0.5, "seed": 11, "repetition_penalty": 1.3,
+                **{k.replace("repeat_", "repetition_"): v for k, v in own.items()}}
+        assert got == want, path
+    params = http.get("/props").json()["default_generation_settings"]["params"]
+    assert (params["temperature"], params["top_k"], params["seed"]) == (0.25, 7, 11)

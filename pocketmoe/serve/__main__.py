@@ -11,7 +11,7 @@
 llama-server's spellings of the same flags work too: -m, -a / --alias, -c / --ctx-size (the context of each
 sequence), -np / --parallel, -t, --chat-template-file; and its other common flags are taken as serve/llama_flags.py
 says (-ngl, -ot exps=CPU, -ctk, -ub, --chat-template-kwargs ... set this server's own; --jinja, -fa ... are noted;
---context-shift, --temp ... are refused with the reason). Without --model it serves the built-in demo model. The port
+--context-shift, -hf ... are refused with the reason; --temp, --top-k, --seed ... set every request's default). Without --model it serves the built-in demo model. The port
 opens at once (GET /health answers 503 while the model loads); one line `ready on http://HOST:PORT (...)` follows when requests are taken.
 SIGINT or SIGTERM stops taking requests, ends in-flight streams with a final chunk and exits 0.
 
@@ -373,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
                         spm_infill=args.spm_infill, allowed_origins=args.allowed_origins,
                         slots_endpoint=args.slots, slots_debug=args.slots_debug, slot_save_path=slot_save_path(args),
-                        chat_template_kwargs=args.chat_template_kwargs, **stores(args))
+                        chat_template_kwargs=args.chat_template_kwargs, sampling_defaults=args.sampling_defaults,
+                        **stores(args))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -152,6 +152,8 @@ class ServerState:
     slots_debug: bool = False  # /slots shows each slot's prompt and text too (--slots-debug)
     slot_save_path: Path | None = None  # POST /slots/{id}?action=save|restore's files (--slot-save-path)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # every chat's, unless it sets its own
+    # request fields' defaults on every route, where a request leaves them out (llama-server's --temp, --top-k, ...)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -446,9 +448,14 @@ def create_app(state: ServerState) -> FastAPI:
         return (req, *await checked(req))
 
     async def checked(req: SamplingFields) -> tuple[Engine, Tokenizer, Grammar | None]:
-        """accept's checks of a parsed request: the served model, the engine, the output's grammar."""
+        """accept's checks of a parsed request: the served model, the engine, the output's grammar; the server's
+        sampling defaults fill the fields it left out."""
         check_model(req.model)
         eng = engine()
+        given = req.model_fields_set | ({"repeat_penalty"} if "repetition_penalty" in req.model_fields_set else set())
+        for name, value in state.sampling_defaults.items():
+            if name not in given:
+                setattr(req, name, value)
         if (req.dry_multiplier or 0) > 0:  # DRY's breaker tokens: a pass over the vocabulary, once, off the loop
             await asyncio.to_thread(dry_breakers_of, eng.tok, req.extras()["dry_sequence_breakers"])
         grammar, field_name = req.output_grammar()
@@ -1002,7 +1009,8 @@ def create_app(state: ServerState) -> FastAPI:
             "default_generation_settings": {"n_ctx": state.max_model_len, "model": state.model_name,
                                             "params": {**LLAMA_DEFAULTS, **EXTRA_DEFAULTS, "repeat_last_n": 64,
                                                        "n_predict": -1, "seed": -1, "n_probs": 0, "min_keep": 0,
-                                                       "mirostat": 0, "samplers": list(LLAMA_CHAIN)}},
+                                                       "mirostat": 0, "samplers": list(LLAMA_CHAIN),
+                                                       **state.sampling_defaults}},
             "total_slots": eng.cfg.max_num_seqs, "model_alias": state.model_name,
             "endpoint_slots": state.slots_endpoint, "endpoint_props": False, "endpoint_metrics": True,
             "model_path": eng.runner.bundle.paths[0].name, "chat_template": tok.chat_template or "",

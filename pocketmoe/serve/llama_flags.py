@@ -8,8 +8,11 @@ Each flag a llama-server command line commonly carries is one of three kinds her
 - **noted**: this server always does what it asks, or it does not apply (`--jinja`, `-fa`, `--cont-batching`,
   `--metrics`, `--mlock`, `--no-mmap`, `-b`, `-tb`, `--cache-reuse`, `--no-context-shift`, `-sm`, `-ts`, ...): taken,
   with one line saying so at start;
+- **sampling defaults**: `--temp`, `--top-k`, `--top-p`, `--min-p`, `--repeat-penalty`, `--presence-penalty`,
+  `--frequency-penalty`, `--seed` give the default of that field on every route, as llama-server's do (a request's
+  own value wins; GET /props shows them);
 - **refused**: it asks for what this server does not do (`--context-shift`, a quantized KV cache, a draft model,
-  downloads, server-wide sampling defaults): one line saying why and what to do, before anything loads.
+  downloads, a server-wide length): one line saying why and what to do, before anything loads.
 Where one of this server's own flags is given too and says otherwise, the command line is refused.
 """
 
@@ -61,11 +64,17 @@ REFUSED: tuple[tuple[tuple[str, ...], str | int, str], ...] = (
      "speculative decoding is not supported here; drop the draft-model flags"),
     (("--lora", "--lora-scaled", "--control-vector"), 1, "LoRA adapters and control vectors are not supported here"),
     (("--mmproj", "-mm"), 1, "these models take text only; drop --mmproj"),
-    *((flags, 1, "sampling settings are given per request here (llama-server's defaults apply to /completion); "
-                 "send them in the request body")
-      for flags in (("--temp", "--temperature"), ("--top-k",), ("--top-p",), ("--min-p",), ("--repeat-penalty",),
-                    ("--presence-penalty",), ("--frequency-penalty",), ("-s", "--seed"),
-                    ("-n", "--n-predict", "--predict"))),
+    (("-n", "--n-predict", "--predict"), 1, "each route keeps its own default length (/completion: to the end of "
+                                            "the context, /v1/chat/completions: the same, /v1/completions: 16); "
+                                            "send max_tokens (or n_predict) in the request body"),
+)
+
+# llama-server's sampling flags: the default of each request field of that name on every route (flags, field, type)
+SAMPLING: tuple[tuple[tuple[str, ...], str, type], ...] = (
+    (("--temp", "--temperature"), "temperature", float), (("--top-k",), "top_k", int), (("--top-p",), "top_p", float),
+    (("--min-p",), "min_p", float), (("--repeat-penalty",), "repeat_penalty", float),
+    (("--presence-penalty",), "presence_penalty", float), (("--frequency-penalty",), "frequency_penalty", float),
+    (("-s", "--seed"), "seed", int),
 )
 
 KV_TYPES = ("f32", "f16", "bf16")
@@ -101,6 +110,9 @@ def add_llama_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template-kwargs", dest="chat_template_kwargs", default=None, metavar="JSON",
                    help="a JSON object of variables every chat template renders with, unless the request's own "
                         "chat_template_kwargs (or reasoning_effort) sets them; e.g. '{\"enable_thinking\": false}'")
+    for flags, field, kind in SAMPLING:
+        g.add_argument(*flags, dest=_dest(flags), type=kind, default=None, metavar="X",
+                       help=f"the default of every request's {field} (a request's own wins)")
     for flags, nargs, _ in (*NOTED, *REFUSED):
         kw: dict[str, Any] = {"action": "store_true"} if nargs == 0 else {"nargs": nargs, "metavar": "X"}
         if nargs == "?":
@@ -180,7 +192,28 @@ def apply_llama_flags(args: argparse.Namespace, defaults: dict[str, Any]) -> lis
                                  "there.")
         put("api_key", key, "--api-key-file")
     args.chat_template_kwargs = template_kwargs(args.chat_template_kwargs)
+    args.sampling_defaults = sampling_defaults(args)
     return notes
+
+
+def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields' defaults the sampling flags give, checked as a request's fields are (PocketMoEError)."""
+    from pydantic import ValidationError
+
+    from pocketmoe.serve.protocol import SamplingFields
+
+    out = {}
+    for flags, field, _ in SAMPLING:
+        value = getattr(args, _dest(flags))
+        if value is None:
+            continue
+        try:
+            SamplingFields.model_validate({field: value})
+        except ValidationError as e:
+            raise PocketMoEError(f"{_name(flags)} {value}: {e.errors()[0]['msg'].lower()}; give a value a request's "
+                                 f"{field} may take.") from None
+        out[field] = value
+    return out
 
 
 def gpu_visible() -> bool:
