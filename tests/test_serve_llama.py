@@ -450,8 +450,9 @@ def test_slots_show_what_each_slot_ran(server, llm):
     out = post(server, {"prompt": "hello world", "n_predict": 7, "temperature": 0, "ignore_eos": True,
                         "id_slot": 5, "top_k": 12}).json()
     assert out["id_slot"] == 5 and out["content"] == want.text
-    assert {json.loads(e[6:])["id_slot"] for e in events(server, {"prompt": "hi", "n_predict": 3, "id_slot": 3})} \
-        == {3}
+    streamed = [json.loads(e[6:]) for e in events(server, {"prompt": "hi", "n_predict": 3, "id_slot": 3,
+                                                           "return_progress": True})]
+    assert {e["id_slot"] for e in streamed} == {3} and "prompt_progress" in streamed[0]
     five = httpx.get(server.url + "/slots", timeout=30).json()[5]
     assert five["is_processing"] is False and five["n_prompt_tokens"] == out["tokens_evaluated"]
     assert five["n_prompt_tokens_processed"] + five["n_prompt_tokens_cache"] == out["tokens_evaluated"]

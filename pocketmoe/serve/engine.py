@@ -440,14 +440,14 @@ class Engine:
                 self.cache.free(s.key)
                 return
             s.computed = reused
+            self.running.append(self.waiting.popleft())
+            self._occupy(s)
             if not s.admitted:
                 s.admitted, s.cached, s.admitted_at = True, reused, time.perf_counter()
                 self._progress(s)  # 0 computed yet (but what the prefix cache gave)
                 if self.prefix_caching:
                     self.metrics.prefix_cache_queries.inc(len(s.tokens))
                     self.metrics.prefix_cache_hits.inc(reused)
-            self.running.append(self.waiting.popleft())
-            self._occupy(s)
             self._dequeue(s.request)
 
     def _occupy(self, s: Seq) -> None:
