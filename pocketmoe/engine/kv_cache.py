@@ -229,7 +229,7 @@ class PagedKVCache:
     # -- a prefix's rows out and in (llama-server's slot save / restore / erase) ------------------------------
     def prefix_rows(self, tokens: Sequence[int]) -> list[torch.Tensor]:
         """The rows [L, page, W] of the longest run of full pages of `tokens`, from the start, that the index (or
-        its store) holds: what indexed_rows takes back."""
+        its store) holds: what index_rows takes back."""
         out = []
         for _, digest in self._digests(tokens):
             page = self._index.get(digest)

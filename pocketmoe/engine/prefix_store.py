@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import time
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -160,7 +161,7 @@ def write_slot_file(path: Path, key: bytes, tokens: list[int], rows: list[torch.
     """Write the pages `rows` ([L, page, W] each) of `tokens` (len(rows) * page of them) to `path`, whole or not at
     all (a temporary file, then renamed); returns the bytes written."""
     head = SLOT_MAGIC + key + len(rows).to_bytes(4, "little") + np.asarray(tokens, dtype="<i4").tobytes()
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")  # two saves at once: two files
     try:
         with open(tmp, "wb") as f:
             f.write(head)

@@ -1065,10 +1065,11 @@ def create_app(state: ServerState) -> FastAPI:
         path = state.slot_save_path / name
         t0 = time.perf_counter()
         shape, dtype = eng.runner.kv_page_shape
+        key = await asyncio.to_thread(lambda: eng.runner.kv_key)  # made once: a pass over every tensor's ends
         if action == "save":
             tokens, rows = await _engine_call(eng, lambda: eng.slot_rows(slot))
             try:
-                written = await asyncio.to_thread(write_slot_file, path, eng.runner.kv_key, tokens, rows)
+                written = await asyncio.to_thread(write_slot_file, path, key, tokens, rows)
             except OSError as e:
                 raise RequestError(f"{name} could not be written in {state.slot_save_path} ({e.strerror}); free "
                                    "some space or give a --slot-save-path this user can write.", status=500,
@@ -1076,7 +1077,7 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse({"id_slot": slot, "filename": name, "n_saved": len(tokens), "n_written": written,
                                  "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}})
         try:
-            tokens, rows, read = await asyncio.to_thread(read_slot_file, path, eng.runner.kv_key, shape, dtype)
+            tokens, rows, read = await asyncio.to_thread(read_slot_file, path, key, shape, dtype)
         except FileNotFoundError:
             raise RequestError(f"there is no file {name} in {state.slot_save_path} (--slot-save-path); save the "
                                "slot under that name first.", "filename", status=404) from None
