@@ -622,3 +622,29 @@ def test_slot_save_erase_restore_and_restore_after_a_restart(model: Path, llm, t
         assert out["tokens_cached"] == reused and out["content"] == first["content"]
     finally:
         restarted.stop()
+
+
+def test_llama_server_metrics_count_what_ran(server, llm):
+    """/metrics also carries llama-server's series (llamacpp:*): one /completion adds its computed prompt tokens and
+    its generated tokens, at least one step per token, and leaves nothing processing or deferred."""
+    import re
+
+    def metrics() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(llamacpp:\w+) (\S+)$", text, re.M)}
+
+    before = metrics()
+    out = post(server, {"prompt": "counting the tokens of this prompt", "n_predict": 5, "temperature": 0,
+                        "ignore_eos": True, "cache_prompt": False}).json()
+    after = metrics()
+
+    def added(name: str) -> float:
+        return after[name] - before[name]
+
+    assert added("llamacpp:prompt_tokens_total") == out["tokens_evaluated"] - out["tokens_cached"]
+    assert added("llamacpp:tokens_predicted_total") == 5 and added("llamacpp:n_decode_total") >= 5
+    assert added("llamacpp:prompt_seconds_total") > 0 and added("llamacpp:tokens_predicted_seconds_total") > 0
+    assert after["llamacpp:predicted_tokens_seconds"] > 0 and after["llamacpp:prompt_tokens_seconds"] > 0
+    assert after["llamacpp:requests_processing"] == after["llamacpp:requests_deferred"] == 0
+    assert after["llamacpp:n_tokens_max"] >= out["tokens_evaluated"] + 4
+    assert 1 <= after["llamacpp:n_busy_slots_per_decode"] <= 16

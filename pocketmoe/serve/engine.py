@@ -536,6 +536,7 @@ class Engine:
                 self._finish(s, "length", error=f"the step failed: {e}")
             return
         self.steps += 1
+        self.metrics.llama.step(len(self.running), max(len(s.tokens) for s, _ in planned))
         row = h_row = 0
         now = time.perf_counter()
         for s, c in planned:
@@ -586,6 +587,8 @@ class Engine:
         token = s.sampler(logits, s.tokens)
         if s.generated == 0:
             self.metrics.ttft.observe(now - s.request.arrival)
+            self.metrics.llama.prompt_tokens.inc(max(s.prompt_len - s.cached, 0))
+            self.metrics.llama.prompt_seconds.inc(now - s.admitted_at)
             s.first_token_at = now
         else:
             self.metrics.itl.observe(now - s.last_token_at)
@@ -613,6 +616,9 @@ class Engine:
         if s.finished:
             return
         self._drop(s)
+        if s.generated:
+            self.metrics.llama.tokens_predicted.inc(s.generated)
+            self.metrics.llama.predicted_seconds.inc(max(s.last_token_at - s.first_token_at, 0.0))
         d = delta or Delta(s.index)
         d.text += s.stop.end(s.decoder.flush())
         if s.stop.limited:  # a line under n_indent (a limit, as llama.cpp counts it), not a stop string or token
@@ -628,6 +634,8 @@ class Engine:
         m = self.metrics
         m.running.set(len(self.running))
         m.waiting.set(len(self.waiting))
+        m.llama.processing.set(len(self.running))
+        m.llama.deferred.set(len(self.waiting))
         m.kv_used.set(self.cache.used_pages / self.cache.n_pages)
         m.kv_cached_pages.set(self.cache.cached_pages)
         if self.cache.store is not None:

@@ -42,6 +42,8 @@ class Metrics:
                                       registry=r)
         self.responses_store_bytes = Gauge(p + "responses_store_bytes", "Bytes (JSON) of the kept /v1/responses "
                                            "replies, at most --responses-store-mib", registry=r)
+        self.llama = LlamaMetrics(r)
+
 
     def watch_experts(self, runner) -> None:  # noqa: ANN001
         """Gauges read at scrape time: the expert cache statistics and the predicted decode tok/s (the plan's
@@ -69,3 +71,44 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LlamaMetrics:
+    """llama-server's metrics under its names (`llamacpp:`), for the dashboards built on them: prompt tokens computed
+    (cache hits left out) and the seconds from each sequence's admission to its first token; tokens generated and
+    the seconds from its first token to its last; steps (its llama_decode calls) and the running sequences per step;
+    the longest sequence; running and waiting sequences; and the prompt and generation tokens/s since the previous
+    scrape (its per-bucket averages)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        p = "llamacpp:"
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Number of prompt tokens processed.", registry=r)
+        self.prompt_seconds = Counter(p + "prompt_seconds", "Prompt process time", registry=r)
+        self.tokens_predicted = Counter(p + "tokens_predicted", "Number of generation tokens processed.", registry=r)
+        self.predicted_seconds = Counter(p + "tokens_predicted_seconds", "Predict process time", registry=r)
+        self.n_decode = Counter(p + "n_decode", "Total number of llama_decode() calls", registry=r)
+        self.busy_slots = 0  # running sequences summed over the steps
+        self.n_tokens_max = Gauge(p + "n_tokens_max", "Largest observed n_tokens.", registry=r)
+        Gauge(p + "n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+              registry=r).set_function(lambda: self.busy_slots / max(self.n_decode._value.get(), 1))
+        self.processing = Gauge(p + "requests_processing", "Number of requests processing.", registry=r)
+        self.deferred = Gauge(p + "requests_deferred", "Number of requests deferred.", registry=r)
+        self._last = {"prompt": (0.0, 0.0), "predicted": (0.0, 0.0)}
+        Gauge(p + "prompt_tokens_seconds", "Average prompt throughput in tokens/s.", registry=r).set_function(
+            lambda: self._rate("prompt", self.prompt_tokens, self.prompt_seconds))
+        Gauge(p + "predicted_tokens_seconds", "Average generation throughput in tokens/s.", registry=r).set_function(
+            lambda: self._rate("predicted", self.tokens_predicted, self.predicted_seconds))
+
+    def _rate(self, name: str, tokens: Counter, seconds: Counter) -> float:
+        """Tokens per second since the previous scrape (0 where no time passed in sequences)."""
+        n, t = tokens._value.get(), seconds._value.get()
+        n0, t0 = self._last[name]
+        self._last[name] = (n, t)
+        return (n - n0) / (t - t0) if t > t0 else 0.0
+
+    def step(self, running: int, longest: int) -> None:
+        """One step of `running` sequences, the longest `longest` tokens."""
+        self.n_decode.inc()
+        self.busy_slots += running
+        if longest > self.n_tokens_max._value.get():
+            self.n_tokens_max.set(longest)
