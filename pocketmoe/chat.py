@@ -30,6 +30,7 @@ from typing import Any
 from pocketmoe.cli_util import add_placement_args, error_line, placement_from_args, run_cli
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.generate import add_runtime_args, add_sampling_args, sampling_params
+from pocketmoe.llama_flags import parse_args_with_llama_flags, print_notes
 
 COMMANDS = {"/exit": "end the chat", "/quit": "end the chat", "/reset": "forget the conversation",
             "/help": "list the commands"}
@@ -37,7 +38,7 @@ COMMANDS = {"/exit": "end the chat", "/quit": "end the chat", "/reset": "forget 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pocketmoe.chat", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", "-m", default=None,
                    help="GGUF file, any shard of a bundle, or its directory (default: the built-in demo model)")
     p.add_argument("--system", default=None, help="a system message that opens the conversation")
     add_sampling_args(p, max_tokens=512, temperature=0.8)
@@ -50,7 +51,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--stats", action="store_true", help="a line of token counts and speed after each reply")
     p.add_argument("--json", action="store_true", help="one JSON object per turn instead of the streamed text")
     add_placement_args(p)
-    args = p.parse_args(argv)
+    args = parse_args_with_llama_flags(p, argv, server=False)
     if args.reasoning_budget < -1:
         raise PocketMoEError(f"--reasoning-budget must be -1 (no bound) or >= 0, got {args.reasoning_budget}; "
                              "give the tokens of thought to allow.")
@@ -162,6 +163,7 @@ def read_turn(tty: bool) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    print_notes(args)
     params = sampling_params(args)
     from pocketmoe.engine.llm import LLM
 

@@ -1,6 +1,6 @@
 """Generate text from a GGUF model on this machine.
 
-    python -m pocketmoe.generate [--model PATH] (--prompt TEXT | --chat TEXT | --token-ids 1,2,3)
+    python -m pocketmoe.generate [--model PATH] (--prompt TEXT | --file PATH | --chat TEXT | --token-ids 1,2,3)
         [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S]
         [--threads N] [--n-ctx C] [--stop STR ...] [--json] [--dump-logits FILE.npy] [--prefix-cache-dir DIR]
         [--json-schema SCHEMA | --json-schema-file FILE | --grammar GBNF | --grammar-file FILE | --regex RE]
@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 from pocketmoe.cli_util import add_placement_args, int_list, placement_from_args, run_cli
 from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
+from pocketmoe.errors import PocketMoEError
+from pocketmoe.llama_flags import parse_args_with_llama_flags, print_notes
 
 if TYPE_CHECKING:
     from pocketmoe.engine.structured import Grammar
@@ -31,10 +33,11 @@ if TYPE_CHECKING:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pocketmoe.generate", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", "-m", default=None,
                    help="GGUF file, any shard of a bundle, or its directory (default: the built-in demo model)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="raw text prompt (BOS added as the file asks)")
+    src.add_argument("--prompt", "-p", help="raw text prompt (BOS added as the file asks)")
+    src.add_argument("--file", "-f", help="--prompt read from this file (llama-cli's -f)")
     src.add_argument("--chat", help="one user message, rendered with the model's chat template")
     src.add_argument("--token-ids", help="comma-separated prompt token ids (no BOS added)")
     add_sampling_args(p, max_tokens=128, temperature=0.0)
@@ -49,23 +52,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dump-logits", metavar="FILE.npy",
                    help="write float32 [n_prompt_tokens, vocab] logits of every prompt position")
     add_placement_args(p)
-    return p.parse_args(argv)
+    return parse_args_with_llama_flags(p, argv, server=False)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
     """The sampling flags (generate's and chat's); sampling_params reads them."""
     from pocketmoe.engine.sampler import SAMPLING_DEFAULTS as D
 
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=temperature,
+    p.add_argument("--max-tokens", "-n", "--n-predict", type=int, default=max_tokens)
+    p.add_argument("--temperature", "--temp", type=float, default=temperature,
                    help=f"0 = greedy (default {temperature:g})")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=1.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", "-s", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--repeat-last-n", type=int, default=0, dest="penalty_last_n",
@@ -97,8 +100,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     """Threads, context, prefill chunk and op backend (generate's and chat's)."""
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--n-ctx", type=int, default=4096, help="context length (prompt + generated)")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--n-ctx", "--ctx-size", "-c", type=int, default=4096, help="context length (prompt + generated)")
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                    help=f"prefill tokens per forward pass (default {DEFAULT_CHUNK_SIZE})")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "reference"])
@@ -140,6 +143,15 @@ def sampling_params(args: argparse.Namespace, grammar: Grammar | None = None):  
         **extras)
 
 
+def read_prompt_file(path: str) -> str:
+    """--file's text (PocketMoEError where it cannot be read)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PocketMoEError(f"--file {path}: {getattr(e, 'strerror', None) or e}; give a UTF-8 text file this user "
+                             "can read.") from None
+
+
 def parse_token_ids(text: str) -> list[int]:
     return int_list(text, "--token-ids", "token id")
 
@@ -172,6 +184,7 @@ def grammar_from_args(args: argparse.Namespace) -> Grammar | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    print_notes(args)
     grammar = grammar_from_args(args)
     from pocketmoe.engine.llm import LLM, CompletionOutput
     from pocketmoe.memstat import MemoryWatch
@@ -199,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.token_ids is not None:
         prompt = parse_token_ids(args.token_ids)
     else:
-        prompt = llm.encode_prompt(args.prompt)
+        prompt = llm.encode_prompt(args.prompt if args.file is None else read_prompt_file(args.file))
 
     if args.dump_logits:
         import numpy as np

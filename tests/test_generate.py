@@ -164,3 +164,30 @@ def test_llama_cli_sampler_flags(model, llm):
     assert cli_ids("--mirostat", "2", "--mirostat-ent", "3", "--mirostat-lr", "0.2") == api_ids(
         mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2, chain=MIROSTAT_CHAIN)
     assert cli_ids() == api_ids() != api_ids(chain=LLAMA_CHAIN, **dry)  # none of them: the engine's own order
+
+
+def test_a_llama_cli_line_runs(model, llm, tmp_path):
+    """llama-cli's spellings (-m, -f, -n, -c, -t, --temp, -s, --repeat-penalty) and its placement and cache flags
+    (-ngl 0, -ctk f16, -fa, --no-mmap: the last two noted) give the tokens the same request gets through the API;
+    a flag asking for what is not done here stops with one line."""
+    from pocketmoe.generate import parse_args
+
+    a = parse_args(["-m", "x.gguf", "-p", "hi", "-n", "9", "-c", "256", "-t", "1", "--temp", "0.5", "-s", "3",
+                    "--repeat-penalty", "1.1", "-ngl", "0", "-ctk", "bf16", "-ub", "64"])
+    assert (a.model, a.prompt, a.max_tokens, a.n_ctx, a.threads, a.temperature, a.seed, a.repetition_penalty) == (
+        "x.gguf", "hi", 9, 256, 1, 0.5, 3, 1.1)
+    assert (a.device, a.kv_dtype, a.chunk_size, a.llama_notes) == ("cpu", "bf16", 64, [])
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the cat sat on the mat")
+    r = run_cli("-m", str(model), "-f", str(prompt), "-n", "8", "-c", "128", "-t", "1", "--temp", "0.9", "-s", "7",
+                "--repeat-penalty", "1.2", "-ngl", "0", "-fa", "--no-mmap", "--json")
+    assert r.returncode == 0, r.stderr
+    want = llm.generate(["the cat sat on the mat"], SamplingParams(temperature=0.9, seed=7, max_tokens=8,
+                                                                   repetition_penalty=1.2))[0]
+    assert json.loads(r.stdout)["token_ids"] == want.token_ids
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note: ")]
+    assert [n.split(" is taken as llama.cpp's but changes nothing: ")[0] for n in notes] == [
+        "note: --flash-attn", "note: --no-mmap"]
+    r = run_cli("-m", str(model), "-p", "hi", "--lora", "a.gguf")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        "--lora: LoRA adapters and control vectors are not supported here.")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from pocketmoe.serve import llama_flags
+from pocketmoe import llama_flags
 from pocketmoe.serve.__main__ import parse_args
 
 
@@ -61,7 +61,7 @@ def test_noted_flags_change_nothing_and_say_so() -> None:
 
 @pytest.mark.parametrize("argv, words", [
     (["--context-shift"], "never shifted"),
-    (["-hf", "org/model"], "downloads nothing"),
+    (["-hf", "org/model"], "nothing is downloaded"),
     (["--temp", "3"], "less than or equal to 2"),
     (["--top-p", "0"], "greater than 0"),
     (["-n", "128"], "send max_tokens"),

@@ -9,7 +9,7 @@
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 llama-server's spellings of the same flags work too: -m, -a / --alias, -c / --ctx-size (the context of each
-sequence), -np / --parallel, -t, --chat-template-file; and its other common flags are taken as serve/llama_flags.py
+sequence), -np / --parallel, -t, --chat-template-file; and its other common flags are taken as pocketmoe/llama_flags.py
 says (-ngl, -ot exps=CPU, -ctk, -ub, --chat-template-kwargs ... set this server's own; --jinja, -fa ... are noted;
 --context-shift, -hf ... are refused with the reason; --temp, --top-k, --seed ... set every request's default). Without --model it serves the built-in demo model. The port
 opens at once (GET /health answers 503 while the model loads); one line `ready on http://HOST:PORT (...)` follows when requests are taken.
@@ -46,7 +46,7 @@ from pocketmoe.defaults import (
     POOLINGS,
 )
 from pocketmoe.errors import PocketMoEError
-from pocketmoe.serve.llama_flags import add_llama_flags, apply_llama_flags
+from pocketmoe.llama_flags import parse_args_with_llama_flags, print_notes
 
 log = logging.getLogger("pocketmoe.serve")
 
@@ -132,13 +132,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="ranks sharing the model: taken from torchrun's world size (give it only to check that)")
     add_placement_args(p)
-    add_llama_flags(p)
-    args = p.parse_args(argv)
-    try:
-        args.llama_notes = apply_llama_flags(args, {name: p.get_default(name) for name in (
-            "device", "mode", "kv_dtype", "chunk_size", "log_level", "api_key")})
-    except PocketMoEError as e:
-        p.error(str(e))
+    args = parse_args_with_llama_flags(p, argv)
     if args.reasoning_format in ("deepseek", "deepseek-legacy"):  # llama-server's names of what auto does
         args.reasoning_format = "auto"
     for name in ("max_num_seqs", "max_queue", "chunk_size", "threads", "max_model_len"):
@@ -365,8 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tp = tensor_parallel(args)
     if not tp.is_lead:
         return worker(args)
-    for note in args.llama_notes:
-        print(f"note: {note}", file=sys.stderr, flush=True)
+    print_notes(args)
     name = args.served_model_name or Path(args.model).name.removesuffix(".gguf")
     state = ServerState(model_name=name, max_model_len=0, api_key=args.api_key or None,
                         max_body_bytes=int(args.max_body_mib * 2**20), reasoning_format=args.reasoning_format,

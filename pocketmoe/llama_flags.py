@@ -1,6 +1,7 @@
-"""llama-server's command-line flags, for a user's script or service file that passes them.
+"""llama-server's and llama-cli's command-line flags, for a user's script or service file that passes them.
 
-Each flag a llama-server command line commonly carries is one of three kinds here:
+`serve` takes llama-server's, `generate` and `chat` the ones of them that a llama-cli line carries too (placement,
+cache type, batch; their sampling flags are spelled as llama-cli's already). Each is one of these kinds here:
 - **mapped**: it means one of this server's own flags, which it then sets (`-ngl 0`: `--device cpu`; `-ot exps=CPU`,
   `--cpu-moe`: routed experts in host memory, `--mode heterogeneous`; `-ctk f16`: `--kv-dtype f16`; `-ub N`:
   `--chunk-size N`; `-v`: `--log-level debug`; `--api-key-file`: `--api-key`; `--chat-template-kwargs`: the
@@ -21,52 +22,56 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from pocketmoe.errors import PocketMoEError
 
-# flags this server always honours, or that do not apply here: (flags, nargs, what happens instead)
-NOTED: tuple[tuple[tuple[str, ...], str | int, str], ...] = (
-    (("--jinja",), 0, "chat templates always render with jinja2 here"),
-    (("-fa", "--flash-attn"), "?", "attention always runs fused over chunks of the cache here"),
-    (("-cb", "--cont-batching"), 0, "requests are always batched together here"),
-    (("-nocb", "--no-cont-batching"), 0, "requests are always batched together here"),
-    (("--metrics",), 0, "GET /metrics is always served here"),
-    (("--no-webui", "--webui"), 0, "this server has no web UI"),
-    (("--mlock",), 0, "weights stay memory-mapped from the file; the OS keeps them while memory allows"),
-    (("--no-mmap", "--mmap"), 0, "weights are always memory-mapped from the file here"),
-    (("-b", "--batch-size"), 1, "a step's prompt tokens are --chunk-size (llama-server's -ub)"),
-    (("-tb", "--threads-batch"), 1, "one --threads count serves prompts and generation"),
-    (("--cache-reuse",), 1, "the prefix cache reuses a prompt's computed start on its own (--enable-prefix-caching)"),
-    (("--no-context-shift",), 0, "the context is never shifted here: a full context ends the reply"),
-    (("--keep",), 1, "the context is never shifted here, so there is nothing to keep"),
+# flags always honoured here, or that do not apply: (flags, nargs, what happens instead, server's only)
+NOTED: tuple[tuple[tuple[str, ...], str | int, str, bool], ...] = (
+    (("--jinja",), 0, "chat templates always render with jinja2 here", False),
+    (("-fa", "--flash-attn"), "?", "attention always runs fused over chunks of the cache here", False),
+    (("-cb", "--cont-batching"), 0, "requests are always batched together here", True),
+    (("-nocb", "--no-cont-batching"), 0, "requests are always batched together here", True),
+    (("--metrics",), 0, "GET /metrics is always served here", True),
+    (("--no-webui", "--webui"), 0, "this server has no web UI", True),
+    (("--mlock",), 0, "weights stay memory-mapped from the file; the OS keeps them while memory allows", False),
+    (("--no-mmap", "--mmap"), 0, "weights are always memory-mapped from the file here", False),
+    (("-b", "--batch-size"), 1, "a step's prompt tokens are --chunk-size (llama-server's -ub)", False),
+    (("-tb", "--threads-batch"), 1, "one --threads count serves prompts and generation", False),
+    (("--cache-reuse",), 1, "the prefix cache reuses a prompt's computed start on its own (--enable-prefix-caching)",
+     True),
+    (("--no-context-shift",), 0, "the context is never shifted here: a full context ends the reply", False),
+    (("--keep",), 1, "the context is never shifted here, so there is nothing to keep", False),
     (("-sm", "--split-mode"), 1, "several GPUs are planned by memory here (--gpu-memory-gib), or run tensor "
-                                 "parallel under torchrun"),
-    (("-ts", "--tensor-split"), 1, "several GPUs are planned by memory here (--gpu-memory-gib)"),
-    (("-mg", "--main-gpu"), 1, "every visible GPU is planned for here (CUDA_VISIBLE_DEVICES picks them)"),
-    (("--no-warmup",), 0, "there is no warm-up run here"),
-    (("--threads-http",), 1, "one event loop serves every connection here"),
-    (("-to", "--timeout"), 1, "connections are kept open while a reply runs (streams send keep-alives)"),
-    (("--log-disable",), 0, "only warnings and errors are logged unless --log-level says otherwise"),
-    (("--fit",), "?", "the placement plan always fits the weights, cache and KV pool to memory here"),
-    (("--swa-full",), 0, "these models have no sliding-window attention"),
-    (("--props",), 0, "POST /props is not served; GET /props is"),
-    (("--rerank", "--reranking"), 0, "POST /rerank is always served here"),
+                                 "parallel under torchrun", False),
+    (("-ts", "--tensor-split"), 1, "several GPUs are planned by memory here (--gpu-memory-gib)", False),
+    (("-mg", "--main-gpu"), 1, "every visible GPU is planned for here (CUDA_VISIBLE_DEVICES picks them)", False),
+    (("--no-warmup",), 0, "there is no warm-up run here", False),
+    (("--threads-http",), 1, "one event loop serves every connection here", True),
+    (("-to", "--timeout"), 1, "connections are kept open while a reply runs (streams send keep-alives)", True),
+    (("--log-disable",), 0, "only warnings and errors are logged unless --log-level says otherwise", True),
+    (("--fit",), "?", "the placement plan always fits the weights, cache and KV pool to memory here", False),
+    (("--swa-full",), 0, "these models have no sliding-window attention", False),
+    (("--props",), 0, "POST /props is not served; GET /props is", True),
+    (("--rerank", "--reranking"), 0, "POST /rerank is always served here", True),
 )
 
-# flags that ask for what this server does not do: (flags, nargs, why and what to do)
-REFUSED: tuple[tuple[tuple[str, ...], str | int, str], ...] = (
+# flags that ask for what is not done here: (flags, nargs, why and what to do, server's only)
+REFUSED: tuple[tuple[tuple[str, ...], str | int, str, bool], ...] = (
     (("--context-shift",), 0, "the context is never shifted here (a full context ends the reply with finish_reason "
-                              "length); raise --ctx-size instead"),
+                              "length); raise --ctx-size instead", False),
     (("-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"), 1,
-     "this server downloads nothing; download the GGUF file and give it with -m"),
+     "nothing is downloaded here; download the GGUF file and give it with -m", False),
     (("-md", "--model-draft", "--spec-type", "--draft-max", "--draft", "--draft-n", "--draft-min"), 1,
-     "speculative decoding is not supported here; drop the draft-model flags"),
-    (("--lora", "--lora-scaled", "--control-vector"), 1, "LoRA adapters and control vectors are not supported here"),
-    (("--mmproj", "-mm"), 1, "these models take text only; drop --mmproj"),
+     "speculative decoding is not supported here; drop the draft-model flags", False),
+    (("--lora", "--lora-scaled", "--control-vector"), 1, "LoRA adapters and control vectors are not supported here",
+     False),
+    (("--mmproj", "-mm"), 1, "these models take text only; drop --mmproj", False),
     (("-n", "--n-predict", "--predict"), 1, "each route keeps its own default length (/completion: to the end of "
                                             "the context, /v1/chat/completions: the same, /v1/completions: 16); "
-                                            "send max_tokens (or n_predict) in the request body"),
+                                            "send max_tokens (or n_predict) in the request body", True),
 )
 
 # llama-server's sampling flags: the default of each request field of that name on every route (flags, field, type)
@@ -80,14 +85,22 @@ SAMPLING: tuple[tuple[tuple[str, ...], str, type], ...] = (
 KV_TYPES = ("f32", "f16", "bf16")
 
 
-def add_llama_flags(p: argparse.ArgumentParser) -> None:
-    """llama-server's flags (module docstring), in a group of their own."""
-    noted = ", ".join(_name(flags) for flags, _, _ in NOTED)
-    refused = ", ".join(_name(flags) for flags, _, _ in REFUSED)
-    g = p.add_argument_group("llama-server's flags", "taken as llama-server takes them where they mean one of the "
-                             f"flags above (these); taken with a note where this server always does what they ask "
-                             f"or they do not apply ({noted}); refused with the reason where they ask for what it "
-                             f"does not do ({refused})")
+def _tables(server: bool) -> tuple[list[tuple[tuple[str, ...], str | int, str]], ...]:
+    """NOTED and REFUSED's rows for the server (all) or a CLI (those not the server's only)."""
+    return tuple([(flags, nargs, why) for flags, nargs, why, only in table if server or not only]
+                 for table in (NOTED, REFUSED))
+
+
+def add_llama_flags(p: argparse.ArgumentParser, server: bool = True) -> None:
+    """llama-server's flags (module docstring; a CLI's: those a llama-cli line carries too), in a group of their
+    own."""
+    noted_rows, refused_rows = _tables(server)
+    noted = ", ".join(_name(flags) for flags, _, _ in noted_rows)
+    refused = ", ".join(_name(flags) for flags, _, _ in refused_rows)
+    g = p.add_argument_group(f"{'llama-server' if server else 'llama-cli'}'s flags", "taken as llama.cpp takes them "
+                             "where they mean one of the flags above (these); taken with a note where they ask for "
+                             f"what is always done here or do not apply ({noted}); refused with the reason where "
+                             f"they ask for what is not done here ({refused})")
     g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="llama_ngl", default=None, metavar="N",
                    help="0: run on the CPU alone (--device cpu); more, all or auto: the GPUs as planned by memory")
     g.add_argument("-ot", "--override-tensor", dest="llama_ot", action="append", default=None, metavar="PAT=BUFT",
@@ -103,6 +116,13 @@ def add_llama_flags(p: argparse.ArgumentParser) -> None:
                    help="as -ctk (DeepSeek's latent cache has one type for both)")
     g.add_argument("-ub", "--ubatch-size", dest="llama_ubatch", type=int, default=None, metavar="N",
                    help="prompt tokens per step: --chunk-size")
+    for flags, nargs, _ in (*noted_rows, *refused_rows):
+        kw: dict[str, Any] = {"action": "store_true"} if nargs == 0 else {"nargs": nargs, "metavar": "X"}
+        if nargs == "?":
+            kw["const"] = True  # given without a value
+        g.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS, **kw)
+    if not server:
+        return
     g.add_argument("-v", "--verbose", "--log-verbose", dest="llama_verbose", action="store_true",
                    help="--log-level debug")
     g.add_argument("--api-key-file", dest="llama_api_key_file", default=None, metavar="FILE",
@@ -113,24 +133,20 @@ def add_llama_flags(p: argparse.ArgumentParser) -> None:
     for flags, field, kind in SAMPLING:
         g.add_argument(*flags, dest=_dest(flags), type=kind, default=None, metavar="X",
                        help=f"the default of every request's {field} (a request's own wins)")
-    for flags, nargs, _ in (*NOTED, *REFUSED):
-        kw: dict[str, Any] = {"action": "store_true"} if nargs == 0 else {"nargs": nargs, "metavar": "X"}
-        if nargs == "?":
-            kw["const"] = True  # given without a value
-        g.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS, **kw)
 
 
-def apply_llama_flags(args: argparse.Namespace, defaults: dict[str, Any]) -> list[str]:
-    """Set this server's flags from the llama-server flags given; returns the notes to print at start.
-    PocketMoEError (one line) for a refused flag, a value this server cannot take, or a clash with a flag of its own
-    (`defaults`: the parser's defaults, to tell a flag given from one left alone)."""
+def apply_llama_flags(args: argparse.Namespace, defaults: dict[str, Any], server: bool = True) -> list[str]:
+    """Set this tool's flags from the llama.cpp flags add_llama_flags(p, server) took; returns the notes to print
+    at start. PocketMoEError (one line) for a refused flag, a value that cannot be taken here, or a clash with a flag
+    of this tool's own (`defaults`: the parser's defaults, to tell a flag given from one left alone)."""
     notes = []
-    for flags, _, why in REFUSED:
+    noted_rows, refused_rows = _tables(server)
+    for flags, _, why in refused_rows:
         if getattr(args, _dest(flags)) not in (None, False):
             raise PocketMoEError(f"{_name(flags)}: {why}.")
-    for flags, _, why in NOTED:
+    for flags, _, why in noted_rows:
         if getattr(args, _dest(flags)) not in (None, False):
-            notes.append(f"{_name(flags)} is taken as llama-server's but changes nothing: {why}.")
+            notes.append(f"{_name(flags)} is taken as llama.cpp's but changes nothing: {why}.")
 
     def put(name: str, value: Any, flag: str) -> None:
         mine = getattr(args, name)
@@ -178,6 +194,8 @@ def apply_llama_flags(args: argparse.Namespace, defaults: dict[str, Any]) -> lis
         if args.llama_ubatch < 1:
             raise PocketMoEError(f"-ub must be >= 1, got {args.llama_ubatch}.")
         put("chunk_size", args.llama_ubatch, "-ub")
+    if not server:
+        return notes
     if args.llama_verbose:
         put("log_level", "debug", "-v")
     if args.llama_api_key_file is not None:
@@ -194,6 +212,26 @@ def apply_llama_flags(args: argparse.Namespace, defaults: dict[str, Any]) -> lis
     args.chat_template_kwargs = template_kwargs(args.chat_template_kwargs)
     args.sampling_defaults = sampling_defaults(args)
     return notes
+
+
+def parse_args_with_llama_flags(p: argparse.ArgumentParser, argv: Sequence[str] | None, server: bool = True
+                                ) -> argparse.Namespace:
+    """p's arguments with llama.cpp's flags taken (add_llama_flags, apply_llama_flags); a refused one is p's usage
+    error. The notes to print at start are in `llama_notes`."""
+    add_llama_flags(p, server)
+    args = p.parse_args(argv)
+    names = ("device", "mode", "kv_dtype", "chunk_size", *(("log_level", "api_key") if server else ()))
+    try:
+        args.llama_notes = apply_llama_flags(args, {name: p.get_default(name) for name in names}, server)
+    except PocketMoEError as e:
+        p.error(str(e))
+    return args
+
+
+def print_notes(args: argparse.Namespace) -> None:
+    """The notes apply_llama_flags gave, one line each on stderr."""
+    for note in getattr(args, "llama_notes", ()):
+        print(f"note: {note}", file=sys.stderr, flush=True)
 
 
 def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
