@@ -34,11 +34,13 @@ CTX_ROUND = 256
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pocketmoe.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="GGUF file, any shard of a bundle, or its directory")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--gen-tokens", type=int, default=128, help="greedy decode steps to time")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for both engines (default: all cores)")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs after the warm-up; the median is reported")
+    p.add_argument("--model", "-m", required=True, help="GGUF file, any shard of a bundle, or its directory")
+    p.add_argument("--prompt-tokens", "-p", "--n-prompt", type=int, default=128, help="prompt tokens (llama-bench's -p)")
+    p.add_argument("--gen-tokens", "-n", "--n-gen", type=int, default=128,
+                   help="greedy decode steps to time (llama-bench's -n)")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads for both engines (default: all cores)")
+    p.add_argument("--repeats", "-r", "--repetitions", type=int, default=1,
+                   help="timed runs after the warm-up; the median is reported (llama-bench's -r)")
     p.add_argument("--n-ctx", type=int, default=None, help="context length (default: prompt + gen, rounded up)")
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                    help=f"our prefill tokens per forward pass, llama.cpp's n_ubatch (default {DEFAULT_CHUNK_SIZE})")

@@ -191,3 +191,11 @@ def test_llama_python_missing_a_module_says_what_to_install(model: Path, tmp_pat
     proc = bench("--model", str(model), *FAST, "--llama-cpp", env={"POCKETMOE_LLAMA_PYTHON": str(fake)})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"in {fake} failed: it has no module 'gguf'" in proc.stderr and "-m pip install" in proc.stderr
+
+
+def test_llama_bench_spellings() -> None:
+    """llama-bench's -m, -p, -n, -t, -r mean the same counts here."""
+    from pocketmoe.bench import parse_args
+
+    a = parse_args(["-m", "x.gguf", "-p", "512", "-n", "64", "-t", "2", "-r", "3"])
+    assert (a.model, a.prompt_tokens, a.gen_tokens, a.threads, a.repeats) == ("x.gguf", 512, 64, 2, 3)
