@@ -29,8 +29,8 @@ from typing import Any
 
 from pocketmoe.cli_util import add_placement_args, error_line, placement_from_args, run_cli
 from pocketmoe.errors import PocketMoEError
+from pocketmoe.foreign_flags import parse_args_with_foreign_flags, print_notes
 from pocketmoe.generate import add_runtime_args, add_sampling_args, sampling_params
-from pocketmoe.llama_flags import parse_args_with_llama_flags, print_notes
 
 COMMANDS = {"/exit": "end the chat", "/quit": "end the chat", "/reset": "forget the conversation",
             "/help": "list the commands"}
@@ -51,7 +51,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--stats", action="store_true", help="a line of token counts and speed after each reply")
     p.add_argument("--json", action="store_true", help="one JSON object per turn instead of the streamed text")
     add_placement_args(p)
-    args = parse_args_with_llama_flags(p, argv, server=False)
+    args = parse_args_with_foreign_flags(p, argv, server=False)
     if args.reasoning_budget < -1:
         raise PocketMoEError(f"--reasoning-budget must be -1 (no bound) or >= 0, got {args.reasoning_budget}; "
                              "give the tokens of thought to allow.")

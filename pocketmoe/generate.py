@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from pocketmoe.cli_util import add_placement_args, int_list, placement_from_args, run_cli
 from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
 from pocketmoe.errors import PocketMoEError
-from pocketmoe.llama_flags import parse_args_with_llama_flags, print_notes
+from pocketmoe.foreign_flags import parse_args_with_foreign_flags, print_notes
 
 if TYPE_CHECKING:
     from pocketmoe.engine.structured import Grammar
@@ -52,7 +52,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dump-logits", metavar="FILE.npy",
                    help="write float32 [n_prompt_tokens, vocab] logits of every prompt position")
     add_placement_args(p)
-    return parse_args_with_llama_flags(p, argv, server=False)
+    return parse_args_with_foreign_flags(p, argv, server=False)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:

@@ -176,7 +176,7 @@ def test_a_llama_cli_line_runs(model, llm, tmp_path):
                     "--repeat-penalty", "1.1", "-ngl", "0", "-ctk", "bf16", "-ub", "64"])
     assert (a.model, a.prompt, a.max_tokens, a.n_ctx, a.threads, a.temperature, a.seed, a.repetition_penalty) == (
         "x.gguf", "hi", 9, 256, 1, 0.5, 3, 1.1)
-    assert (a.device, a.kv_dtype, a.chunk_size, a.llama_notes) == ("cpu", "bf16", 64, [])
+    assert (a.device, a.kv_dtype, a.chunk_size, a.foreign_notes) == ("cpu", "bf16", 64, [])
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("the cat sat on the mat")
     r = run_cli("-m", str(model), "-f", str(prompt), "-n", "8", "-c", "128", "-t", "1", "--temp", "0.9", "-s", "7",

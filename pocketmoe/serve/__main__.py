@@ -9,9 +9,10 @@
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 llama-server's spellings of the same flags work too: -m, -a / --alias, -c / --ctx-size (the context of each
-sequence), -np / --parallel, -t, --chat-template-file; and its other common flags are taken as pocketmoe/llama_flags.py
+sequence), -np / --parallel, -t, --chat-template-file; and its other common flags are taken as pocketmoe/foreign_flags.py
 says (-ngl, -ot exps=CPU, -ctk, -ub, --chat-template-kwargs ... set this server's own; --jinja, -fa ... are noted;
---context-shift, -hf ... are refused with the reason; --temp, --top-k, --seed ... set every request's default). Without --model it serves the built-in demo model. The port
+--context-shift, -hf ... are refused with the reason; --temp, --top-k, --seed ... set every request's default), as
+are `vllm serve MODEL ...`'s (the model first; --gpu-memory-utilization, --max-num-batched-tokens, ...). Without --model it serves the built-in demo model. The port
 opens at once (GET /health answers 503 while the model loads); one line `ready on http://HOST:PORT (...)` follows when requests are taken.
 SIGINT or SIGTERM stops taking requests, ends in-flight streams with a final chunk and exits 0.
 
@@ -46,7 +47,7 @@ from pocketmoe.defaults import (
     POOLINGS,
 )
 from pocketmoe.errors import PocketMoEError
-from pocketmoe.llama_flags import parse_args_with_llama_flags, print_notes
+from pocketmoe.foreign_flags import parse_args_with_foreign_flags, print_notes
 
 log = logging.getLogger("pocketmoe.serve")
 
@@ -132,7 +133,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="ranks sharing the model: taken from torchrun's world size (give it only to check that)")
     add_placement_args(p)
-    args = parse_args_with_llama_flags(p, argv)
+    args = parse_args_with_foreign_flags(p, argv)
     if args.reasoning_format in ("deepseek", "deepseek-legacy"):  # llama-server's names of what auto does
         args.reasoning_format = "auto"
     for name in ("max_num_seqs", "max_queue", "chunk_size", "threads", "max_model_len"):

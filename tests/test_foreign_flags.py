@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from pocketmoe import llama_flags
+from pocketmoe import foreign_flags
 from pocketmoe.serve.__main__ import parse_args
 
 
@@ -25,17 +25,17 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_mapped_flags_set_the_servers_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     a = parse_args(["-m", "x.gguf", "-ngl", "0", "-ctk", "f16", "-ctv", "F16", "-ub", "256", "-v"])
-    assert (a.device, a.kv_dtype, a.chunk_size, a.log_level) == ("cpu", "f16", 256, "debug") and a.llama_notes == []
+    assert (a.device, a.kv_dtype, a.chunk_size, a.log_level) == ("cpu", "f16", 256, "debug") and a.foreign_notes == []
     a = parse_args(["-ngl", "99", "--reasoning-format", "deepseek"])
-    assert a.device == "auto" and a.reasoning_format == "auto" and "-ngl 99" in a.llama_notes[0]
+    assert a.device == "auto" and a.reasoning_format == "auto" and "-ngl 99" in a.foreign_notes[0]
     for argv in (["-ot", "blk\\..*\\.ffn_.*_exps\\.=CPU"], ["--cpu-moe"], ["-ncmoe", "30"]):
-        monkeypatch.setattr(llama_flags, "gpu_visible", lambda: True)
+        monkeypatch.setattr(foreign_flags, "gpu_visible", lambda: True)
         assert parse_args(argv).mode == "heterogeneous", argv
-        monkeypatch.setattr(llama_flags, "gpu_visible", lambda: False)
+        monkeypatch.setattr(foreign_flags, "gpu_visible", lambda: False)
         a = parse_args(argv)
-        assert a.mode == "auto" and "no GPU is in use" in a.llama_notes[0], argv
+        assert a.mode == "auto" and "no GPU is in use" in a.foreign_notes[0], argv
     a = parse_args(["-ot", "attn=CUDA0"])
-    assert a.mode == "auto" and "only routed experts on the CPU" in a.llama_notes[0]
+    assert a.mode == "auto" and "only routed experts on the CPU" in a.foreign_notes[0]
     key = tmp_path / "key"
     key.write_text("s3cret\nignored\n")
     assert parse_args(["--api-key-file", str(key)]).api_key == "s3cret"
@@ -45,18 +45,20 @@ def test_mapped_flags_set_the_servers_own(monkeypatch: pytest.MonkeyPatch, tmp_p
     a = parse_args(["--temp", "0.6", "--top-k", "20", "--top-p", "0.95", "--min-p", "0", "--repeat-penalty", "1.1",
                     "-s", "7"])
     assert a.sampling_defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0,
-                                   "repeat_penalty": 1.1, "seed": 7} and a.llama_notes == []
+                                   "repeat_penalty": 1.1, "seed": 7} and a.foreign_notes == []
 
 
 def test_noted_flags_change_nothing_and_say_so() -> None:
     plain = vars(parse_args([]))
     a = parse_args(["--jinja", "-fa", "-fa", "on", "-cb", "--metrics", "--mlock", "--no-mmap", "-b", "4096", "-tb",
                     "8", "--cache-reuse", "256", "--no-context-shift", "-sm", "row", "--no-webui", "--fit", "on"])
-    notes = a.llama_notes
+    notes = a.foreign_notes
     assert len(notes) == 13 and all(n.endswith(".") and "\n" not in n for n in notes)
     assert any(n.startswith("--flash-attn") for n in notes) and any(n.startswith("--batch-size") for n in notes)
-    ours = {k: v for k, v in vars(a).items() if not k.startswith("llama_")}
-    assert ours == {k: v for k, v in plain.items() if not k.startswith("llama_")}
+    def own(flags: dict) -> dict:
+        return {k: v for k, v in flags.items() if not k.startswith(("llama_", "foreign_"))}
+
+    assert own(vars(a)) == own(plain)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -145,3 +147,29 @@ def test_server_sampling_defaults_fill_what_a_request_leaves_out(tmp_path: Path)
         assert got == want, path
     params = http.get("/props").json()["default_generation_settings"]["params"]
     assert (params["temperature"], params["top_k"], params["seed"]) == (0.25, 7, 11)
+
+
+def test_a_vllm_serve_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`vllm serve MODEL ...`'s flags: the model first, --gpu-memory-utilization as each GPU's share,
+    --max-num-batched-tokens as --chunk-size, --kv-cache-dtype, --uvicorn-log-level; its other common flags noted,
+    and those asking for what is not done here refused."""
+    monkeypatch.setattr(foreign_flags, "gpu_memory_gib", lambda: [80.0, 24.0])
+    a = parse_args(["m.gguf", "--served-model-name", "x", "--max-model-len", "8192", "--gpu-memory-utilization", "0.5",
+                    "--max-num-batched-tokens", "1024", "--kv-cache-dtype", "bfloat16", "--uvicorn-log-level", "info",
+                    "-pp", "1", "--trust-remote-code", "--dtype", "auto", "--tokenizer", "org/repo",
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching"])
+    assert (a.model, a.served_model_name, a.max_model_len, a.gpu_memory_gib, a.chunk_size, a.kv_dtype, a.log_level) \
+        == ("m.gguf", "x", 8192, "40.00,12.00", 1024, "bf16", "info")
+    assert [n.split(" is taken as vLLM's")[0] for n in a.foreign_notes] == [
+        "--trust-remote-code", "--dtype", "--tokenizer", "--enable-auto-tool-choice", "--tool-call-parser"]
+    assert parse_args(["--model", "m.gguf", "--kv-cache-dtype", "auto"]).kv_dtype == parse_args([]).kv_dtype
+    monkeypatch.setattr(foreign_flags, "gpu_memory_gib", lambda: [])
+    assert "no GPU is visible" in parse_args(["--gpu-memory-utilization", "0.9"]).foreign_notes[0]
+    for argv, words in [(["a.gguf", "--model", "b.gguf"], "give one of them"),
+                        (["--kv-cache-dtype", "fp8"], "f32, f16, bf16"),
+                        (["--gpu-memory-utilization", "1.5"], "not in (0, 1]"),
+                        (["--pipeline-parallel-size", "2"], "torchrun"),
+                        (["--speculative-config", "{}"], "speculative decoding"),
+                        (["--enable-lora"], "LoRA"),
+                        (["--uvicorn-log-level", "loud"], "not a log level")]:
+        assert words in refused(argv, capsys), argv

@@ -1,7 +1,9 @@
-"""llama-server's and llama-cli's command-line flags, for a user's script or service file that passes them.
+"""Other engines' command-line flags (llama-server's, llama-cli's, `vllm serve`'s), for a user's script or service
+file that passes them.
 
-`serve` takes llama-server's, `generate` and `chat` the ones of them that a llama-cli line carries too (placement,
-cache type, batch; their sampling flags are spelled as llama-cli's already). Each is one of these kinds here:
+`serve` takes llama-server's and vLLM's, `generate` and `chat` the llama.cpp ones a llama-cli line carries too
+(placement, cache type, batch; their sampling flags are spelled as llama-cli's already). Each is one of these kinds
+here:
 - **mapped**: it means one of this server's own flags, which it then sets (`-ngl 0`: `--device cpu`; `-ot exps=CPU`,
   `--cpu-moe`: routed experts in host memory, `--mode heterogeneous`; `-ctk f16`: `--kv-dtype f16`; `-ub N`:
   `--chunk-size N`; `-v`: `--log-level debug`; `--api-key-file`: `--api-key`; `--chat-template-kwargs`: the
@@ -15,6 +17,12 @@ cache type, batch; their sampling flags are spelled as llama-cli's already). Eac
 - **refused**: it asks for what this server does not do (`--context-shift`, a quantized KV cache, a draft model,
   downloads, a server-wide length): one line saying why and what to do, before anything loads.
 Where one of this server's own flags is given too and says otherwise, the command line is refused.
+
+vLLM's `vllm serve MODEL ...` line: the model may come first, without -m; `--gpu-memory-utilization F` plans with F
+of each GPU's memory (`--gpu-memory-gib`), `--max-num-batched-tokens` is `--chunk-size`, `--uvicorn-log-level` is
+`--log-level`; `--trust-remote-code`, `--dtype`, `--quantization`, `--tokenizer` (the GGUF file's own is used),
+`--enforce-eager`, `--enable-chunked-prefill`, `--enable-auto-tool-choice`, `--tool-call-parser`, ... are noted; a
+quantized `--kv-cache-dtype`, `--pipeline-parallel-size` over 1, speculative decoding and LoRA are refused.
 """
 
 from __future__ import annotations
@@ -84,6 +92,31 @@ SAMPLING: tuple[tuple[tuple[str, ...], str, type], ...] = (
 
 KV_TYPES = ("f32", "f16", "bf16")
 
+# vllm serve's flags that change nothing here: (flags, nargs, what happens instead)
+VLLM_NOTED: tuple[tuple[tuple[str, ...], str | int, str], ...] = (
+    (("--trust-remote-code",), 0, "a GGUF file holds no code to run"),
+    (("--dtype",), 1, "weights stay in the GGUF file's own types, activations in float32"),
+    (("--quantization",), 1, "the GGUF file's types are its quantization"),
+    (("--load-format",), 1, "a GGUF file is read as it is"),
+    (("--tokenizer", "--tokenizer-mode"), 1, "the GGUF file's own tokenizer is used"),
+    (("--hf-config-path",), 1, "the GGUF file's metadata is the model's config"),
+    (("--enforce-eager",), 0, "CUDA graphs are captured only where a decode step's shape allows"),
+    (("--enable-chunked-prefill",), 0, "prompts are always computed in --chunk-size chunks beside running decodes"),
+    (("--disable-log-requests", "--disable-log-stats"), 0, "requests are logged only at --log-level debug"),
+    (("--swap-space",), 1, "a preempted sequence is recomputed, not swapped"),
+    (("--block-size",), 1, "KV pages hold 16 positions here"),
+    (("--enable-auto-tool-choice",), 0, "tool calls are parsed, in the chat template's format, whenever a request "
+                                        "sends tools"),
+    (("--tool-call-parser",), 1, "the tool-call format is read from the chat template"),
+    (("--reasoning-parser",), 1, "reasoning blocks are split as --reasoning-format says"),
+    (("--generation-config",), 1, "request defaults come from this server's flags (--temp ...)"),
+    (("--disable-frontend-multiprocessing",), 0, "one process serves every request here"),
+)
+VLLM_REFUSED: tuple[tuple[tuple[str, ...], str | int, str], ...] = (
+    (("--speculative-config", "--speculative-model"), 1, "speculative decoding is not supported here"),
+    (("--enable-lora", "--lora-modules"), "*", "LoRA adapters are not supported here"),
+)
+
 
 def _tables(server: bool) -> tuple[list[tuple[tuple[str, ...], str | int, str]], ...]:
     """NOTED and REFUSED's rows for the server (all) or a CLI (those not the server's only)."""
@@ -91,7 +124,7 @@ def _tables(server: bool) -> tuple[list[tuple[tuple[str, ...], str | int, str]],
                  for table in (NOTED, REFUSED))
 
 
-def add_llama_flags(p: argparse.ArgumentParser, server: bool = True) -> None:
+def add_foreign_flags(p: argparse.ArgumentParser, server: bool = True) -> None:
     """llama-server's flags (module docstring; a CLI's: those a llama-cli line carries too), in a group of their
     own."""
     noted_rows, refused_rows = _tables(server)
@@ -133,10 +166,28 @@ def add_llama_flags(p: argparse.ArgumentParser, server: bool = True) -> None:
     for flags, field, kind in SAMPLING:
         g.add_argument(*flags, dest=_dest(flags), type=kind, default=None, metavar="X",
                        help=f"the default of every request's {field} (a request's own wins)")
+    v = p.add_argument_group("vllm serve's flags", "taken where they mean one of the flags above (these); taken "
+                             "with a note where they ask for what is always done here or do not apply "
+                             f"({', '.join(_name(f) for f, _, _ in VLLM_NOTED)}); refused with the reason where "
+                             f"they ask for what is not done here ({', '.join(_name(f) for f, _, _ in VLLM_REFUSED)})")
+    v.add_argument("model_first", nargs="?", default=None, metavar="MODEL",
+                   help="the model, first as `vllm serve MODEL` gives it (the same as -m)")
+    v.add_argument("--gpu-memory-utilization", dest="vllm_gpu_util", type=float, default=None, metavar="F",
+                   help="plan with this fraction of each GPU's memory (--gpu-memory-gib)")
+    v.add_argument("--max-num-batched-tokens", dest="vllm_batched", type=int, default=None, metavar="N",
+                   help="prompt tokens per step: --chunk-size")
+    v.add_argument("--kv-cache-dtype", dest="vllm_kv", default=None, metavar="TYPE",
+                   help="auto: --kv-dtype's default; quantized types are refused")
+    v.add_argument("--uvicorn-log-level", dest="vllm_log", default=None, metavar="LEVEL", help="--log-level")
+    v.add_argument("--pipeline-parallel-size", "-pp", dest="vllm_pp", type=int, default=None, metavar="N",
+                   help="1 only (several GPUs run tensor parallel under torchrun)")
+    for flags, nargs, _ in (*VLLM_NOTED, *VLLM_REFUSED):
+        kw = {"action": "store_true"} if nargs == 0 else {"nargs": nargs, "metavar": "X"}
+        v.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS, **kw)
 
 
-def apply_llama_flags(args: argparse.Namespace, defaults: dict[str, Any], server: bool = True) -> list[str]:
-    """Set this tool's flags from the llama.cpp flags add_llama_flags(p, server) took; returns the notes to print
+def apply_foreign_flags(args: argparse.Namespace, defaults: dict[str, Any], server: bool = True) -> list[str]:
+    """Set this tool's flags from the llama.cpp flags add_foreign_flags(p, server) took; returns the notes to print
     at start. PocketMoEError (one line) for a refused flag, a value that cannot be taken here, or a clash with a flag
     of this tool's own (`defaults`: the parser's defaults, to tell a flag given from one left alone)."""
     notes = []
@@ -211,26 +262,82 @@ def apply_llama_flags(args: argparse.Namespace, defaults: dict[str, Any], server
         put("api_key", key, "--api-key-file")
     args.chat_template_kwargs = template_kwargs(args.chat_template_kwargs)
     args.sampling_defaults = sampling_defaults(args)
+    return notes + vllm_flags(args, put)
+
+
+def vllm_flags(args: argparse.Namespace, put: Any) -> list[str]:
+    """apply_foreign_flags' part for vllm serve's flags (put: its setter of this server's own flags)."""
+    notes = []
+    for flags, _, why in VLLM_REFUSED:
+        if getattr(args, _dest(flags)) not in (None, False):
+            raise PocketMoEError(f"{_name(flags)}: {why}.")
+    for flags, _, why in VLLM_NOTED:
+        if getattr(args, _dest(flags)) not in (None, False):
+            notes.append(f"{_name(flags)} is taken as vLLM's but changes nothing: {why}.")
+    if args.model_first is not None:
+        put("model", args.model_first, f"the model {args.model_first} given first")
+    if args.vllm_pp is not None and args.vllm_pp != 1:
+        raise PocketMoEError(f"--pipeline-parallel-size {args.vllm_pp}: pipeline parallelism is not supported here; "
+                             "run tensor parallel under torchrun --nproc-per-node N instead.")
+    if args.vllm_batched is not None:
+        if args.vllm_batched < 1:
+            raise PocketMoEError(f"--max-num-batched-tokens must be >= 1, got {args.vllm_batched}.")
+        put("chunk_size", args.vllm_batched, "--max-num-batched-tokens")
+    if args.vllm_kv is not None:
+        kv = args.vllm_kv.lower()
+        if kv in ("bfloat16", "float16", "float32"):
+            kv = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[kv]
+        if kv in KV_TYPES:
+            put("kv_dtype", kv, "--kv-cache-dtype")
+        elif kv != "auto":
+            raise PocketMoEError(f"--kv-cache-dtype {args.vllm_kv}: the KV cache here holds {', '.join(KV_TYPES)}; "
+                                 "give auto, or --kv-dtype f16 for half of f32's memory.")
+    if args.vllm_log is not None:
+        level = {"trace": "debug", "critical": "error"}.get(args.vllm_log.lower(), args.vllm_log.lower())
+        if level not in ("debug", "info", "warning", "error"):
+            raise PocketMoEError(f"--uvicorn-log-level {args.vllm_log} is not a log level; give debug, info, warning "
+                                 "or error.")
+        put("log_level", level, "--uvicorn-log-level")
+    if args.vllm_gpu_util is not None:
+        f = args.vllm_gpu_util
+        if not 0 < f <= 1:
+            raise PocketMoEError(f"--gpu-memory-utilization {f} is not in (0, 1]; give the fraction of each GPU's "
+                                 "memory to plan with, e.g. 0.9.")
+        sizes = gpu_memory_gib()
+        if sizes:
+            put("gpu_memory_gib", ",".join(f"{f * g:.2f}" for g in sizes), "--gpu-memory-utilization")
+        else:
+            notes.append("--gpu-memory-utilization: no GPU is visible, so there is no GPU memory to plan with.")
     return notes
 
 
-def parse_args_with_llama_flags(p: argparse.ArgumentParser, argv: Sequence[str] | None, server: bool = True
+def gpu_memory_gib() -> list[float]:
+    """Each visible GPU's memory, GiB (none without a GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(torch.cuda.device_count())]
+
+
+def parse_args_with_foreign_flags(p: argparse.ArgumentParser, argv: Sequence[str] | None, server: bool = True
                                 ) -> argparse.Namespace:
-    """p's arguments with llama.cpp's flags taken (add_llama_flags, apply_llama_flags); a refused one is p's usage
-    error. The notes to print at start are in `llama_notes`."""
-    add_llama_flags(p, server)
+    """p's arguments with llama.cpp's flags taken (add_foreign_flags, apply_foreign_flags); a refused one is p's usage
+    error. The notes to print at start are in `foreign_notes`."""
+    add_foreign_flags(p, server)
     args = p.parse_args(argv)
-    names = ("device", "mode", "kv_dtype", "chunk_size", *(("log_level", "api_key") if server else ()))
+    names = ("device", "mode", "kv_dtype", "chunk_size",
+             *(("log_level", "api_key", "model", "gpu_memory_gib") if server else ()))
     try:
-        args.llama_notes = apply_llama_flags(args, {name: p.get_default(name) for name in names}, server)
+        args.foreign_notes = apply_foreign_flags(args, {name: p.get_default(name) for name in names}, server)
     except PocketMoEError as e:
         p.error(str(e))
     return args
 
 
 def print_notes(args: argparse.Namespace) -> None:
-    """The notes apply_llama_flags gave, one line each on stderr."""
-    for note in getattr(args, "llama_notes", ()):
+    """The notes apply_foreign_flags gave, one line each on stderr."""
+    for note in getattr(args, "foreign_notes", ()):
         print(f"note: {note}", file=sys.stderr, flush=True)
 
 
@@ -286,4 +393,4 @@ def _name(flags: tuple[str, ...]) -> str:
 
 
 def _dest(flags: tuple[str, ...]) -> str:
-    return "llama_" + re.sub(r"\W", "_", max(flags, key=len).lstrip("-"))
+    return "foreign_" + re.sub(r"\W", "_", max(flags, key=len).lstrip("-"))
