@@ -149,11 +149,7 @@ def add_foreign_flags(p: argparse.ArgumentParser, server: bool = True) -> None:
                    help="as -ctk (DeepSeek's latent cache has one type for both)")
     g.add_argument("-ub", "--ubatch-size", dest="llama_ubatch", type=int, default=None, metavar="N",
                    help="prompt tokens per step: --chunk-size")
-    for flags, nargs, _ in (*noted_rows, *refused_rows):
-        kw: dict[str, Any] = {"action": "store_true"} if nargs == 0 else {"nargs": nargs, "metavar": "X"}
-        if nargs == "?":
-            kw["const"] = True  # given without a value
-        g.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS, **kw)
+    _add_hidden(g, (*noted_rows, *refused_rows))
     if not server:
         return
     g.add_argument("-v", "--verbose", "--log-verbose", dest="llama_verbose", action="store_true",
@@ -181,23 +177,33 @@ def add_foreign_flags(p: argparse.ArgumentParser, server: bool = True) -> None:
     v.add_argument("--uvicorn-log-level", dest="vllm_log", default=None, metavar="LEVEL", help="--log-level")
     v.add_argument("--pipeline-parallel-size", "-pp", dest="vllm_pp", type=int, default=None, metavar="N",
                    help="1 only (several GPUs run tensor parallel under torchrun)")
-    for flags, nargs, _ in (*VLLM_NOTED, *VLLM_REFUSED):
-        kw = {"action": "store_true"} if nargs == 0 else {"nargs": nargs, "metavar": "X"}
-        v.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS, **kw)
+    _add_hidden(v, (*VLLM_NOTED, *VLLM_REFUSED))
+
+
+def _add_hidden(g: Any, rows: Sequence[tuple[tuple[str, ...], str | int, str]]) -> None:
+    """The noted and refused flags, taken but left out of --help (the group's description lists them)."""
+    for flags, nargs, _ in rows:
+        kw: dict[str, Any] = {"action": "store_true"} if nargs == 0 else {"nargs": nargs, "metavar": "X"}
+        if nargs == "?":
+            kw["const"] = True  # given without a value
+        g.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS, **kw)
+
+
+def _notes(args: argparse.Namespace, noted: Sequence[tuple[tuple[str, ...], str | int, str]],
+           refused: Sequence[tuple[tuple[str, ...], str | int, str]], engine: str) -> list[str]:
+    """A note for each noted flag given; PocketMoEError for the first refused one given."""
+    for flags, _, why in refused:
+        if getattr(args, _dest(flags)) not in (None, False):
+            raise PocketMoEError(f"{_name(flags)}: {why}.")
+    return [f"{_name(flags)} is taken as {engine}'s but changes nothing: {why}."
+            for flags, _, why in noted if getattr(args, _dest(flags)) not in (None, False)]
 
 
 def apply_foreign_flags(args: argparse.Namespace, defaults: dict[str, Any], server: bool = True) -> list[str]:
     """Set this tool's flags from the llama.cpp flags add_foreign_flags(p, server) took; returns the notes to print
     at start. PocketMoEError (one line) for a refused flag, a value that cannot be taken here, or a clash with a flag
     of this tool's own (`defaults`: the parser's defaults, to tell a flag given from one left alone)."""
-    notes = []
-    noted_rows, refused_rows = _tables(server)
-    for flags, _, why in refused_rows:
-        if getattr(args, _dest(flags)) not in (None, False):
-            raise PocketMoEError(f"{_name(flags)}: {why}.")
-    for flags, _, why in noted_rows:
-        if getattr(args, _dest(flags)) not in (None, False):
-            notes.append(f"{_name(flags)} is taken as llama.cpp's but changes nothing: {why}.")
+    notes = _notes(args, *_tables(server), "llama.cpp")
 
     def put(name: str, value: Any, flag: str) -> None:
         mine = getattr(args, name)
@@ -267,13 +273,7 @@ def apply_foreign_flags(args: argparse.Namespace, defaults: dict[str, Any], serv
 
 def vllm_flags(args: argparse.Namespace, put: Any) -> list[str]:
     """apply_foreign_flags' part for vllm serve's flags (put: its setter of this server's own flags)."""
-    notes = []
-    for flags, _, why in VLLM_REFUSED:
-        if getattr(args, _dest(flags)) not in (None, False):
-            raise PocketMoEError(f"{_name(flags)}: {why}.")
-    for flags, _, why in VLLM_NOTED:
-        if getattr(args, _dest(flags)) not in (None, False):
-            notes.append(f"{_name(flags)} is taken as vLLM's but changes nothing: {why}.")
+    notes = _notes(args, VLLM_NOTED, VLLM_REFUSED, "vLLM")
     if args.model_first is not None:
         put("model", args.model_first, f"the model {args.model_first} given first")
     if args.vllm_pp is not None and args.vllm_pp != 1:
