@@ -501,7 +501,16 @@ def test_slots_while_a_task_runs(model: Path, llm):
             (busy,) = http.get("/slots").json()
             assert http.get("/slots?fail_on_no_slot=1").status_code == 503
             assert http.get("/slots?fail_on_no_slot=0").status_code == 200
+            queued, call = threading.Event(), eng.call
+
+            def noted_call(fn):  # noqa: ANN001, ANN202
+                fut = call(fn)
+                queued.set()
+                return fut
+
+            eng.call = noted_call  # type: ignore[method-assign]
             erase = pool.submit(http.post, "/slots/0?action=erase")  # runs between steps: the slot is still busy
+            assert queued.wait(60)  # in the engine's inbox before the held step ends
             go.set()
             out = reply.result(60).json()
             assert erase.result(60).status_code == 409 and erase.result().json()["error"]["code"] == "slot_busy", erase.result().text
