@@ -147,9 +147,7 @@ class PagedKVCache:
             raise KVPoolFullError(f"the KV pool has {self.free_pages} free pages of {self.page} positions but "
                                   f"{extra} more are needed; wait for other sequences or raise the KV budget.")
         for _ in range(extra):
-            if not self._free:
-                self._evict_one()
-            page = self._free.pop()
+            page = self._take_page()
             self._ref[page] = 1
             pages.append(page)
         self._length[seq] = max(self._length.get(seq, 0), n_positions)
@@ -215,15 +213,11 @@ class PagedKVCache:
         rows = self.store.load(digest)
         if rows is None:
             return None
-        if not self._free:
-            self._evict_one()
-        page = self._free.pop()
+        page = self._take_page()
         if not self._write_stored(page, digest, rows):
             self._free.append(page)
             return None
-        self._ref[page] = 1  # the index's
-        self._index[digest] = page
-        self._page_key[page] = digest
+        self._index_page(page, digest)
         return page
 
     # -- a prefix's rows out and in (llama-server's slot save / restore / erase) ------------------------------
@@ -252,13 +246,9 @@ class PagedKVCache:
                 if not room:
                     break
                 room -= 1
-                if not self._free:
-                    self._evict_one()
-                page = self._free.pop()
+                page = self._take_page()
                 self.write_page(page, rows[i])
-                self._ref[page] = 1  # the index's
-                self._index[digest] = page
-                self._page_key[page] = digest
+                self._index_page(page, digest)
                 self._evictable[page] = None  # the most recently used: evicted after the pages indexed before
                 if self.store is not None and digest not in self.store:
                     self.save_page(digest, page)
@@ -360,6 +350,18 @@ class PagedKVCache:
     def _digest(parent: bytes, tokens: Sequence[int]) -> bytes:
         """The digest of a prefix: its last page's tokens chained onto the digest of the prefix before it."""
         return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+    def _take_page(self) -> int:
+        """A free page, evicting the index's least recently used one where none is free (one must be evictable)."""
+        if not self._free:
+            self._evict_one()
+        return self._free.pop()
+
+    def _index_page(self, page: int, digest: bytes) -> None:
+        """Index a page just filled with the rows of `digest`, held by the index alone."""
+        self._ref[page] = 1  # the index's
+        self._index[digest] = page
+        self._page_key[page] = digest
 
     def _hold(self, page: int) -> None:
         self._evictable.pop(page, None)
