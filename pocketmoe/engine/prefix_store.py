@@ -121,15 +121,14 @@ class PrefixStore:
         self._files.move_to_end(path)
         os.utime(path)  # the order survives a restart
         self.loaded += 1
-        rows = torch.frombuffer(bytearray(data[len(head):]), dtype=torch.uint8)
-        return rows.view(self.dtype).reshape(self.shape)
+        return rows_from(data[len(head):], self.shape, self.dtype)
 
     def save(self, digest: bytes, rows: torch.Tensor) -> None:
         """Keep a page's rows [L, page, W] (a page kept already is left as it is), then trim to the budget."""
         path = self._path(digest)
         if path in self._files or self.page_bytes > self.budget:
             return
-        data = rows.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        data = row_bytes(rows)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         try:
             tmp.write_bytes(MAGIC + self.key + digest + data)
@@ -153,6 +152,16 @@ class PrefixStore:
         path.unlink(missing_ok=True)
 
 
+def row_bytes(rows: torch.Tensor) -> bytes:
+    """A page's rows [L, page, W] as the files hold them: the pool's bytes."""
+    return rows.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def rows_from(data: bytes, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    """row_bytes' rows back (a copy the caller owns)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
 class SlotFileError(PocketMoEError):
     """A slot file that cannot be read back here: not one, cut short, or from another model, backend or KV layout."""
 
@@ -166,7 +175,7 @@ def write_slot_file(path: Path, key: bytes, tokens: list[int], rows: list[torch.
         with open(tmp, "wb") as f:
             f.write(head)
             for r in rows:
-                f.write(r.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+                f.write(row_bytes(r))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -191,6 +200,6 @@ def read_slot_file(path: Path, key: bytes, shape: tuple[int, int, int], dtype: t
         raise SlotFileError(f"{path.name} holds {len(data)} bytes but its {n} pages need {tokens_end + n * page_bytes}; "
                             "it was cut short or changed since it was saved.")
     tokens = np.frombuffer(data, dtype="<i4", count=n * shape[1], offset=start).tolist()
-    rows = [torch.frombuffer(bytearray(data[tokens_end + i * page_bytes:tokens_end + (i + 1) * page_bytes]),
-                             dtype=torch.uint8).view(dtype).reshape(shape) for i in range(n)]
+    rows = [rows_from(data[tokens_end + i * page_bytes:tokens_end + (i + 1) * page_bytes], shape, dtype)
+            for i in range(n)]
     return tokens, rows, len(data)
