@@ -230,7 +230,7 @@ def apply_foreign_flags(args: argparse.Namespace, defaults: dict[str, Any], serv
         else:
             notes.append(f"-ot {rule}: only routed experts on the CPU (exps=CPU) is taken here; the placement plan "
                          "puts every other tensor.")
-    if host_experts and args.device != "cpu" and gpu_visible():
+    if host_experts and args.device != "cpu" and gpu_memory_gib():
         put("mode", "heterogeneous", "-ot exps=CPU / --cpu-moe")
         notes.append("routed experts stay in host memory (--mode heterogeneous): each step computes a missed expert "
                      "on the CPU or copies it to the GPU, whichever the cost model finds faster.")
@@ -359,12 +359,6 @@ def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
                                  f"{field} may take.") from None
         out[field] = value
     return out
-
-
-def gpu_visible() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def template_kwargs(text: str | None) -> dict[str, Any]:

@@ -29,9 +29,9 @@ def test_mapped_flags_set_the_servers_own(monkeypatch: pytest.MonkeyPatch, tmp_p
     a = parse_args(["-ngl", "99", "--reasoning-format", "deepseek"])
     assert a.device == "auto" and a.reasoning_format == "auto" and "-ngl 99" in a.foreign_notes[0]
     for argv in (["-ot", "blk\\..*\\.ffn_.*_exps\\.=CPU"], ["--cpu-moe"], ["-ncmoe", "30"]):
-        monkeypatch.setattr(foreign_flags, "gpu_visible", lambda: True)
+        monkeypatch.setattr(foreign_flags, "gpu_memory_gib", lambda: [24.0])
         assert parse_args(argv).mode == "heterogeneous", argv
-        monkeypatch.setattr(foreign_flags, "gpu_visible", lambda: False)
+        monkeypatch.setattr(foreign_flags, "gpu_memory_gib", lambda: [])
         a = parse_args(argv)
         assert a.mode == "auto" and "no GPU is in use" in a.foreign_notes[0], argv
     a = parse_args(["-ot", "attn=CUDA0"])

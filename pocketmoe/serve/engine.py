@@ -634,8 +634,6 @@ class Engine:
         m = self.metrics
         m.running.set(len(self.running))
         m.waiting.set(len(self.waiting))
-        m.llama.processing.set(len(self.running))
-        m.llama.deferred.set(len(self.waiting))
         m.kv_used.set(self.cache.used_pages / self.cache.n_pages)
         m.kv_cached_pages.set(self.cache.cached_pages)
         if self.cache.store is not None:

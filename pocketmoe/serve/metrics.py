@@ -42,7 +42,7 @@ class Metrics:
                                       registry=r)
         self.responses_store_bytes = Gauge(p + "responses_store_bytes", "Bytes (JSON) of the kept /v1/responses "
                                            "replies, at most --responses-store-mib", registry=r)
-        self.llama = LlamaMetrics(r)
+        self.llama = LlamaMetrics(r, self.running, self.waiting)
 
 
     def watch_experts(self, runner) -> None:  # noqa: ANN001
@@ -80,7 +80,7 @@ class LlamaMetrics:
     the longest sequence; running and waiting sequences; and the prompt and generation tokens/s since the previous
     scrape (its per-bucket averages)."""
 
-    def __init__(self, r: CollectorRegistry) -> None:
+    def __init__(self, r: CollectorRegistry, running: Gauge, waiting: Gauge) -> None:
         p = "llamacpp:"
         self.prompt_tokens = Counter(p + "prompt_tokens", "Number of prompt tokens processed.", registry=r)
         self.prompt_seconds = Counter(p + "prompt_seconds", "Prompt process time", registry=r)
@@ -91,8 +91,10 @@ class LlamaMetrics:
         self.n_tokens_max = Gauge(p + "n_tokens_max", "Largest observed n_tokens.", registry=r)
         Gauge(p + "n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
               registry=r).set_function(lambda: self.busy_slots / max(self.n_decode._value.get(), 1))
-        self.processing = Gauge(p + "requests_processing", "Number of requests processing.", registry=r)
-        self.deferred = Gauge(p + "requests_deferred", "Number of requests deferred.", registry=r)
+        Gauge(p + "requests_processing", "Number of requests processing.", registry=r).set_function(
+            lambda: running._value.get())
+        Gauge(p + "requests_deferred", "Number of requests deferred.", registry=r).set_function(
+            lambda: waiting._value.get())
         self._last = {"prompt": (0.0, 0.0), "predicted": (0.0, 0.0)}
         Gauge(p + "prompt_tokens_seconds", "Average prompt throughput in tokens/s.", registry=r).set_function(
             lambda: self._rate("prompt", self.prompt_tokens, self.prompt_seconds))
