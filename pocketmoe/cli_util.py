@@ -7,6 +7,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from pocketmoe.errors import PocketMoEError
@@ -41,6 +42,15 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+
+
+def read_text_file(path: str, flag: str) -> str:
+    """The text of a file a flag names (PocketMoEError, one line, where it cannot be read as UTF-8 text)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PocketMoEError(f"{flag} {path}: {getattr(e, 'strerror', None) or e}; give a UTF-8 text file this user "
+                             "can read.") from None
 
 
 def int_list(text: str, flag: str, what: str = "value") -> list[int]:

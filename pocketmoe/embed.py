@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pocketmoe.cli_util import add_placement_args, placement_from_args, run_cli
+from pocketmoe.cli_util import add_placement_args, placement_from_args, read_text_file, run_cli
 from pocketmoe.defaults import POOLINGS
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.generate import add_runtime_args
@@ -47,7 +47,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def prompts_of(args: argparse.Namespace) -> list[str]:
-    text = args.prompt if args.prompt is not None else Path(args.file).read_text(encoding="utf-8")
+    text = args.prompt if args.prompt is not None else read_text_file(args.file, "--file")
     if not args.embd_separator:
         raise PocketMoEError("--embd-separator is empty; give the text that separates the prompts.")
     parts = [t for t in text.split(args.embd_separator) if t.strip()]

@@ -22,9 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pocketmoe.cli_util import add_placement_args, int_list, placement_from_args, run_cli
+from pocketmoe.cli_util import add_placement_args, int_list, placement_from_args, read_text_file, run_cli
 from pocketmoe.defaults import DEFAULT_CHUNK_SIZE
-from pocketmoe.errors import PocketMoEError
 from pocketmoe.foreign_flags import parse_args_with_foreign_flags, print_notes
 
 if TYPE_CHECKING:
@@ -143,15 +142,6 @@ def sampling_params(args: argparse.Namespace, grammar: Grammar | None = None):  
         **extras)
 
 
-def read_prompt_file(path: str) -> str:
-    """--file's text (PocketMoEError where it cannot be read)."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PocketMoEError(f"--file {path}: {getattr(e, 'strerror', None) or e}; give a UTF-8 text file this user "
-                             "can read.") from None
-
-
 def parse_token_ids(text: str) -> list[int]:
     return int_list(text, "--token-ids", "token id")
 
@@ -212,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.token_ids is not None:
         prompt = parse_token_ids(args.token_ids)
     else:
-        prompt = llm.encode_prompt(args.prompt if args.file is None else read_prompt_file(args.file))
+        prompt = llm.encode_prompt(args.prompt if args.file is None else read_text_file(args.file, "--file"))
 
     if args.dump_logits:
         import numpy as np
