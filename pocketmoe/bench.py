@@ -35,7 +35,8 @@ CTX_ROUND = 256
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pocketmoe.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", "-m", required=True, help="GGUF file, any shard of a bundle, or its directory")
-    p.add_argument("--prompt-tokens", "-p", "--n-prompt", type=int, default=128, help="prompt tokens (llama-bench's -p)")
+    p.add_argument("--prompt-tokens", "-p", "--n-prompt", type=int, default=128,
+                   help="prompt tokens (llama-bench's -p)")
     p.add_argument("--gen-tokens", "-n", "--n-gen", type=int, default=128,
                    help="greedy decode steps to time (llama-bench's -n)")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads for both engines (default: all cores)")

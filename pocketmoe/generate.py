@@ -74,8 +74,10 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: 
                    help="the penalties look at this many last tokens (default 0: all of them)")
     g = p.add_argument_group("llama.cpp's other samplers", "llama-cli's flags; with any of them on, or --samplers, "
                              "the steps run in llama.cpp's chain (the temperature after the filters)")
-    g.add_argument("--typical", type=float, default=D["typical_p"], dest="typical_p", help="locally typical p (1: off)")
-    g.add_argument("--top-nsigma", type=float, default=D["top_n_sigma"], dest="top_n_sigma", help="top-n-sigma (<= 0: off)")
+    g.add_argument("--typical", type=float, default=D["typical_p"], dest="typical_p",
+                   help="locally typical p (1: off)")
+    g.add_argument("--top-nsigma", type=float, default=D["top_n_sigma"], dest="top_n_sigma",
+                   help="top-n-sigma (<= 0: off)")
     g.add_argument("--xtc-probability", type=float, default=D["xtc_probability"])
     g.add_argument("--xtc-threshold", type=float, default=D["xtc_threshold"])
     g.add_argument("--dynatemp-range", type=float, default=D["dynatemp_range"])
@@ -83,7 +85,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: 
     g.add_argument("--dry-multiplier", type=float, default=D["dry_multiplier"])
     g.add_argument("--dry-base", type=float, default=D["dry_base"])
     g.add_argument("--dry-allowed-length", type=int, default=D["dry_allowed_length"])
-    g.add_argument("--dry-penalty-last-n", type=int, default=D["dry_penalty_last_n"], help="-1: the whole history, 0: off")
+    g.add_argument("--dry-penalty-last-n", type=int, default=D["dry_penalty_last_n"],
+                   help="-1: the whole history, 0: off")
     g.add_argument("--dry-sequence-breaker", action="append", default=None, dest="dry_sequence_breakers",
                    metavar="TEXT", help="repeatable; replaces the defaults (newline, colon, quote, asterisk)")
     g.add_argument("--mirostat", type=int, default=0, choices=(0, 1, 2))

@@ -197,8 +197,8 @@ def read_slot_file(path: Path, key: bytes, shape: tuple[int, int, int], dtype: t
     n = int.from_bytes(data[start - 4:start], "little")
     tokens_end = start + 4 * n * shape[1]
     if len(data) != tokens_end + n * page_bytes:
-        raise SlotFileError(f"{path.name} holds {len(data)} bytes but its {n} pages need {tokens_end + n * page_bytes}; "
-                            "it was cut short or changed since it was saved.")
+        raise SlotFileError(f"{path.name} holds {len(data)} bytes but its {n} pages need "
+                            f"{tokens_end + n * page_bytes}; it was cut short or changed since it was saved.")
     tokens = np.frombuffer(data, dtype="<i4", count=n * shape[1], offset=start).tolist()
     rows = [rows_from(data[tokens_end + i * page_bytes:tokens_end + (i + 1) * page_bytes], shape, dtype)
             for i in range(n)]

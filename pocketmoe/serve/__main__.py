@@ -9,10 +9,11 @@
         [--device ...] [--mode ...] [--gpu-memory-gib G[,G...]] [--expert-policy ...] [--expert-cache-slots N]
 
 llama-server's spellings of the same flags work too: -m, -a / --alias, -c / --ctx-size (the context of each
-sequence), -np / --parallel, -t, --chat-template-file; and its other common flags are taken as pocketmoe/foreign_flags.py
-says (-ngl, -ot exps=CPU, -ctk, -ub, --chat-template-kwargs ... set this server's own; --jinja, -fa ... are noted;
---context-shift, -hf ... are refused with the reason; --temp, --top-k, --seed ... set every request's default), as
-are `vllm serve MODEL ...`'s (the model first; --gpu-memory-utilization, --max-num-batched-tokens, ...). Without --model it serves the built-in demo model. The port
+sequence), -np / --parallel, -t, --chat-template-file; and its other common flags are taken as
+pocketmoe/foreign_flags.py says (-ngl, -ot exps=CPU, -ctk, -ub, --chat-template-kwargs ... set this server's own;
+--jinja, -fa ... are noted; --context-shift, -hf ... are refused with the reason; --temp, --top-k, --seed ... set
+every request's default), as are `vllm serve MODEL ...`'s (the model first; --gpu-memory-utilization,
+--max-num-batched-tokens, ...). Without --model it serves the built-in demo model. The port
 opens at once (GET /health answers 503 while the model loads); one line `ready on http://HOST:PORT (...)` follows when requests are taken.
 SIGINT or SIGTERM stops taking requests, ends in-flight streams with a final chunk and exits 0.
 
@@ -349,7 +350,6 @@ def worker(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from pocketmoe.serve.api import ServerState, create_app
-
 
     if args.model is None:
         from pocketmoe.demo_model import demo_model_path

@@ -843,8 +843,8 @@ def create_app(state: ServerState) -> FastAPI:
 
         def result(i: int, content: str) -> dict[str, Any]:
             c, ids = choices[i], prompts[i]
-            out = {"index": i, "content": content, "tokens": c.token_ids if req.return_tokens else [], "id_slot": c.slot,
-                   "stop": True, "model": state.model_name, "tokens_predicted": len(c.token_ids),
+            out = {"index": i, "content": content, "tokens": c.token_ids if req.return_tokens else [],
+                   "id_slot": c.slot, "stop": True, "model": state.model_name, "tokens_predicted": len(c.token_ids),
                    "tokens_evaluated": len(ids), "tokens_cached": c.cached_tokens,
                    "generation_settings": {**req.settings(params[i], state.max_model_len, state.model_name),
                                            "n_predict": wanted[i]},
@@ -1064,7 +1064,6 @@ def create_app(state: ServerState) -> FastAPI:
         name = _parse(SlotFileRequest, await request.body()).filename
         path = state.slot_save_path / name
         t0 = time.perf_counter()
-        shape, dtype = eng.runner.kv_page_shape
         key = await asyncio.to_thread(lambda: eng.runner.kv_key)  # made once: a pass over every tensor's ends
         if action == "save":
             tokens, rows = await _engine_call(eng, lambda: eng.slot_rows(slot))
@@ -1076,6 +1075,7 @@ def create_app(state: ServerState) -> FastAPI:
                                    type_="server_error") from None
             return JSONResponse({"id_slot": slot, "filename": name, "n_saved": len(tokens), "n_written": written,
                                  "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}})
+        shape, dtype = eng.runner.kv_page_shape
         try:
             tokens, rows, read = await asyncio.to_thread(read_slot_file, path, key, shape, dtype)
         except FileNotFoundError:
