@@ -37,7 +37,8 @@ from pocketmoe.inspect_sections import (
     validation_text,
 )
 from pocketmoe.kv_dtypes import DEFAULT_KV_DTYPE, KV_DTYPE_BYTES
-from pocketmoe.placement import Bandwidths, PlacementError, PlanOptions, plan_report
+from pocketmoe.placement import Bandwidths, ComputeRates, PlacementError, PlanOptions, plan_report
+from pocketmoe.placement.estimate import CPU_ATTENTION_GFLOPS_PER_CORE, default_cpu_gflops
 from pocketmoe.placement.run import RunPlacement, run_plan
 
 GIB = 2**30
@@ -85,6 +86,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--dram-gbps", type=float, default=bw.dram_gbps, help="host memory bandwidth, GB/s")
     d.add_argument("--pcie-gbps", type=float, default=bw.pcie_gbps, help="host-to-device copy bandwidth, GB/s")
     d.add_argument("--gpu-gbps", type=float, default=bw.gpu_gbps, help="device memory bandwidth, GB/s")
+    d.add_argument("--cpu-gflops", type=float, default=None,
+                   help=f"attention arithmetic the CPU sustains, GFLOP/s (default {CPU_ATTENTION_GFLOPS_PER_CORE:g} per "
+                        f"core this process may use)")
+    d.add_argument("--gpu-gflops", type=float, default=ComputeRates.gpu_gflops,
+                   help="attention arithmetic the device sustains, GFLOP/s")
     return p
 
 
@@ -124,7 +130,12 @@ def _options(args: argparse.Namespace, spec: Any) -> PlanOptions:
         bws = Bandwidths(args.dram_gbps, args.pcie_gbps, args.gpu_gbps)
     except ValueError as e:
         raise PlacementError(f"{e}; give --dram-gbps/--pcie-gbps/--gpu-gbps as positive GB/s.") from None
-    return PlanOptions(context_length=ctx, batch=args.batch, kv_dtype=args.kv_dtype, bandwidths=bws)
+    try:
+        cpu = default_cpu_gflops() if args.cpu_gflops is None else args.cpu_gflops
+        rates = ComputeRates(cpu, args.gpu_gflops)
+    except ValueError as e:
+        raise PlacementError(f"{e}; give --cpu-gflops/--gpu-gflops as positive GFLOP/s.") from None
+    return PlanOptions(context_length=ctx, batch=args.batch, kv_dtype=args.kv_dtype, bandwidths=bws, compute=rates)
 
 
 def _plan(args: argparse.Namespace, spec: Any, bundle: Any) -> Any:

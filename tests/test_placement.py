@@ -13,6 +13,7 @@ import pytest
 from pocketmoe.gguf import open_bundle
 from pocketmoe.placement import (
     Bandwidths,
+    ComputeRates,
     Devices,
     DeviceSpec,
     PlacementError,
@@ -70,6 +71,12 @@ class Ref:
         dims = self.key("attention.kv_lora_rank") + self.key("rope.dimension_count")
         return self.key("block_count") * dims * ctx * batch * size
 
+    def attn_flops(self, ctx: int) -> int:
+        """Absorbed MLA for the last of ctx tokens, from the file's keys (2 FLOPs a multiply-add): in every layer
+        each head scores ctx latent rows (kv_lora + rope values) and sums their kv_lora values."""
+        lora, rope = self.key("attention.kv_lora_rank"), self.key("rope.dimension_count")
+        return 2 * self.key("block_count") * self.key("attention.head_count") * ctx * (2 * lora + rope)
+
     def workspace(self, opts: PlanOptions, head: bool) -> int:
         hidden, vocab = self.key("embedding_length"), self.tensors["output.weight"][1][0]
         act = ACT_BUFFERS * opts.batch * min(opts.prefill_chunk, opts.context_length) * hidden * 4
@@ -91,7 +98,8 @@ def one_gpu(mem: int) -> Devices:
     return Devices((DeviceSpec("cuda:0", mem),), HOST)
 
 
-OPTS = PlanOptions(context_length=256, cuda_context_gib=0.0, kv_dtype="f16")
+RATES = ComputeRates(cpu_gflops=80.0, gpu_gflops=1500.0)
+OPTS = PlanOptions(context_length=256, cuda_context_gib=0.0, kv_dtype="f16", compute=RATES)
 
 
 def test_all_device_when_everything_fits(tiny) -> None:
@@ -107,9 +115,11 @@ def test_all_device_when_everything_fits(tiny) -> None:
     assert dev.free == GIB - ref.total() - ref.kv(256, 1) - ref.workspace(OPTS, head=True)
     assert plan.expert_slot_bytes == max(ref.expert_bytes().values())
     est = {e.name: e for e in plan.estimates.estimates}
-    per_token = ref.b_tok() + ref.non_expert_read() + ref.kv(256, 1)
-    assert est["all-device"].tok_s == pytest.approx(150e9 / per_token)
-    assert est["cpu"].tok_s == pytest.approx(38.4e9 / per_token)
+    # weights, then attention: the longer of its KV read and its arithmetic
+    weights, kv, flops = ref.b_tok() + ref.non_expert_read(), ref.kv(256, 1), ref.attn_flops(256)
+    assert est["all-device"].tok_s == pytest.approx(1 / (weights / 150e9 + max(kv / 150e9, flops / 1500e9)))
+    assert est["cpu"].tok_s == pytest.approx(1 / (weights / 38.4e9 + max(kv / 38.4e9, flops / 80e9)))
+    assert plan.estimates.attention_flops_per_token == flops
     assert json.loads(json.dumps(plan.to_json()))["mode"] == "all-device"
 
 
@@ -118,7 +128,7 @@ def test_heterogeneous_cache_slots_and_estimates(tiny) -> None:
     slot = max(ref.expert_bytes().values())
     fixed = ref.total(routed=False) + ref.kv(256, 1) + ref.workspace(OPTS, head=True)
     bw = Bandwidths(dram_gbps=30.0, pcie_gbps=10.0, gpu_gbps=200.0)
-    opts = PlanOptions(context_length=256, cuda_context_gib=0.0, bandwidths=bw, kv_dtype="f16")
+    opts = PlanOptions(context_length=256, cuda_context_gib=0.0, bandwidths=bw, kv_dtype="f16", compute=RATES)
     plan = plan_for(paths, one_gpu(fixed + 5 * slot + slot // 2), opts)
     assert plan.mode == "heterogeneous"
     (dev,) = plan.devices
@@ -132,12 +142,14 @@ def test_heterogeneous_cache_slots_and_estimates(tiny) -> None:
     # uniform routing: h_l = slots_l / E, weighted by k * bytes(expert) of each layer
     e, k, eb = ref.key("expert_count"), ref.key("expert_used_count"), ref.expert_bytes()
     h = sum(k * eb[layer] * min(s, e) / e for layer, s in slots.items()) / ref.b_tok()
-    b, dense = ref.b_tok(), ref.non_expert_read() + ref.kv(256, 1)
+    b, dense, kv, flops = ref.b_tok(), ref.non_expert_read(), ref.kv(256, 1), ref.attn_flops(256)
+    on_device = dense / 200e9 + max(kv / 200e9, flops / 1500e9)  # attention runs on the device
     est = {x.name: x.tok_s for x in plan.estimates.estimates}
     assert plan.estimates.hit_rate == pytest.approx(h)
-    assert est["cpu-experts"] == pytest.approx(1 / (b / 30e9 + dense / 200e9))
-    assert est["staged"] == pytest.approx(1 / ((1 - h) * b / 10e9 + h * b / 200e9 + dense / 200e9))
-    assert est["dispatch"] == pytest.approx(1 / ((1 - h) * b / 30e9 + h * b / 200e9 + dense / 200e9))
+    assert est["cpu-experts"] == pytest.approx(1 / (b / 30e9 + on_device))
+    assert est["staged"] == pytest.approx(1 / ((1 - h) * b / 10e9 + h * b / 200e9 + on_device))
+    assert est["dispatch"] == pytest.approx(1 / ((1 - h) * b / 30e9 + h * b / 200e9 + on_device))
+    assert est["cpu"] == pytest.approx(1 / ((b + dense) / 30e9 + max(kv / 30e9, flops / 80e9)))
     assert plan.estimates.stage_threshold == pytest.approx(1 - 10 / 30)
     assert "uniform routing" in plan_report(plan)
 
@@ -166,7 +178,7 @@ def test_refuses_when_host_cannot_hold_routed_experts(tiny) -> None:
 
 def test_cpu_mode(tiny) -> None:
     paths, ref = tiny
-    opts = PlanOptions(context_length=256, kv_dtype="f16")
+    opts = PlanOptions(context_length=256, kv_dtype="f16", compute=RATES)
     plan = plan_for(paths, Devices((), HOST), opts)
     assert plan.mode == "cpu" and plan.devices == () and plan.layer_device == {}
     weights = {k: v for k, v in plan.host_bytes.items() if k not in ("kv_cache", "workspace")}
@@ -175,7 +187,8 @@ def test_cpu_mode(tiny) -> None:
     assert plan.host_bytes["workspace"] == ref.workspace(PlanOptions(context_length=256, cuda_context_gib=0, kv_dtype="f16"),
                                                          head=True)
     (est,) = plan.estimates.estimates
-    assert est.tok_s == pytest.approx(38.4e9 / (ref.b_tok() + ref.non_expert_read() + ref.kv(256, 1)))
+    weights, kv = ref.b_tok() + ref.non_expert_read(), ref.kv(256, 1)
+    assert est.tok_s == pytest.approx(1 / (weights / 38.4e9 + max(kv / 38.4e9, ref.attn_flops(256) / 80e9)))
     with pytest.raises(PlacementError, match="CPU-only"):
         plan_for(paths, Devices((), ref.total()), opts)
 
@@ -266,6 +279,53 @@ def test_kv_rules(tiny) -> None:
     assert len(kv.per_layer) == meta["deepseek4.block_count"]
 
 
+def test_attention_math_per_architecture(tiny) -> None:
+    """The attention FLOPs the estimates add, recomputed from each file's metadata keys."""
+    paths, ref = tiny
+    mm = write_fixture("minimax-m2", "tiny", "Q4_K_M", Path(paths[0]).parent / "mm_attn.gguf")
+    mref = Ref(mm)
+    heads, dk = mref.key("attention.head_count"), mref.key("attention.key_length")
+    dv = int(mref.fields.get("minimax-m2.attention.value_length", dk))
+    for ctx in (1, 256, 4096):
+        plan = plan_for(mm, Devices((), HOST), PlanOptions(context_length=ctx, compute=RATES))
+        assert plan.estimates.attention_flops_per_token == 2 * mref.key("block_count") * heads * ctx * (dk + dv)
+        plan = plan_for(paths, Devices((), HOST), PlanOptions(context_length=ctx, compute=RATES))
+        assert plan.estimates.attention_flops_per_token == ref.attn_flops(ctx)
+    # DeepSeek-V4: per layer the 128-token window, then the top-512 of ctx/4 entries (plus the indexer's
+    # 64 x 128 scores over all ctx/4) on ratio-4 layers, all ctx/128 entries on ratio-128 layers
+    meta = plain(DeepSeek4Spec(DeepSeek4Config.flash()).metadata())
+    ratios, n = meta["deepseek4.attention.compress_ratios"], 65536
+    heads, d = meta["deepseek4.attention.head_count"], meta["deepseek4.attention.key_length"]
+    expect = 0
+    for r in ratios[:meta["deepseek4.block_count"]]:
+        entries = {0: 0, 4: min(512, n // 4), 128: n // 128}[r]
+        expect += 2 * heads * (128 + entries) * 2 * d + (2 * 64 * (n // 4) * 128 if r == 4 else 0)
+    assert DeepSeek4Spec(DeepSeek4Config.flash()).attention_flops_per_token(n) == expect
+
+
+def test_attention_runs_where_the_mode_puts_it(tiny) -> None:
+    """The CPU standing in for the device (--device cpu) does the device's attention at the CPU's rate."""
+    paths, ref = tiny
+    flops = ref.attn_flops(256)
+    for kind, rate in (("cuda", 1500e9), ("cpu", 80e9)):
+        plan = plan_for(paths, Devices.from_gib(1, 1, 64, kind=kind), OPTS)
+        assert plan.mode == "all-device"
+        est = {e.name: e for e in plan.estimates.estimates}
+        (attn,) = [t for t in est["all-device"].terms if t.label == "attention"]
+        kv_term, math_term = attn.terms
+        assert (kv_term.amount, kv_term.rate, kv_term.unit) == (ref.kv(256, 1), 150.0, "B")
+        assert (math_term.amount, math_term.rate * 1e9, math_term.unit) == (flops, rate, "FLOP")
+        assert attn.seconds == max(kv_term.seconds, math_term.seconds)
+        assert plan.estimates.attention_seconds_per_token(1e-3) == pytest.approx(ref.kv(256, 1) / 1e6)  # KV-bound
+        assert plan.estimates.attention_seconds_per_token(1e6) == pytest.approx(flops / rate)  # math-bound
+        assert "GFLOP/s (attention math))" in est["all-device"].formula
+    js = plan.to_json()["estimates"]
+    assert js["attention_flops_per_token"] == flops and js["compute_gflops"] == {"cpu": 80.0, "gpu": 1500.0}
+    assert {"label": "attention math", "flops": flops, "gflops": 80.0} in js["estimates"][0]["terms"][1]["max_of"]
+    with pytest.raises(ValueError, match="cpu_gflops"):
+        ComputeRates(cpu_gflops=0.0)
+
+
 def test_options_and_devices_are_checked() -> None:
     for bad in ({"context_length": 0}, {"batch": -1}, {"kv_dtype": "q4"}, {"cuda_context_gib": -1.0}):
         with pytest.raises(PlacementError):
@@ -276,3 +336,24 @@ def test_options_and_devices_are_checked() -> None:
         Devices.from_gib(1, 0, 16)
     with pytest.raises(ValueError):
         Bandwidths(dram_gbps=math.nan)
+
+
+def test_cost_model_prediction_adds_attention(tiny) -> None:
+    """expert_report's cost-model tok/s: the steps' expert seconds, the non-expert bytes at the device's calibrated
+    GB/s, and attention at the full context (the longer of its KV read and its arithmetic)."""
+    from types import SimpleNamespace
+
+    from pocketmoe.experts import Rates
+    from pocketmoe.experts.report import expert_report
+
+    paths, ref = tiny
+    plan = plan_for(paths, Devices.from_gib(1, 1, 64, kind="cpu"), OPTS)
+    stats = {"tokens": 4, "model_expert_seconds_per_token": 0.004}
+    for device_gbps in (1e-3, 50.0):  # KV-bound, then math-bound
+        rates = Rates(copy_gbps=10.0, cpu_gbps=20.0, cpu_token_gbps=20.0, device_gbps=device_gbps,
+                      device_token_gbps=100.0)
+        runner = SimpleNamespace(plan=plan, experts=SimpleNamespace(policy="auto", rates=rates,
+                                                                      stats=SimpleNamespace(to_json=lambda: dict(stats))))
+        attention = max(ref.kv(256, 1) / (device_gbps * 1e9), ref.attn_flops(256) / 80e9)
+        seconds = 0.004 + ref.non_expert_read() / (device_gbps * 1e9) + attention
+        assert expert_report(runner)["cost_model_decode_tok_s"] == pytest.approx(1 / seconds)

@@ -34,7 +34,8 @@ from pocketmoe.ops.cuda import plan_backend
 from pocketmoe.parallel import init_parallel, shutdown_parallel
 from pocketmoe.parallel.model import local_experts_factory, shard_model
 from pocketmoe.parallel.steps import HELLO, StepChannel, StoreMirror
-from pocketmoe.placement import Devices, PlacementPlan, PlanOptions, make_plan
+from pocketmoe.placement import ComputeRates, Devices, PlacementPlan, PlanOptions, make_plan
+from pocketmoe.placement.estimate import default_cpu_gflops
 from pocketmoe.placement.plan import torch_device
 from pocketmoe.placement.run import RunPlacement, run_plan
 from pocketmoe.specs import spec_from_bundle
@@ -102,7 +103,7 @@ def load_spec(bundle: GGUFBundle) -> ModelSpec:
 
 def plan_options(cfg: RunnerConfig) -> PlanOptions:
     return PlanOptions(context_length=cfg.n_ctx, batch=cfg.max_seqs, kv_dtype=cfg.kv_dtype,
-                       prefill_chunk=cfg.chunk_size)
+                       prefill_chunk=cfg.chunk_size, compute=ComputeRates(default_cpu_gflops(cfg.threads)))
 
 
 def cpu_plan(spec: ModelSpec, bundle: GGUFBundle, cfg: RunnerConfig) -> PlacementPlan:

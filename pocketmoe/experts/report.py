@@ -3,7 +3,8 @@
 Two predictions sit beside the measured figure: the plan's bandwidth bound for the mode and policy
 (placement.estimate, the figure inspect_gguf prints) and the cost model's, from the calibrated rates:
 1 / (the model's routed-expert seconds per token of the steps seen + the non-expert bytes one token
-reads, at the device's calibrated GB/s; attention over the KV cache is left out).
+reads, at the device's calibrated GB/s + attention at the plan's full context: its KV read at that rate or
+its arithmetic at the plan's compute rate for the device, whichever is longer).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def expert_report(runner: Any, stats: Any = None) -> dict[str, Any]:
     out["cost_model_decode_tok_s"] = None
     if rt.rates is not None and js["tokens"]:
         est = plan.estimates
-        rest = est.non_expert_bytes_per_token / GB / rt.rates.device_gbps
+        kv_gbps = rt.rates.device_gbps
+        rest = est.non_expert_bytes_per_token / GB / kv_gbps + est.attention_seconds_per_token(kv_gbps)
         seconds = js["model_expert_seconds_per_token"] + rest
         out["cost_model_decode_tok_s"] = 1.0 / seconds if seconds > 0 else None
     return out

@@ -9,7 +9,7 @@ from typing import Any
 
 from pocketmoe.errors import PocketMoEError
 from pocketmoe.kv_dtypes import DEFAULT_KV_DTYPE, KV_DTYPE_BYTES
-from pocketmoe.placement.estimate import Bandwidths, DecodeEstimates
+from pocketmoe.placement.estimate import Bandwidths, ComputeRates, DecodeEstimates
 
 GIB = 2**30
 MODES = ("all-device", "heterogeneous", "cpu")
@@ -71,6 +71,7 @@ class PlanOptions:
     cuda_context_gib: float = 0.4  # CUDA context + allocator slack per GPU
     host_reserve_gib: float = 1.0  # host memory kept for the OS and the Python process
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
+    compute: ComputeRates = field(default_factory=ComputeRates)
 
     def __post_init__(self) -> None:
         for name in ("context_length", "batch", "prefill_chunk"):

@@ -172,7 +172,9 @@ def make_plan(spec: Any, tensors: Mapping[str, TensorLike], devices: Devices,
         if short:
             notes.append(f"{len(short)} MoE layer(s) have fewer cache slots than top-k={mb.n_experts_used}; "
                          f"their misses cannot all be staged in one step and are computed on the CPU")
-    est = decode_estimates(mode, mb, kv.total // opts.batch, slots, opts.bandwidths)
+    est = decode_estimates(mode, mb, kv.total // opts.batch, slots, opts.bandwidths,
+                           spec.attention_flops_per_token(opts.context_length), opts.compute,
+                           device_is_cpu=all(g.name.startswith("cpu") for g in devices.gpus))
     return PlacementPlan(mode, assignments, devices.host_memory_bytes, host, layer_device, resident,
                          sum(slots.values()), slots, mb.max_expert_bytes, kv.total, sum(ws_dev), opts, est,
                          (*assumptions, *est.assumptions), tuple(notes))
@@ -190,7 +192,8 @@ def _cpu_plan(spec: Any, mb: ModelBytes, kv: KVReserve, ws: Workspace, devices: 
             f"{size(devices.host_memory_bytes)} is available; add a GPU (--num-gpus), host memory, a shorter "
             f"--context-length, or use a smaller quant.")
     assumptions.append("cpu: no GPU; every tensor, the KV cache and the workspace are in host memory")
-    est = decode_estimates("cpu", mb, kv.total // opts.batch, {}, opts.bandwidths)
+    est = decode_estimates("cpu", mb, kv.total // opts.batch, {}, opts.bandwidths,
+                           spec.attention_flops_per_token(opts.context_length), opts.compute)
     return PlacementPlan("cpu", (), devices.host_memory_bytes, host, {}, {layer: frozenset() for layer in
                          mb.moe_layers}, 0, {}, mb.max_expert_bytes, kv.total, host["workspace"], opts, est,
                          (*assumptions, *est.assumptions))

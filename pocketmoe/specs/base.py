@@ -196,6 +196,12 @@ class ModelSpec:
         (None: the architecture's cache is not uniform; placement/reserve.py has its rule)."""
         return None
 
+    def attention_flops_per_token(self, context_length: int) -> int | None:
+        """Floating-point operations (a multiply-add is two) of attention over the KV cache, all layers, for one
+        decode token whose sequence holds `context_length` positions: the query-key scores and the weighted sum
+        of the values, as the engine computes them (None: not modelled for this architecture)."""
+        return None
+
     @property
     def n_experts(self) -> int:
         return int(self.config.n_expert)

@@ -239,6 +239,12 @@ class DeepSeek2Spec(ModelSpec):
     def kv_values_per_token(self) -> int:
         return self.config.kv_cache_width
 
+    def attention_flops_per_token(self, context_length: int) -> int:
+        """Absorbed MLA (the native backends absorb a legacy attn_kv_b at load): every head scores each key's
+        whole latent row (kv_lora + rope values) and sums the kv_lora values of each."""
+        c = self.config
+        return 2 * c.n_layer * c.n_head * context_length * (c.kv_cache_width + c.kv_lora_rank)
+
     def _tensors(self, present: frozenset[str] | None) -> list[TensorSpec]:
         c = self.config
         out = [TensorSpec("token_embd.weight", (c.n_vocab, c.n_embd), Role.EMBEDDING, None),

@@ -244,6 +244,19 @@ class DeepSeek4Spec(ModelSpec):
         c = self.config
         return cache_width(c.compress_ratios[:c.n_layer], c.head_dim, c.indexer_head_dim)
 
+    def attention_flops_per_token(self, context_length: int) -> int:
+        """Per layer, every head over its keys (K = V, head_dim values each): the sliding window, then the
+        compressed entries: the indexer's top-k of ctx/4 on ratio-4 layers (plus the indexer's own scores over
+        all ctx/4 of them), every one of ctx/128 on ratio-128 layers."""
+        c, n = self.config, context_length
+        flops = 0
+        for r in c.compress_ratios[:c.n_layer]:
+            keys = min(c.sliding_window, n) + (min(c.indexer_top_k, n // r) if r == 4 else n // r if r else 0)
+            flops += 2 * c.n_head * keys * 2 * c.head_dim
+            if r == 4:
+                flops += 2 * c.n_indexer_head * (n // r) * c.indexer_head_dim
+        return flops
+
     def _tensors(self, present: frozenset[str] | None) -> list[TensorSpec]:
         c, D, hc = self.config, self.config.n_embd, self.config.hc_count
         out = [TensorSpec("token_embd.weight", (c.n_vocab, D), Role.EMBEDDING, None),

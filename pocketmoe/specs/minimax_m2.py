@@ -133,6 +133,11 @@ class MiniMaxM2Spec(ModelSpec):
         c = self.config
         return c.n_head_kv * (c.head_dim + c.v_head_dim)
 
+    def attention_flops_per_token(self, context_length: int) -> int:
+        """Every query head scores each key (head_dim) and sums each value (v_head_dim), in every layer."""
+        c = self.config
+        return 2 * c.n_layer * c.n_head * context_length * (c.head_dim + c.v_head_dim)
+
     def _tensors(self, present: frozenset[str] | None) -> list[TensorSpec]:
         c, D, A = self.config, self.config.n_embd, Role.ATTENTION
         q, k, v = c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_head_kv * c.v_head_dim
