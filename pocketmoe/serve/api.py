@@ -177,7 +177,7 @@ def _endpoint(path: str) -> str:
 
 
 class GateMiddleware:
-    """Before routing: the body cap (413), the API key on /v1, /tokenize and /detokenize (401), and the request
+    """Before routing: the body cap (413), the API key on the API routes (GATED but PUBLIC: 401), and the request
     counter."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], state: ServerState) -> None:
