@@ -217,13 +217,15 @@ def test_attention_refuses_a_cache_it_cannot_read() -> None:
         assert np.array_equal(cache, before)
 
 
-def test_attention_over_tens_of_thousands_of_keys() -> None:
-    """One query of 16 heads over 33,000 keys (516 chunks of 64): the heads' partials (16 x 516 x 514 floats) pass the
-    cap a call holds, so the heads go in blocks; against float64 softmax attention with each head's sink, and the
-    second query of the call the first one's keys in reverse. The keys repeat 97 cache rows (K = V, 512 values),
-    read-only (the op only reads them)."""
+@pytest.mark.parametrize("h", [16, 288])
+def test_attention_over_tens_of_thousands_of_keys(h: int) -> None:
+    """One query over 33,000 keys (516 chunks of 64, folded into 31 spans of 17 chunks and a last of 6, one partial
+    per head and span); with 288 heads those partials (288 x 31 x 514 floats) pass the cap a call holds, so the heads
+    go in blocks. Against float64 softmax attention with each head's sink, and the second query of the call the
+    first one's keys in reverse. The keys repeat 97 cache rows (K = V, 512 values), read-only (the op only reads
+    them)."""
     rng = np.random.default_rng(0)
-    h, d, n_keys, scale = 16, 512, 33_000, 0.05
+    d, n_keys, scale = 512, 33_000, 0.05
     cache = rng.standard_normal((97, d)).astype(np.float32)
     cache.setflags(write=False)
     rows = rng.integers(0, 97, n_keys)

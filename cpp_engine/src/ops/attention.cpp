@@ -37,6 +37,14 @@ float* grow(std::vector<float>& v, size_t n) {
 
 int chunks_of(int keys) { return (keys + kKeyChunk - 1) / kKeyChunk; }
 
+// A query's chunks fold, in order, into at most kMaxSpans spans of span_chunks consecutive chunks each, one partial
+// per (head, span), merged at the end: the partials stay small at any context (DeepSeek-V3's 128 heads at 32k
+// keys: 8 MiB, where one per chunk took 135 MB and made the heads run in blocks, each reading the whole cache).
+// Both counts follow from the query's keys alone, so its arithmetic does too.
+constexpr int kMaxSpans = 32;
+int span_chunks(int chunks) { return (chunks + kMaxSpans - 1) / kMaxSpans; }
+int spans_of(int chunks) { return (chunks + span_chunks(chunks) - 1) / span_chunks(chunks); }
+
 using kv::BHalf;
 using kv::Half;
 using kv::load8;
@@ -193,6 +201,16 @@ PM_INLINE void merge_strip(int chunks, const float* f, const float* o, size_t o_
   for (int v = 0; v < V; ++v) _mm256_storeu_ps(out + 8 * v, _mm256_mul_ps(acc[v], inv));
 }
 
+// Folds a chunk's partial (m1, l1, o1: c values) into its span's running one (m, l, o), rescaled to the larger max.
+void fold_chunk(float& m, float& l, float* o, float m1, float l1, const float* o1, int c) {
+  const float mx = std::max(m, m1), a = std::exp(m - mx), b = std::exp(m1 - mx);
+  const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+  for (int i = 0; i < c; i += 8)
+    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(vb, _mm256_loadu_ps(o1 + i), _mm256_mul_ps(va, _mm256_loadu_ps(o + i))));
+  l = std::fma(a, l, b * l1);
+  m = mx;
+}
+
 // One head's output from its chunks' partials, in chunk order: with M the largest m[k] (and the sink),
 // f[k] = exp(m[k] - M), out = sum_k f[k] o[k] / (sum_k f[k] l[k] [+ exp(sink - M)]). o[k] is at o + k * o_stride;
 // out may be o when there is one chunk (each strip of outputs is read before it is written).
@@ -217,23 +235,24 @@ void merge_chunks(int chunks, const float* m, const float* l, const float* o, si
   for (; i < c; i += 8) merge_strip<1>(chunks, f, o + i, o_stride, inv, out + i);
 }
 
-// Attention for every unit, `heads` heads each: per (unit, key chunk, block of heads) a partial softmax, then
-// per (unit, head) the merge of its chunks in order. A head's arithmetic depends only on its query and keys:
-// never on the units beside it, the head blocks, the batches or the threads.
+// Attention for every unit, `heads` heads each: per (unit, key chunk, block of heads) a partial softmax folded into
+// its span's, then per (unit, head) the merge of its spans in order. A head's arithmetic depends only on its query
+// and keys: never on the units beside it, the head blocks, the batches or the threads.
 template <class T>
 void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int heads, int w, int c, float scale) {
   if (n_units <= 0 || heads <= 0) return;
   size_t work = 0;
-  int total_chunks = 0, max_chunks = 0;
+  int total_chunks = 0, max_spans = 0;
   for (int u = 0; u < n_units; ++u) {
     work += static_cast<size_t>(heads) * units[u].keys * (w + c);
-    total_chunks += chunks_of(units[u].keys);
-    max_chunks = std::max(max_chunks, chunks_of(units[u].keys));
+    const int chunks = chunks_of(units[u].keys);
+    total_chunks += chunks;
+    if (chunks > 1) max_spans = std::max(max_spans, spans_of(chunks));
   }
-  const size_t per_head = max_chunks > 1 ? static_cast<size_t>(max_chunks) * (c + 2) : 0;
+  const size_t per_head = static_cast<size_t>(max_spans) * (c + 2);
   if (per_head * heads > kPartialFloats && heads > kGroup) {
-    // Long keys and many heads (DeepSeek-V2's 128 at 32k keys: 135 MB of partials for one query): the heads
-    // in blocks whose partials fit, each a call of its own over the same units.
+    // Very many heads of wide values: the heads in blocks whose partials fit, each a call of its own over the
+    // same units.
     const int block = std::max(kGroup, static_cast<int>(kPartialFloats / per_head) / kGroup * kGroup);
     std::vector<AttnUnit> sub(units, units + n_units);
     for (int h0 = 0; h0 < heads; h0 += block) {
@@ -255,9 +274,12 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
   const int blocks = (heads + per_item - 1) / per_item;
   // Runs of chunks per item while there are plenty (up to 8, at least 4 items per thread): each chunk after an
   // item's first comes to L2 while the later head groups work on the one before it (4096 keys: 2 -> 8 chunks an
-  // item, 4-10% less time per layer on Zen 4).
-  const int span = per_item == heads && heads > kGroup ? std::clamp(total_chunks / (4 * pool.size()), 1, 8) : 1;
-  const auto spans_of = [&](int chunks) { return (chunks + span - 1) / span; };
+  // item, 4-10% less time per layer on Zen 4). A run is whole spans (one item folds a span's chunks in order).
+  const int run = per_item == heads && heads > kGroup ? std::clamp(total_chunks / (4 * pool.size()), 1, 8) : 1;
+  const auto run_spans = [&](int chunks) { return std::max(1, run / span_chunks(chunks)); };
+  const auto items_of = [&](int chunks) {
+    return (spans_of(chunks) + run_spans(chunks) - 1) / run_spans(chunks) * blocks;
+  };
 
   for (int u0 = 0; u0 < n_units;) {
     // A batch of units whose partials fit kPartialFloats (at least one unit); a one-chunk unit has none.
@@ -267,24 +289,27 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
     std::vector<size_t> slot0;
     for (; u1 < n_units; ++u1) {
       const int chunks = chunks_of(units[u1].keys);
-      const size_t need = chunks > 1 ? static_cast<size_t>(heads) * chunks : 0;
+      const size_t need = chunks > 1 ? static_cast<size_t>(heads) * spans_of(chunks) : 0;
       if (u1 > u0 && (slots + need) * (c + 2) > kPartialFloats) break;
       slot0.push_back(slots);
       slots += need;
-      first.push_back(first.back() + spans_of(chunks) * blocks);
+      first.push_back(first.back() + items_of(chunks));
     }
     float* m = grow(ml_, 2 * slots);
     float* l = m + slots;
     float* part = grow(part_, slots * c);
 
     const auto chunk_item = [&](int item, int) {
+      static thread_local std::vector<float> fold_;
       const int b = static_cast<int>(std::upper_bound(first.begin(), first.end(), item) - first.begin()) - 1;
       const AttnUnit& u = units[u0 + b];
-      const int chunks = chunks_of(u.keys);
-      const int hb = (item - first[b]) % blocks, c0 = (item - first[b]) / blocks * span;
-      for (int chunk = c0; chunk < std::min(chunks, c0 + span); ++chunk) {
+      const int chunks = chunks_of(u.keys), sc = span_chunks(chunks), spans = spans_of(chunks);
+      const int hb = (item - first[b]) % blocks;
+      const int c0 = (item - first[b]) / blocks * run_spans(chunks) * sc;
+      const int c1 = std::min(chunks, c0 + run_spans(chunks) * sc);
+      for (int chunk = c0; chunk < c1; ++chunk) {
         const int k0 = chunk * kKeyChunk, k1 = std::min(u.keys, k0 + kKeyChunk);
-        const int n_next = chunk + 1 < std::min(chunks, c0 + span) ? std::min(kKeyChunk, u.keys - k1) : 0;
+        const int n_next = chunk + 1 < c1 ? std::min(kKeyChunk, u.keys - k1) : 0;
         for (int h0 = hb * per_item; h0 < std::min(heads, (hb + 1) * per_item); h0 += kGroup) {
           const int g = std::min(kGroup, heads - h0);
           const int pre = h0 > hb * per_item ? n_next : 0;  // the first head group reads this chunk in
@@ -296,11 +321,21 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
             attend_chunk_heads<T>(g, u, h0, k0, k1, w, c, scale, pre, mj, lj, o);
             for (int j = 0; j < g; ++j)
               merge_chunks(1, mj + j, lj + j, o[j], 0, c, u.sinks ? u.sinks + h0 + j : nullptr, o[j]);
-          } else {
-            const size_t base = slot0[b] + static_cast<size_t>(h0) * chunks + chunk;
-            for (int j = 0; j < g; ++j) o[j] = part + (base + static_cast<size_t>(j) * chunks) * c;
-            attend_chunk_heads<T>(g, u, h0, k0, k1, w, c, scale, pre, mj, lj, o);
-            for (int j = 0; j < g; ++j) m[base + j * chunks] = mj[j], l[base + j * chunks] = lj[j];
+            continue;
+          }
+          // The span's partial takes its first chunk's as it is and folds in each later one.
+          const size_t base = slot0[b] + static_cast<size_t>(h0) * spans + chunk / sc;
+          const bool opens = chunk % sc == 0;
+          float* fold = opens ? nullptr : grow(fold_, static_cast<size_t>(kGroup) * c);
+          for (int j = 0; j < g; ++j) o[j] = opens ? part + (base + static_cast<size_t>(j) * spans) * c : fold + j * c;
+          attend_chunk_heads<T>(g, u, h0, k0, k1, w, c, scale, pre, mj, lj, o);
+          for (int j = 0; j < g; ++j) {
+            const size_t s = base + static_cast<size_t>(j) * spans;
+            if (opens) {
+              m[s] = mj[j], l[s] = lj[j];
+            } else {
+              fold_chunk(m[s], l[s], part + s * c, mj[j], lj[j], o[j], c);
+            }
           }
         }
       }
@@ -314,9 +349,9 @@ void attend_units(ThreadPool& pool, const AttnUnit* units, int n_units, int head
     const auto merge_item = [&](int item, int) {
       const int b = multi[item / heads] - u0, j = item % heads;
       const AttnUnit& u = units[u0 + b];
-      const int chunks = chunks_of(u.keys);
-      const size_t base = slot0[b] + static_cast<size_t>(j) * chunks;
-      merge_chunks(chunks, m + base, l + base, part + base * c, c, c, u.sinks ? u.sinks + j : nullptr,
+      const int spans = spans_of(chunks_of(u.keys));
+      const size_t base = slot0[b] + static_cast<size_t>(j) * spans;
+      merge_chunks(spans, m + base, l + base, part + base * c, c, c, u.sinks ? u.sinks + j : nullptr,
                    u.o + j * u.o_stride);
     };
     run_items(pool, static_cast<int>(multi.size()) * heads, work, merge_item);
