@@ -229,9 +229,9 @@ def decode_estimates(mode: str, mb: ModelBytes, kv_read: int, slots_per_layer: M
                  f"attention math at the full context (last token) = {attn_flops / GB:.3f} GFLOP at the rate of "
                  f"where attention runs, overlapped with its KV read (the longer counts); {rates.describe()}")
     assumptions = (
-        "decode tok/s are estimates from above: bytes read per token / bandwidth, and attention's KV read or "
-        "arithmetic, summed over the resources one after another (no overlap between them); other compute and "
-        "latency are ignored",
+        "decode tok/s estimates: bytes read per token / bandwidth (a ceiling), and attention's KV read or its "
+        "arithmetic at a sustained rate, summed over the resources one after another (no overlap between them); "
+        "other compute and latency are ignored",
         f"B_tok = sum over {len(mb.expert_bytes)} MoE layers of k={mb.n_experts_used} x bytes(one expert) "
         f"from the file's tensor sizes = {b_tok / GB:.3f} GB/token",
         f"non-expert bytes read per token = every non-routed tensor once, one embedding row = "

@@ -75,7 +75,7 @@ def _estimates(plan: PlacementPlan) -> str:
     e = plan.estimates
     rows = [[x.name, f"{x.tok_s:.2f}", f"{x.seconds_per_token * 1e3:.1f}", x.formula] for x in e.estimates]
     math = "" if not e.attention_flops_per_token else f", attention {e.attention_flops_per_token / 1e9:.3f} GFLOP"
-    lines = [f"Decode estimates (from above, single sequence at {plan.options.context_length} tokens)",
+    lines = [f"Decode estimates (single sequence at {plan.options.context_length} tokens)",
              table(["estimate", "tok/s", "ms/token", "time per token"], rows),
              f"  B_tok {e.routed_bytes_per_token / 1e9:.3f} GB, non-expert {e.non_expert_bytes_per_token / 1e9:.3f}"
              f" GB, KV {e.kv_bytes_per_token / 1e9:.3f} GB{math} per token; best: {e.best.name}"]
