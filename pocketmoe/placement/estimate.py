@@ -13,6 +13,13 @@ from pocketmoe.placement.inventory import ModelBytes
 GB = 1e9
 
 
+def _check_rates(rates: Any, what: str, unit: str) -> None:
+    """Every field of the dataclass `rates` is a positive finite number, else a ValueError naming it."""
+    for name, v in vars(rates).items():
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{what} {name} must be a positive number of {unit}, got {v!r}")
+
+
 @dataclass(frozen=True)
 class Bandwidths:
     """Sustained bandwidths in GB/s (1e9 bytes). Defaults: a 4 GB laptop GPU on PCIe Gen3 with DDR4."""
@@ -22,10 +29,7 @@ class Bandwidths:
     gpu_gbps: float = 150.0  # ~80% of 192 GB/s (RTX 3050 laptop, 128-bit GDDR6)
 
     def __post_init__(self) -> None:
-        for name in ("dram_gbps", "pcie_gbps", "gpu_gbps"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"bandwidth {name} must be a positive number of GB/s, got {v!r}")
+        _check_rates(self, "bandwidth", "GB/s")
 
     def describe(self) -> str:
         return (f"bandwidths: DRAM {self.dram_gbps:g} GB/s, PCIe {self.pcie_gbps:g} GB/s, device "
@@ -54,10 +58,7 @@ class ComputeRates:
     gpu_gflops: float = 2000.0  # ~35% of an RTX 3050 laptop's 5.5 TFLOP/s fp32 peak
 
     def __post_init__(self) -> None:
-        for name in ("cpu_gflops", "gpu_gflops"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"compute rate {name} must be a positive number of GFLOP/s, got {v!r}")
+        _check_rates(self, "compute rate", "GFLOP/s")
 
     def describe(self) -> str:
         return (f"attention arithmetic: CPU {self.cpu_gflops:g} GFLOP/s, device {self.gpu_gflops:g} GFLOP/s "
