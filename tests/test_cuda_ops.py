@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -171,8 +172,17 @@ def _steps() -> list[Step]:
             Step([SeqChunk("a", [7], 5), SeqChunk("b", list(range(4)), 3), SeqChunk("long", [9], 68)])]
 
 
+def _token_rows(tokens: list[tuple[str, int]], cols: int, seed: int) -> torch.Tensor:
+    """Random rows [T, cols], a token's following from its sequence's name and its position alone."""
+    return torch.stack([torch.randn(cols, generator=g(zlib.crc32(f"{seed}/{name}/{pos}".encode())))
+                        for name, pos in tokens])
+
+
 def _run_attention(kind: str, ops: object, dev: torch.device, dims: tuple[int, ...],
-                   kv: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+                   kv: torch.dtype = torch.float32, steps: list[Step] | None = None,
+                   prior: dict[str, int] | None = None) -> tuple[torch.Tensor, ...]:
+    """The outputs of `steps` (default _steps()) through one attention layer, and the cache after; `prior`: the
+    positions already cached (random rows) of each sequence, default 66 of "long"."""
     if kind == "mla":
         attn = mla_layer(dims, dev, ops)
         width, rot = dims[4] + dims[2], dims[2]
@@ -180,27 +190,29 @@ def _run_attention(kind: str, ops: object, dev: torch.device, dims: tuple[int, .
         attn = gqa_layer(dims, dev, ops)
         width, rot = attn.cfg.kv_width, attn.cfg.n_rot
     rotary = Rotary(RopeConfig(dim=rot, base=10000.0, neox=kind == "gqa"))
-    cache = PagedKVCache(n_layer=2, width=width, n_pages=16, max_seq_len=128, page=16, device=dev, dtype=kv)
-    cache.reserve("long", 66)  # 66 positions already cached (rows not at the start of the pool: "a" comes first)
-    prior = torch.randn(66, width, generator=g(30))
-    cache.data[1, torch.from_numpy(cache.rows("long", 0, 66)).long().to(dev)] = prior.to(dev, kv)
+    prior = {"long": 66} if prior is None else prior
+    longest = max([128, *(n + 8 for n in prior.values())])
+    cache = PagedKVCache(n_layer=2, width=width, n_pages=-(-longest // 16) * (len(prior) + 2), max_seq_len=longest,
+                         page=16, device=dev, dtype=kv)
+    for i, (name, n) in enumerate(prior.items()):  # rows not at the start of the pool: "a" comes first
+        cache.reserve(name, n)
+        rows = torch.randn(n, width, generator=g(30 + i))
+        cache.data[1, torch.from_numpy(cache.rows(name, 0, n)).long().to(dev)] = rows.to(dev, kv)
     outs = []
-    for i, step in enumerate(_steps()):
+    for step in _steps() if steps is None else steps:
         ctx = StepContext.build(step, cache, 100)
         cos2, sin2 = rotary.at(ctx.positions)
         ctx.cos2, ctx.sin2 = cos2.to(dev), sin2.to(dev)
-        t = ctx.n_tokens
+        names = [c.seq for c in step.chunks]
+        tokens = [(names[s], int(p)) for s, p in zip(ctx.seq, ctx.positions, strict=True)]
+        inputs = lambda cols, seed, tokens=tokens: _token_rows(tokens, cols, seed).to(dev)  # noqa: E731
         if kind == "mla":
             h, n, r = dims[:3]
-            q = torch.randn(t, h * (n + r), generator=g(10 + i)).to(dev)
-            kv = torch.randn(t, width, generator=g(20 + i)).to(dev)
-            outs.append(ops.mla_attention(attn, q, kv, ctx, 1))
+            outs.append(ops.mla_attention(attn, inputs(h * (n + r), 10), inputs(width, 20), ctx, 1))
         else:
             c = attn.cfg
-            q = torch.randn(t, c.n_head * c.head_dim, generator=g(10 + i)).to(dev)
-            k = torch.randn(t, c.n_head_kv * c.head_dim, generator=g(20 + i)).to(dev)
-            v = torch.randn(t, c.n_head_kv * c.v_dim, generator=g(40 + i)).to(dev)
-            outs.append(ops.gqa_attention(attn, q, k, v, ctx, 1))
+            outs.append(ops.gqa_attention(attn, inputs(c.n_head * c.head_dim, 10), inputs(c.n_head_kv * c.head_dim, 20),
+                                          inputs(c.n_head_kv * c.v_dim, 40), ctx, 1))
     return torch.cat(outs).cpu(), cache.data.cpu()
 
 
@@ -217,6 +229,47 @@ def test_mla_attention_over_several_sequences(sub, dims: str, kv: str) -> None:
         close(cache_c, cache_r, 1e-5)
     else:
         close_caches(cache_c, cache_r)
+
+
+def _long_steps() -> list[Step]:
+    """Decode tokens after 5000, 1500 and 40 cached positions beside a 3-token prompt: 27, 12 and one span of
+    attention.cu's keys at the backend's spans (2 tiles of 64 at least, 32 spans at most)."""
+    return [Step([SeqChunk("far", [5], 5000), SeqChunk("a", [1, 2, 3], 0), SeqChunk("mid", [7], 1500),
+                  SeqChunk("near", [2], 40)])]
+
+
+LONG_PRIOR = {"far": 5000, "mid": 1500, "near": 40}
+
+
+@pytest.mark.parametrize("kind,dims", [("mla", MLA_DIMS["tiny"]), ("gqa", (4, 2, 64, 64, 32))], ids=["mla", "gqa"])
+def test_attention_over_long_contexts_splits_and_merges_spans(sub, kind: str, dims: tuple[int, ...]) -> None:
+    """Tokens of one span and of many (a span per block, attention_merge_f32 folding them) in one step, against
+    the reference; and the same at spans of one tile, at most two per token."""
+    ops, dev = sub
+    from pocketmoe.ops.cuda.backend import attention_spans
+
+    assert [attention_spans(n + 1) for n in (5000, 1500, 40)] == [27, 12, 1]
+    out_r, cache_r = _run_attention(kind, REF, torch.device("cpu"), dims, steps=_long_steps(), prior=LONG_PRIOR)
+    narrow = CudaOps(tile_rows=None, launcher=ops.launch, device=dev)
+    narrow.att_min_tiles, narrow.att_max_spans = 1, 2
+    for backend in (ops, narrow):
+        out_c, cache_c = _run_attention(kind, backend, dev, dims, steps=_long_steps(), prior=LONG_PRIOR)
+        close(out_c, out_r, 5e-5)
+        close(cache_c, cache_r, 1e-5)
+
+
+def test_a_tokens_attention_is_the_same_in_any_batch(sub, monkeypatch) -> None:
+    """A token's output is bitwise the same alone, beside a longer token (more spans in the launch's grid), and
+    with the step's tokens in groups of one (a small ATT_PART_BYTES): its spans follow from its keys alone."""
+    ops, dev = sub
+    dims = MLA_DIMS["tiny"]
+    alone = _run_attention("mla", ops, dev, dims, steps=[Step([SeqChunk("mid", [7], 1500)])], prior=LONG_PRIOR)[0]
+    batched = _run_attention("mla", ops, dev, dims, steps=_long_steps(), prior=LONG_PRIOR)[0]
+    from pocketmoe.ops.cuda import backend
+
+    monkeypatch.setattr(backend, "ATT_PART_BYTES", 1)
+    grouped = _run_attention("mla", ops, dev, dims, steps=_long_steps(), prior=LONG_PRIOR)[0]
+    assert torch.equal(batched[4], alone[0]) and torch.equal(grouped, batched)
 
 
 def test_kv_cache_values_round_as_torch() -> None:

@@ -44,6 +44,10 @@ ROW_THREADS = 256  # norms and finalize: one block per row
 ROPE_THREADS = 128
 ATT_THREADS = 128
 ATT_ACC = 8  # attention.cu: value dims per thread, so value dims <= ATT_ACC * ATT_THREADS
+ATT_TILE = 64  # attention.cu: keys per tile
+ATT_MIN_TILES = 2  # a span of keys (one block's) is at least this many tiles: 128 keys
+ATT_MAX_SPANS = 32  # and a token's keys split into at most this many spans
+ATT_PART_BYTES = 64 << 20  # the span partials of one launch at most (a long prefill's tokens go in groups)
 # attention.cu's kv_type of each KV cache dtype (the values the cache stores; the arithmetic is float32)
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -51,6 +55,13 @@ _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', 
 
 
 _PACK = {"int": np.int32, "long long": np.int64, "float": np.float32}  # a scalar parameter kind -> its packing
+
+
+def attention_spans(n_keys: int, min_tiles: int = ATT_MIN_TILES, max_spans: int = ATT_MAX_SPANS) -> int:
+    """attention.cu's spans_of: how many spans (blocks per head) a token of n_keys keys splits into."""
+    tiles = -(-n_keys // ATT_TILE)
+    per = max(min_tiles, -(-tiles // max_spans))
+    return max(1, -(-tiles // per))
 
 
 def kernel_params(text: str) -> dict[str, list[str]]:
@@ -157,6 +168,8 @@ class CudaOps(ReferenceOps):
     absorbs_legacy_mla = True  # attn_kv_b is split into k_b / v_b at load: attention runs in latent space
     dense_cache_roles = ()     # the kernels read raw blocks: no dequantized float copies
     detail = "CUDA kernels (CuPy RawModule)"
+    att_min_tiles = ATT_MIN_TILES  # attention.cu's key spans (the tests set smaller ones on an instance)
+    att_max_spans = ATT_MAX_SPANS
 
     def __init__(self, tile_rows: int | None = 8, launcher: Launcher | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -470,7 +483,7 @@ class CudaOps(ReferenceOps):
                 or c.kv_lora > ATT_ACC * ATT_THREADS):
             return super().mla_attention(attn, q, kv, ctx, layer)
         t, dev, width = q.shape[0], q.device, c.kv_lora + c.qk_rope
-        seq, keys, table, write_rows, cos2, sin2 = self._step_arrays(ctx, dev)
+        write_rows, cos2, sin2 = self._step_arrays(ctx, dev)[3:]
         rows = cache.layer_rows(layer)  # [P, C+R]
         self.launch("attention.cu", "mla_latent_f32", (t, 1, 1), (ROW_THREADS, 1, 1),
                     [kv.contiguous(), self.on_device(attn.kv_a_norm.float()), cos2, sin2, write_rows, rows,
@@ -481,10 +494,36 @@ class CudaOps(ReferenceOps):
         qcat[..., c.kv_lora:] = q_pe
         self._rope_into(qcat, cos2, sin2, False, c.kv_lora)
         o_lat = torch.empty(t, c.n_head, c.kv_lora, dtype=torch.float32, device=dev)  # [T, H, C]
-        self.launch("attention.cu", "mla_attention_f32", (t, c.n_head, 1), (ATT_THREADS, 1, 1),
-                    [qcat, rows, seq, keys, table, table.shape[1], cache.page, o_lat, c.kv_lora, c.qk_rope,
-                     c.scale, KV_TYPES[cache.dtype]], width * 4)
+        self._attend("mla_attention_f32", ctx, qcat, rows, o_lat, [c.kv_lora, c.qk_rope, c.scale,
+                                                                   KV_TYPES[cache.dtype]], width)
         return self._per_head(attn.v_b, o_lat).reshape(t, c.n_head * c.v_head)  # [T, H, V]
+
+    def _attend(self, kernel: str, ctx: StepContext, q: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                dims: list[Any], dk: int) -> None:
+        """out [T, H, Dv] = attention.cu's `kernel` for q [T, H, dk] over the layer's cache rows: a block per
+        (head, span, token), S spans enough for the step's longest token (for a captured graph, for the cache's
+        longest, since replays run at other lengths); with S > 1 the partials [tokens, H, S, Dv + 2] are merged
+        after, the tokens in groups whose partials fit ATT_PART_BYTES."""
+        t, n_head, dv = out.shape
+        if not t:
+            return
+        seq, keys, table = self._step_arrays(ctx, q.device)[:3]
+        capture = self.graphs is not None and self.graphs.inputs is not None
+        longest = ctx.cache.max_seq_len if capture else int(ctx.keys.max())
+        spans = attention_spans(longest, self.att_min_tiles, self.att_max_spans)
+        group = t if spans == 1 else max(1, min(t, ATT_PART_BYTES // (n_head * spans * (dv + 2) * 4)))
+        group = min(group, 65535)  # the grid's z extent
+        part = out if spans == 1 else torch.empty(group * n_head * spans * (dv + 2), dtype=torch.float32,
+                                                  device=q.device)
+        split = [self.att_min_tiles, self.att_max_spans]
+        for t0 in range(0, t, group):
+            t1 = min(t, t0 + group)
+            self.launch("attention.cu", kernel, (n_head, spans, t1 - t0), (ATT_THREADS, 1, 1),
+                        [q[t0:t1], rows, seq[t0:t1], keys[t0:t1], table, table.shape[1], ctx.cache.page,
+                         out[t0:t1], part, *dims, *split], dk * 4)
+            if spans > 1:
+                self.launch("attention.cu", "attention_merge_f32", (n_head, t1 - t0, 1), (ATT_THREADS, 1, 1),
+                            [part, keys[t0:t1], out[t0:t1], dv, spans, *split], 0)
 
     def gqa_attention(self, attn: GQAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
                       layer: int) -> torch.Tensor:
@@ -492,7 +531,7 @@ class CudaOps(ReferenceOps):
         if cache.dtype not in KV_TYPES or not _f32(q, k, v) or c.v_dim > ATT_ACC * ATT_THREADS:
             return super().gqa_attention(attn, q, k, v, ctx, layer)
         t, dev = q.shape[0], q.device
-        seq, keys, table, write_rows, cos2, sin2 = self._step_arrays(ctx, dev)
+        write_rows, cos2, sin2 = self._step_arrays(ctx, dev)[3:]
         qr = q.reshape(t, c.n_head, c.head_dim).contiguous().clone()
         kr = k.reshape(t, c.n_head_kv, c.head_dim).contiguous().clone()
         self._rope_into(qr, cos2, sin2, c.neox)
@@ -500,9 +539,8 @@ class CudaOps(ReferenceOps):
         rows = cache.layer_rows(layer)  # [P, G*(Dh+Dv)]
         rows.index_copy_(0, write_rows.long(), torch.cat([kr.view(t, -1), v.reshape(t, -1)], dim=-1).to(rows.dtype))
         out = torch.empty(t, c.n_head, c.v_dim, dtype=torch.float32, device=dev)
-        self.launch("attention.cu", "gqa_attention_f32", (t, c.n_head, 1), (ATT_THREADS, 1, 1),
-                    [qr, rows, seq, keys, table, table.shape[1], cache.page, out, c.n_head_kv, c.head_dim,
-                     c.v_dim, c.scale, KV_TYPES[cache.dtype]], c.head_dim * 4)
+        self._attend("gqa_attention_f32", ctx, qr, rows, out, [c.n_head_kv, c.head_dim, c.v_dim, c.scale,
+                                                               KV_TYPES[cache.dtype]], c.head_dim)
         return out.view(t, c.n_head * c.v_dim)
 
     # -- experts -------------------------------------------------------------------------------

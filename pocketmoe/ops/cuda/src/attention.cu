@@ -1,10 +1,20 @@
 // Attention over the paged KV cache for a batch of sequences (ops.reference.mla_attention / gqa_attention).
 //
-// One block per (query token, head): grid (T, H), blockDim.x a multiple of 32 with value dims <= ATT_ACC *
-// blockDim.x. Token t belongs to sequence seq[t] and attends to its positions 0..n_keys[t]-1 (position + 1:
-// the causal mask); position p lives in cache row page_table[seq[t] * n_pages + p / page] * page + p % page.
-// Keys are read in tiles of ATT_TILE with an online softmax (running max and sum), all in a fixed order:
-// no atomics, the same result every run. Dynamic shared memory: the query, dk floats.
+// Token t belongs to sequence seq[t] and attends to its positions 0..n_keys[t]-1 (position + 1: the causal
+// mask); position p lives in cache row page_table[seq[t] * n_pages + p / page] * page + p % page. Keys are read
+// in tiles of ATT_TILE with an online softmax (running max and sum), all in a fixed order: no atomics, the same
+// result every run.
+//
+// Split over the keys (flash-decoding): a token's keys fall into spans of span_tiles(n_keys) tiles each, at
+// least min_tiles and at most max_spans spans, so a decode step of a few heads still fills the GPU and one
+// block never walks a long context alone. One block per (head, span, token): grid (H, S, T) with S at least
+// the most spans of any token (a block past its token's spans returns); blockDim.x a multiple of 32 with value
+// dims <= ATT_ACC * blockDim.x. A one-span token's block writes the output; a block of a token of several spans
+// writes its span's partial (running max, sum, unnormalized values) to part [T, H, S, Dv + 2] and
+// attention_merge_f32 folds the spans in order. The spans follow from the token's key count alone, so its result
+// is the same whatever else is in the batch and whatever S the launch has. Heads are the grid's fastest index:
+// MLA's heads read the same latent rows, and blocks next to each other share them in L2. Dynamic shared memory:
+// the query, dk floats.
 //
 // MLA (absorbed): q [T, H, C+R] is [q_nope absorbed by k_b, roped q_pe]; a cache row is [c_kv, k_pe], the
 // key of every head, and its first C values are the value: out [T, H, C] is the latent output that v_b
@@ -19,9 +29,35 @@
 #define ATT_TILE 64
 #define ATT_ACC 8
 
+// Tiles per span of a token of n_keys keys: at least min_tiles, and few enough for at most max_spans spans.
+__device__ __forceinline__ int span_tiles(int n_keys, int min_tiles, int max_spans) {
+  const int tiles = (n_keys + ATT_TILE - 1) / ATT_TILE;
+  return max(min_tiles, (tiles + max_spans - 1) / max_spans);
+}
+
+__device__ __forceinline__ int spans_of(int n_keys, int min_tiles, int max_spans) {
+  const int per = span_tiles(n_keys, min_tiles, max_spans);
+  return max(1, ((n_keys + ATT_TILE - 1) / ATT_TILE + per - 1) / per);
+}
+
+// Where a block's work goes: its keys [k0, k1), and either the output (one span) or its span's partial.
+struct Span {
+  int k0, k1;
+  float* part;  // [Dv + 2]: unnormalized values, then the running max and sum; nullptr: write out
+};
+
+// Block (h, s, t)'s span of its token (k0 == k1: none, the block returns).
+__device__ __forceinline__ Span span_of_block(int n_keys, int min_tiles, int max_spans, float* part, int dv) {
+  const int s = blockIdx.y, spans = spans_of(n_keys, min_tiles, max_spans);
+  if (s >= spans) return Span{0, 0, nullptr};
+  const int len = span_tiles(n_keys, min_tiles, max_spans) * ATT_TILE;
+  const long long at = (((long long)blockIdx.z * gridDim.x + blockIdx.x) * gridDim.y + s) * (dv + 2);
+  return Span{s * len, min(n_keys, (s + 1) * len), spans > 1 ? part + at : nullptr};
+}
+
 template <class T>
 __device__ __forceinline__ void attend(const float* __restrict__ q, const T* __restrict__ cache, long long ld,
-                                       int key_off, int dk, int val_off, int dv, int n_keys,
+                                       int key_off, int dk, int val_off, int dv, Span span,
                                        const int32_t* __restrict__ pages, int page, float scale,
                                        float* __restrict__ out, float* qs, float* p, long long* rows,
                                        float* scratch) {
@@ -31,8 +67,8 @@ __device__ __forceinline__ void attend(const float* __restrict__ q, const T* __r
 #pragma unroll
   for (int k = 0; k < ATT_ACC; ++k) acc[k] = 0.0f;
   float m = NEG_INF, l = 0.0f;
-  for (int s0 = 0; s0 < n_keys; s0 += ATT_TILE) {
-    const int n = min(ATT_TILE, n_keys - s0);
+  for (int s0 = span.k0; s0 < span.k1; s0 += ATT_TILE) {
+    const int n = min(ATT_TILE, span.k1 - s0);
     for (int j = tid; j < n; j += blockDim.x) {
       const int pos = s0 + j;
       rows[j] = ((long long)pages[pos / page] * page + pos % page) * ld;
@@ -70,10 +106,22 @@ __device__ __forceinline__ void attend(const float* __restrict__ q, const T* __r
     }
     __syncthreads();
   }
+  if (span.part == nullptr) {
+#pragma unroll
+    for (int k = 0; k < ATT_ACC; ++k) {
+      const int c = tid + k * blockDim.x;
+      if (c < dv) out[c] = acc[k] / l;
+    }
+    return;
+  }
 #pragma unroll
   for (int k = 0; k < ATT_ACC; ++k) {
     const int c = tid + k * blockDim.x;
-    if (c < dv) out[c] = acc[k] / l;
+    if (c < dv) span.part[c] = acc[k];
+  }
+  if (tid == 0) {
+    span.part[dv] = m;
+    span.part[dv + 1] = l;
   }
 }
 
@@ -92,33 +140,59 @@ __device__ __forceinline__ void attend_kv(int kv_type, const float* q, const voi
 extern "C" __global__ void mla_attention_f32(const float* __restrict__ q, const void* __restrict__ cache,
                                              const int32_t* __restrict__ seq, const int32_t* __restrict__ n_keys,
                                              const int32_t* __restrict__ page_table, int n_pages, int page,
-                                             float* __restrict__ out, int kv_lora, int rope, float scale,
-                                             int kv_type) {
+                                             float* __restrict__ out, float* __restrict__ part, int kv_lora,
+                                             int rope, float scale, int kv_type, int min_tiles, int max_spans) {
   extern __shared__ float qs[];
   __shared__ float p[ATT_TILE];
   __shared__ long long rows[ATT_TILE];
   __shared__ float scratch[WARP];
-  const int t = blockIdx.x, h = blockIdx.y, n_head = gridDim.y, d = kv_lora + rope;
+  const int h = blockIdx.x, t = blockIdx.z, n_head = gridDim.x, d = kv_lora + rope;
+  const Span span = span_of_block(n_keys[t], min_tiles, max_spans, part, kv_lora);
+  if (span.k0 == span.k1) return;  // past the token's spans: the whole block
   const long long qh = (long long)t * n_head + h;
-  attend_kv(kv_type, q + qh * d, cache, (long long)d, 0, d, 0, kv_lora, n_keys[t],
+  attend_kv(kv_type, q + qh * d, cache, (long long)d, 0, d, 0, kv_lora, span,
             page_table + (long long)seq[t] * n_pages, page, scale, out + qh * kv_lora, qs, p, rows, scratch);
 }
 
 extern "C" __global__ void gqa_attention_f32(const float* __restrict__ q, const void* __restrict__ cache,
                                              const int32_t* __restrict__ seq, const int32_t* __restrict__ n_keys,
                                              const int32_t* __restrict__ page_table, int n_pages, int page,
-                                             float* __restrict__ out, int n_head_kv, int head_dim, int v_dim,
-                                             float scale, int kv_type) {
+                                             float* __restrict__ out, float* __restrict__ part, int n_head_kv,
+                                             int head_dim, int v_dim, float scale, int kv_type, int min_tiles,
+                                             int max_spans) {
   extern __shared__ float qs[];
   __shared__ float p[ATT_TILE];
   __shared__ long long rows[ATT_TILE];
   __shared__ float scratch[WARP];
-  const int t = blockIdx.x, h = blockIdx.y, n_head = gridDim.y, g = h / (n_head / n_head_kv);
+  const int h = blockIdx.x, t = blockIdx.z, n_head = gridDim.x, g = h / (n_head / n_head_kv);
+  const Span span = span_of_block(n_keys[t], min_tiles, max_spans, part, v_dim);
+  if (span.k0 == span.k1) return;  // past the token's spans: the whole block
   const long long qh = (long long)t * n_head + h;
   const long long ld = (long long)n_head_kv * (head_dim + v_dim);
   attend_kv(kv_type, q + qh * head_dim, cache, ld, g * head_dim, head_dim, n_head_kv * head_dim + g * v_dim, v_dim,
-            n_keys[t], page_table + (long long)seq[t] * n_pages, page, scale, out + qh * v_dim, qs, p, rows,
-            scratch);
+            span, page_table + (long long)seq[t] * n_pages, page, scale, out + qh * v_dim, qs, p, rows, scratch);
+}
+
+// The spans' partials of each (head, token) of several spans folded, in span order, into out [T, H, Dv]:
+// grid (H, T), part [T, H, S, Dv + 2] as the attention kernels wrote it (S = n_spans). A one-span token's
+// output is already written. Each thread rescales its own value dims; no shared memory.
+extern "C" __global__ void attention_merge_f32(const float* __restrict__ part, const int32_t* __restrict__ n_keys,
+                                               float* __restrict__ out, int dv, int n_spans, int min_tiles,
+                                               int max_spans) {
+  const int h = blockIdx.x, t = blockIdx.y, n_head = gridDim.x;
+  const int spans = spans_of(n_keys[t], min_tiles, max_spans);
+  if (spans == 1) return;
+  const long long qh = (long long)t * n_head + h;
+  const float* ps = part + qh * n_spans * (dv + 2);
+  float m = NEG_INF;
+  for (int s = 0; s < spans; ++s) m = fmaxf(m, ps[s * (dv + 2) + dv]);
+  float l = 0.0f;
+  for (int s = 0; s < spans; ++s) l += ps[s * (dv + 2) + dv + 1] * expf(ps[s * (dv + 2) + dv] - m);
+  for (int c = threadIdx.x; c < dv; c += blockDim.x) {
+    float a = 0.0f;
+    for (int s = 0; s < spans; ++s) a += ps[s * (dv + 2) + c] * expf(ps[s * (dv + 2) + dv] - m);
+    out[qh * dv + c] = a / l;
+  }
 }
 
 // Token t's latent into `row` (the values of the cache's type T).
