@@ -143,7 +143,7 @@ timeout "$(budget 120)" "$PY" -m torch.distributed.run --nproc-per-node 1 -m poc
 KERNELS=$WORK/kernels.json
 echo '{"error": "not run"}' > "$KERNELS"
 if [ "$DRY" = 1 ]; then
-  KB=(--device cpu --types q4_k,q6_k,q8_0 --gemv 64x512 --experts 4x32x512 --chunk 6 --top-k 2)
+  KB=(--device cpu --types q4_k,q6_k,q8_0 --gemv 64x512 --experts 4x32x512 --chunk 6 --top-k 2 --attention-keys 300)
 else
   KB=(--device cuda)
 fi

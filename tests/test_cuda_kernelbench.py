@@ -30,6 +30,33 @@ def test_report_of_correct_kernels():
     assert q4["pairs_per_expert"] == 6 * 2 / 4 and q4["weight_mib"] == 4 * 24 * (512 // 256) * 144 / 2**20
 
 
+def test_attention_report_splits_long_contexts():
+    """The decode attention rows: spans as the backend splits the keys, the cache read once per sequence, each
+    output checked against the float64 softmax."""
+    r = kernelbench.run([], launch=ShimLauncher(), attention_keys=[100, 700], attention_seqs=[1, 2], **SMALL)
+    assert r["wrong"] == [] and r["gemv"] == []
+    assert [(a["keys"], a["seqs"], a["spans"]) for a in r["attention"]] == [(100, 1, 1), (100, 2, 1), (700, 1, 6),
+                                                                             (700, 2, 6)]
+    for a in r["attention"]:
+        assert a["check"] == "ok" and a["us"] > 0 and a["one_span_us"] > 0
+        assert a["cache_mib"] == a["seqs"] * (a["keys"] + 1) * 576 * 4 / 2**20
+
+
+class SkewedMerge(ShimLauncher):
+    """The merged attention output a hair too large."""
+
+    def __call__(self, source, kernel, grid, block, args, shared_mem=0) -> None:  # noqa: ANN001
+        super().__call__(source, kernel, grid, block, args, shared_mem)
+        if kernel == "attention_merge_f32":
+            args[2].mul_(1 + 1e-3)
+
+
+def test_a_wrong_attention_is_reported_wrong():
+    r = kernelbench.run([], launch=SkewedMerge(), attention_keys=[700], **SMALL)
+    assert r["wrong"] == ["attention 700 keys x 1: " + r["attention"][0]["check"]]
+    assert r["attention"][0]["check"].startswith("wrong: sequence 0 is ")
+
+
 class ScaledGemv(ShimLauncher):
     """Every GEMV / GEMM output a hair too large: inside float noise, outside the rounding bound."""
 
@@ -57,6 +84,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     (["--tokens", "9"], "--tokens 9: each count must be 1..8"),
     (["--experts", "4x32x512", "--top-k", "6"], "--top-k 6 is more than the 4 experts"),
     (["--device", "cuda"], "--device cuda, but "),
+    (["--attention-keys", "0"], "--attention-keys '0' and --attention-seqs '1' must be positive counts"),
 ])
 def test_bad_flags_are_one_line(args, message):
     if args[:2] == ["--device", "cuda"] and torch.cuda.is_available():
@@ -72,3 +100,4 @@ def test_cli_json_on_the_shim():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["wrong"] == [] and len(out["gemv"]) == 1 and out["moe_gemm"][0]["experts"] == 3
+    assert [(a["keys"], a["seqs"], a["spans"]) for a in out["attention"]] == [(300, 1, 3)]

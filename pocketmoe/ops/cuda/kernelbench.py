@@ -1,8 +1,13 @@
-"""Speed of the CUDA matmul kernels alone, on raw blocks: the decode GEMV of each weight type and the grouped
-expert GEMM of a prefill chunk, in GB/s of weights read beside the device's own copy bandwidth.
+"""Speed of the CUDA kernels alone: the decode GEMV of each weight type and the grouped expert GEMM of a
+prefill chunk on raw blocks, in GB/s of weights read, and the decode attention over DeepSeek-V2-Lite's latent
+cache at a few context lengths, in GB/s of cache read; each beside the device's own copy bandwidth.
 
     python -m pocketmoe.ops.cuda.kernelbench [--types q4_k,q6_k] [--gemv 8192x2048] [--tokens 1,8]
-                                             [--experts 64x1408x2048] [--chunk 256] [--top-k 6] [--json]
+                                             [--experts 64x1408x2048] [--chunk 256] [--top-k 6]
+                                             [--attention-keys 512,4096,32768] [--attention-seqs 1,8] [--json]
+
+Attention is timed as the engine runs it (keys split into spans, a block per head and span, the spans merged)
+and with each token's keys in one span, a block per head walking them all ("one_span_us"): what the split gains.
 
 Where the engine's decode falls short of the HBM bound (scripts/gpu_check.sh), this tells whether the kernels
 or what surrounds them (launches, glue ops, the host) lose the time: "us" is a kernel's own time (the launches
@@ -34,6 +39,7 @@ from pocketmoe.ops.cuda import matmul
 DEFAULT_TYPES = "q4_k,q5_k,q6_k,q8_0,q4_0,q5_0,q2_k,q3_k,iq2_xxs,iq1_m,iq4_xs,mxfp4,nvfp4,f16,bf16,f32,q4_1,q5_1,iq4_nl,iq3_xxs,iq1_s,iq2_xs,iq2_s,iq3_s,tq2_0,tq1_0,q1_0"
 ROTATE_BYTES = 256 << 20  # weights rotated over copies this large in all: past any GPU's L2
 CHECK_ROWS = 64           # output rows checked against the float64 reference
+MLA_ATTENTION = (16, 512, 64)  # DeepSeek-V2-Lite's heads, kv_lora and rope dims: the attention bench's shape
 TARGET_S = 0.05           # timed launches per figure: about this long
 
 
@@ -194,9 +200,57 @@ def bench_moe_gemm(name: str, experts: int, shape: Shape, chunk: int, top_k: int
             "tflops": 2 * chunk * top_k * shape.rows * shape.cols / s / 1e12, "check": check}
 
 
+def bench_attention(keys: int, seqs: int, launch: Any, device: torch.device, timer: Timer, bound_gbps: float,
+                    rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
+    """One decode step's MLA attention core (attention.cu over an f32 latent cache): `seqs` sequences, each one
+    token after `keys` cached positions. Each sequence's latent rows are read once (the heads share them)."""
+    from pocketmoe.engine import PagedKVCache, SeqChunk, Step, StepContext
+    from pocketmoe.ops.cuda.backend import KV_TYPES, CudaOps, attention_spans
+
+    heads, lora, rope = MLA_ATTENTION
+    width, n = lora + rope, keys + 1
+    per_layer = seqs * n * width * 4
+    layers = max(1, min(16, math.ceil(rotate_bytes / per_layer)))  # the cache rotated over layers, past the L2
+    cache = PagedKVCache(n_layer=layers, width=width, n_pages=seqs * -(-n // 64), max_seq_len=n, device=device,
+                         page=64)
+    gen = torch.Generator(device=device).manual_seed(keys * 31 + seqs)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen, device=device))
+    names = [f"s{i}" for i in range(seqs)]
+    for name in names:
+        cache.reserve(name, keys)
+    ctx = StepContext.build(Step([SeqChunk(name, [0], keys) for name in names]), cache, 1)
+    ctx.cos2 = ctx.sin2 = torch.zeros(seqs, rope)  # the step's rope tables: the attention kernel reads none
+    q = torch.randn(seqs, heads, width, generator=gen, device=device)
+    out = torch.empty(seqs, heads, lora, dtype=torch.float32, device=device)
+    scale = 192 ** -0.5  # V2-Lite's (qk_nope + qk_rope) ** -0.5
+    split, single = CudaOps(tile_rows=None, launcher=launch, device=device), CudaOps(None, launch, device)
+    single.att_max_spans = 1
+
+    def timed(ops: CudaOps) -> float:
+        def call(i: int) -> None:
+            ops._attend("mla_attention_f32", ctx, q, cache.layer_rows(i % layers), out,
+                        [lora, rope, scale, KV_TYPES[torch.float32]], width)
+
+        return timer.per_call(call)
+
+    s1, s = timed(single), timed(split)
+    split._attend("mla_attention_f32", ctx, q, cache.layer_rows(0), out, [lora, rope, scale, 0], width)
+    rows = torch.from_numpy(cache.rows(names[-1], 0, n)).long().to(device)
+    k = cache.data[0, rows].double()
+    ref = torch.softmax(q[-1].double() @ k.T * scale, dim=-1) @ k[:, :lora]
+    err = float((out[-1].double() - ref).abs().max() / ref.abs().max())
+    check = "ok" if err <= 1e-5 else f"wrong: sequence {seqs - 1} is {err:.2e} (relative) off the float64 reference"
+    gbps = per_layer / s / 1e9
+    return {"kernel": "mla_attention_f32", "heads": heads, "width": width, "keys": keys, "seqs": seqs,
+            "spans": attention_spans(n), "cache_mib": per_layer / 2**20, "us": s * 1e6,
+            "host_us": timer.host_s[-1] * 1e6, "one_span_us": s1 * 1e6, "gbps": gbps,
+            "fraction_of_copy_bound": gbps / bound_gbps, "check": check}
+
+
 def run(types: Sequence[str], gemv_shape: Shape, tokens: Sequence[int], experts: int, expert_shape: Shape,
         chunk: int, top_k: int, device: torch.device, launch: Any = None,
-        rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
+        rotate_bytes: int = ROTATE_BYTES, attention_keys: Sequence[int] = (),
+        attention_seqs: Sequence[int] = (1,)) -> dict[str, Any]:
     """The whole report; launch: a backend.Launcher (default: CuPy on a GPU, the CPU shim on the CPU)."""
     from pocketmoe.testing.cuda_matmul import TYPES
 
@@ -218,14 +272,19 @@ def run(types: Sequence[str], gemv_shape: Shape, tokens: Sequence[int], experts:
     bound = copy_gbps(device, timer, rotate_bytes)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (CUDA shim: times mean nothing)",
-        "copy_gbps": bound, "gemv": [], "moe_gemm": []}
+        "copy_gbps": bound, "gemv": [], "moe_gemm": [], "attention": []}
     for name in types:
         for t in tokens:
             report["gemv"].append(bench_gemv(name, gemv_shape, t, launch, device, timer, bound, rotate_bytes))
         report["moe_gemm"].append(bench_moe_gemm(name, experts, expert_shape, chunk, top_k, launch, device, timer,
                                                  bound))
+    for keys in attention_keys:
+        for seqs in attention_seqs:
+            report["attention"].append(bench_attention(keys, seqs, launch, device, timer, bound, rotate_bytes))
     report["wrong"] = [f"{kind} {r['type']}: {r['check']}" for kind in ("gemv", "moe_gemm") for r in report[kind]
                        if r["check"] != "ok"]
+    report["wrong"] += [f"attention {r['keys']} keys x {r['seqs']}: {r['check']}" for r in report["attention"]
+                        if r["check"] != "ok"]
     return report
 
 
@@ -242,6 +301,13 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"{g['type']:10} {g['experts']:>4}x{g['rows']:>5}x{g['cols']:<5} {g['pairs_per_expert']:6.1f} "
                      f"{g['weight_mib']:7.1f} {g['us']:9.1f} {g['host_us']:8.1f} {g['gbps']:8.1f} {g['tflops']:8.2f}  "
                      f"{g['check']}")
+    if r.get("attention"):
+        lines += ["", f"{'attention':10} {'keys':>7} {'seqs':>4} {'spans':>5} {'MiB':>7} {'us':>9} {'1-span us':>9} "
+                      f"{'GB/s':>8} {'of copy':>8}  check"]
+        for a in r["attention"]:
+            lines.append(f"{'mla':10} {a['keys']:>7} {a['seqs']:>4} {a['spans']:>5} {a['cache_mib']:7.1f} "
+                         f"{a['us']:9.1f} {a['one_span_us']:9.1f} {a['gbps']:8.1f} {a['fraction_of_copy_bound']:8.0%}  "
+                         f"{a['check']}")
     return "\n".join(lines)
 
 
@@ -256,6 +322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="MoE GEMM experts x rows x columns (default: DeepSeek-V2-Lite's gate / up, 64x1408x2048)")
     p.add_argument("--chunk", type=int, default=256, help="MoE GEMM prefill tokens (default 256)")
     p.add_argument("--top-k", type=int, default=6, help="experts per token (default 6)")
+    p.add_argument("--attention-keys", default=None,
+                   help="decode attention: cached positions per sequence, comma-separated ('' for none; default "
+                        "512,4096,32768 on cuda, 300 on the cpu shim)")
+    p.add_argument("--attention-seqs", default=None,
+                   help="decode attention: sequences per step, comma-separated (default 1,8 on cuda, 1 on cpu)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda (CuPy), or cpu: the kernels under the CPU shim (checks the bench, not the speed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -269,13 +340,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--tokens {a.tokens}: each count must be 1..{matmul.GEMV_TOKENS} (the GEMV's range)")
         if a.chunk <= 0 or a.top_k <= 0:
             raise ValueError("--chunk and --top-k must be positive")
+        cuda_dev = a.device == "cuda"
+        if a.attention_keys is None:
+            a.attention_keys = "512,4096,32768" if cuda_dev else "300"
+        if a.attention_seqs is None:
+            a.attention_seqs = "1,8" if cuda_dev else "1"
+        att_keys = [int(k) for k in a.attention_keys.split(",") if k.strip()]
+        att_seqs = [int(k) for k in a.attention_seqs.split(",") if k.strip()]
+        if any(k <= 0 for k in att_keys) or not att_seqs or any(n <= 0 for n in att_seqs):
+            raise ValueError(f"--attention-keys {a.attention_keys!r} and --attention-seqs {a.attention_seqs!r} must "
+                             "be positive counts, comma-separated")
         if a.device == "cuda":
             from pocketmoe.ops import cuda
 
             if not cuda.available():
                 raise ValueError(f"--device cuda, but {cuda.unavailable_reason()}; use --device cpu to check the "
                                  "bench on the CPU shim")
-        report = run(types, Shape(rows, cols), tokens, e, Shape(er, ec), a.chunk, a.top_k, torch.device(a.device))
+        report = run(types, Shape(rows, cols), tokens, e, Shape(er, ec), a.chunk, a.top_k, torch.device(a.device),
+                     attention_keys=att_keys, attention_seqs=att_seqs)
     except ValueError as exc:
         print(f"kernelbench: {exc}", file=sys.stderr)
         return 2
