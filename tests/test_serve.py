@@ -88,6 +88,47 @@ def test_completion_matches_the_engine_alone(client: openai.OpenAI, llm: LLM) ->
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server: LiveServer, client: openai.OpenAI,
+                                                               llm: LLM) -> None:
+    """vLLM's truncate_prompt_tokens: the completion of the prompt's last k tokens, on /v1/completions, the chat
+    route (its rendered prompt cut) and llama.cpp's /completion; -1 keeps the most that leave max_tokens room."""
+    ids = [(7 * i) % 200 + 3 for i in range(300)]  # longer than the server's context of 256
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    want = solo(llm, ids[-40:], **greedy)
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True, "truncate_prompt_tokens": 40, "return_token_ids": True})
+    assert r.choices[0].text == want.text and r.usage.prompt_tokens == 40
+    assert r.choices[0].prompt_token_ids == ids[-40:]
+    fitted = solo(llm, ids[-(256 - 6):], **greedy)
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True, "truncate_prompt_tokens": -1})
+    assert r.choices[0].text == fitted.text and r.usage.prompt_tokens == 250
+    llama = httpx.post(server.url + "/completion", json={"prompt": ids, "n_predict": 6, "temperature": 0,
+                                                          "ignore_eos": True, "truncate_prompt_tokens": -1}).json()
+    assert llama["content"] == fitted.text and llama["tokens_evaluated"] == 250
+
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "the quick brown fox " * 10}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    rendered = httpx.post(server.url + "/v1/chat/completions", json=chat).json()["prompt_token_ids"]
+    assert len(rendered) > 40
+    want = solo(llm, rendered[-40:], **greedy)
+    r = httpx.post(server.url + "/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 40}).json()
+    assert r["choices"][0]["message"]["content"] == want.text and r["usage"]["prompt_tokens"] == 40
+    assert r["prompt_token_ids"] == rendered[-40:]
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens 0 would leave no prompt"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 999}, "truncate_prompt_tokens is 999 but this server's context holds 256"),
+    ({"prompt": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 4, "suffix": "x"}, "would cut the insertion layout"),
+    ({"prompt": "hi", "truncate_prompt_tokens": -1, "max_tokens": 256}, "max_tokens 256 leaves no room for a prompt"),
+])
+def test_truncate_prompt_tokens_errors(server: LiveServer, body: dict, message: str) -> None:
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
 def test_suffix_fills_in_the_middle(server: LiveServer, client: openai.OpenAI, llm: LLM) -> None:
     """OpenAI's suffix: the prompt is the text before the insertion, laid out with the suffix in the vocabulary's
     fill-in-the-middle tokens (BOS, <｜fim▁begin｜> prefix, <｜fim▁hole｜> suffix, <｜fim▁end｜>; special-token texts in

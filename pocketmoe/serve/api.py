@@ -87,6 +87,7 @@ from pocketmoe.serve.protocol import (
     pydantic_error,
     template_messages,
     template_variables,
+    truncate_prompt,
 )
 from pocketmoe.serve.reasoning import ReasoningSplitter, thinking_prompt
 from pocketmoe.serve.reasoning import split as split_reasoning
@@ -391,10 +392,14 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(model_id)
         return model_card()
 
-    async def encode_prompt(tok: Tokenizer, p: str | list[int]) -> list[int]:
+    async def encode_prompt(tok: Tokenizer, p: str | list[int], truncate: int | None = None, room: int = 1
+                            ) -> list[int]:
+        """A prompt's ids, checked (and cut to its last `truncate`, truncate_prompt_tokens, leaving `room` to
+        generate)."""
         ids = await asyncio.to_thread(tok.encode, p) if isinstance(p, str) else p  # off the event loop
         if not ids:
             raise RequestError("the prompt is empty; give at least one token.", "prompt")
+        ids = truncate_prompt(ids, truncate, state.max_model_len, room)
         _check_vocab(ids, engine().runner.vocab_size, "prompt", "prompt token id")
         if len(ids) >= state.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens but this server's context holds "
@@ -533,15 +538,18 @@ def create_app(state: ServerState) -> FastAPI:
         if len(req.prompts()) * req.n > MAX_COMPLETION_CHOICES:
             raise RequestError(f"{len(req.prompts())} prompts x n={req.n} is over {MAX_COMPLETION_CHOICES} choices in "
                                "one request; send fewer prompts or a smaller n.", "n")
+        max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         if req.suffix:  # insertion: each prompt the text before, laid out with the suffix as the model fills in
+            if req.truncate_prompt_tokens is not None:
+                raise RequestError("truncate_prompt_tokens would cut the insertion layout of a prompt with a suffix; "
+                                   "shorten the prompt instead.", "truncate_prompt_tokens")
             after = await asyncio.to_thread(tok.encode, req.suffix, False, False)
             prompts = [await encode_prompt(tok, fim_layout(
                 tok, await asyncio.to_thread(tok.encode, p, False, False) if isinstance(p, str) else p, after, "suffix",
                 state.spm_infill))
                 for p in req.prompts()]
         else:
-            prompts = [await encode_prompt(tok, p) for p in req.prompts()]
-        max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+            prompts = [await encode_prompt(tok, p, req.truncate_prompt_tokens, max_tokens) for p in req.prompts()]
         # the prompt's logprobs for echo (OpenAI's legacy object) and for vLLM's prompt_logprobs, the larger top
         prompt_k = max((k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None),
                        default=None)
@@ -735,7 +743,7 @@ def create_app(state: ServerState) -> FastAPI:
         is read with and whether it starts inside a reasoning block; a RequestError (context_length_exceeded
         where it does not fit the context) before anything runs."""
         ids, grammar, fmt, thinking = await chat_ids(req, eng, tok, grammar)
-        ids = await encode_prompt(tok, ids)
+        ids = await encode_prompt(tok, ids, req.truncate_prompt_tokens, req.max_completion_tokens or req.max_tokens or 1)
         max_tokens = req.max_completion_tokens or req.max_tokens or (state.max_model_len - len(ids))
         budget = req.thinking_budget(state.reasoning_budget)
         message = state.reasoning_budget_message if req.thinking_budget_message is None else req.thinking_budget_message
@@ -785,7 +793,8 @@ def create_app(state: ServerState) -> FastAPI:
             body["prompt_token_ids"] = ids
         return len(ids), body
 
-    async def encode_pieces(tok: Tokenizer, pieces: list[str | int]) -> list[int]:
+    async def encode_pieces(tok: Tokenizer, pieces: list[str | int], truncate: int | None = None, room: int = 1
+                            ) -> list[int]:
         """A llama.cpp prompt of strings and token ids: the first string with the file's BOS policy, later ones
         without a BOS, ids as they are; then the checks every prompt gets."""
         ids: list[int] = []
@@ -794,7 +803,7 @@ def create_app(state: ServerState) -> FastAPI:
                 ids += await asyncio.to_thread(tok.encode, p, None if j == 0 else False)
             else:
                 ids.append(p)
-        return await encode_prompt(tok, ids)
+        return await encode_prompt(tok, ids, truncate, room)
 
     @app.post("/completion")
     @app.post("/completions")
@@ -816,6 +825,9 @@ def create_app(state: ServerState) -> FastAPI:
                                f"(--parallel), 0..{eng.cfg.max_num_seqs - 1}; give one of those, or -1 for any.",
                                "id_slot")
         if isinstance(req, InfillRequest):
+            if req.truncate_prompt_tokens is not None:
+                raise RequestError("truncate_prompt_tokens would cut the infill layout; shorten input_prefix or "
+                                   "input_extra instead.", "truncate_prompt_tokens")
             prompts = [await encode_prompt(tok, await asyncio.to_thread(req.infill_ids, tok, state.max_model_len,
                                                                         state.spm_infill))]
         else:
@@ -823,7 +835,9 @@ def create_app(state: ServerState) -> FastAPI:
             if len(pieces) > MAX_COMPLETION_CHOICES:  # refused before any is tokenized
                 raise RequestError(f"{len(pieces)} prompts are over {MAX_COMPLETION_CHOICES} in one request; send "
                                    "fewer.", "prompt")
-            prompts = [await encode_pieces(tok, p) for p in pieces]
+            asked = req.n_predict if req.n_predict is not None else req.max_tokens or -1  # as max_new_tokens reads it
+            room = max(asked, 1)  # -1 (as many as the context leaves) and 0 (warm the cache): room for one
+            prompts = [await encode_pieces(tok, p, req.truncate_prompt_tokens, room) for p in pieces]
         wanted = [req.max_new_tokens(len(p), state.max_model_len) for p in prompts]
         params = [req.sampling(grammar, max(n, 1), eng.runner.vocab_size) for n in wanted]
         live = [i for i, n in enumerate(wanted) if n > 0]

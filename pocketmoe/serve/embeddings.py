@@ -27,7 +27,14 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from pocketmoe.engine.pooling import check_normalize, embd_normalize
 from pocketmoe.errors import PocketMoEError
-from pocketmoe.serve.protocol import ChatMessage, NonNegInt, RequestError, _Body, check_template_options
+from pocketmoe.serve.protocol import (
+    ChatMessage,
+    NonNegInt,
+    RequestError,
+    _Body,
+    check_template_options,
+    truncate_prompt,
+)
 
 MAX_EMBEDDING_INPUTS = 2048      # inputs in one request (OpenAI's limit)
 MAX_EMBEDDING_TOKENS = 300_000   # tokens over a request's inputs (OpenAI's limit)
@@ -188,12 +195,7 @@ def as_inputs(given: Any) -> list[str | list[int]]:
 def check_lengths(ids: list[list[int]], max_len: int, truncate: int | None) -> list[list[int]]:
     """Each input's ids within the context (vLLM's truncate_prompt_tokens keeps the last k; -1: the context's
     length), and the request's inputs within MAX_EMBEDDING_TOKENS (RequestError)."""
-    if truncate is not None:
-        keep = max_len if truncate == -1 else truncate
-        if keep > max_len:
-            raise RequestError(f"truncate_prompt_tokens is {truncate} but this server's context holds {max_len} "
-                               "(--max-model-len); give at most that, or -1.", "truncate_prompt_tokens")
-        ids = [p[-keep:] for p in ids]
+    ids = [truncate_prompt(p, truncate, max_len) for p in ids]
     for i, p in enumerate(ids):
         if not p:
             raise RequestError(f"input {i} has no tokens; give text or token ids to embed.", "input")

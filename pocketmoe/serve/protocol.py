@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictInt,
     StrictStr,
     ValidationError,
     field_validator,
@@ -164,6 +165,8 @@ class SamplingFields(_Body):
     grammar: GrammarText | None = None  # llama.cpp (GBNF; Lark also reads)
     # vLLM's: each prompt token's logprob (the first's None) with this many most likely tokens' (not with stream)
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # vLLM's: the prompt's last k tokens alone (-1: the most that leave room for max_tokens, or for one token)
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -247,6 +250,9 @@ class SamplingFields(_Body):
                                "min_tokens")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true.", "stream_options")
+        if self.truncate_prompt_tokens == 0:
+            raise RequestError("truncate_prompt_tokens 0 would leave no prompt; give at least 1, or -1 for as many as "
+                               "the context holds.", "truncate_prompt_tokens")
 
 
 class CompletionRequest(SamplingFields):
@@ -514,6 +520,22 @@ class DetokenizeRequest(_Body):
 
     def check(self) -> None:
         """Nothing past the field types: the ids are checked against the served tokenizer's vocabulary."""
+
+
+def truncate_prompt(ids: list[int], truncate: int | None, max_len: int, room: int = 0) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last k of a prompt's ids (None: all of them; -1: the most that leave `room`
+    tokens of a context of max_len free), or a RequestError where k is past the context or no room is left."""
+    if truncate is None:
+        return ids
+    if truncate > max_len:
+        raise RequestError(f"truncate_prompt_tokens is {truncate} but this server's context holds {max_len} "
+                           "(--max-model-len); give at most that, or -1.", "truncate_prompt_tokens")
+    keep = truncate if truncate > 0 else max_len - room
+    if keep < 1:
+        raise RequestError(f"max_tokens {room} leaves no room for a prompt in this server's context of {max_len} "
+                           "tokens (--max-model-len); ask for fewer tokens.", "max_tokens",
+                           code="context_length_exceeded")
+    return ids[-keep:]
 
 
 def pydantic_error(errors: list[dict[str, Any]]) -> RequestError:
