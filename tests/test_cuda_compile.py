@@ -59,4 +59,22 @@ def test_hot_kernels_do_not_spill(arch: str) -> None:
         assert {u.kernel for u in usage} == set(_KERNEL.findall(path.read_text())), path.name
         spilled = [u for u in usage if u.spill_stores or u.spill_loads]
         assert not spilled, f"{path.name} {arch}: kernels spill registers: {spilled}"
+        # nor keep arrays in local memory (a stack frame: a struct copied out of shared memory took 4.6 KiB)
+        stacked = [u for u in usage if u.stack_bytes]
+        assert not stacked, f"{path.name} {arch}: kernels keep a stack frame in local memory: {stacked}"
         assert all(0 < u.registers <= 255 for u in usage)
+
+
+@pytest.mark.skipif(cc.nvcc_path() is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("arch", cc.ARCHS)
+def test_attention_blocks_fit_the_shared_memory_of_a_launch(arch: str) -> None:
+    """An attention block's static shared memory plus the most queries the backend gives it (ATT_QUERY_BYTES of
+    dynamic shared memory) stays within the 48 KiB a launch gets without opting in: static arrays declared in a
+    template instantiated per KV type took three times their size and V2-Lite's 37 KiB of queries went past it."""
+    from pocketmoe.ops.cuda.backend import ATT_HEADS, ATT_QUERY_BYTES
+
+    usage = {u.kernel: u for u in cc.nvcc_usage(cc.SRC / "attention.cu", arch)}
+    assert ATT_HEADS * 576 * 4 <= ATT_QUERY_BYTES  # V2-Lite / V3's 16-head blocks of 576-float queries fit
+    for kernel in ("mla_attention_f32", "gqa_attention_f32"):
+        assert 0 < usage[kernel].shared_bytes and usage[kernel].shared_bytes + ATT_QUERY_BYTES <= 48 << 10, \
+            usage[kernel]

@@ -231,6 +231,19 @@ def test_mla_attention_over_several_sequences(sub, dims: str, kv: str) -> None:
         close_caches(cache_c, cache_r)
 
 
+def test_attention_constants_match_the_kernel_source() -> None:
+    """The backend's tile, heads-per-block and value-dims-per-thread limits are attention.cu's #defines (a block of
+    more heads than the kernel's arrays hold would write past them)."""
+    import re
+
+    from pocketmoe.ops.cuda import backend
+
+    text = (SRC / "attention.cu").read_text()
+    defines = {k: int(v) for k, v in re.findall(r"#define (ATT_\w+) (\d+)", text)}
+    assert defines == {"ATT_TILE": backend.ATT_TILE, "ATT_HEADS": backend.ATT_HEADS, "ATT_VACC": backend.ATT_VACC}
+    assert CudaOps.att_heads <= backend.ATT_HEADS
+
+
 def _long_steps() -> list[Step]:
     """Decode tokens after 5000, 1500 and 40 cached positions beside a 3-token prompt: 27, 12 and one span of
     attention.cu's keys at the backend's spans (2 tiles of 64 at least, 32 spans at most)."""
@@ -256,6 +269,19 @@ def test_attention_over_long_contexts_splits_and_merges_spans(sub, kind: str, di
         out_c, cache_c = _run_attention(kind, backend, dev, dims, steps=_long_steps(), prior=LONG_PRIOR)
         close(out_c, out_r, 5e-5)
         close(cache_c, cache_r, 1e-5)
+
+
+@pytest.mark.parametrize("kind,dims", [("mla", MLA_DIMS["tiny"]), ("gqa", (12, 2, 64, 64, 32))], ids=["mla", "gqa"])
+def test_a_heads_attention_is_the_same_in_any_block_of_heads(sub, kind: str, dims: tuple[int, ...]) -> None:
+    """The heads that read the same rows (MLA's 4; GQA's 6 per KV head) in blocks of at most 1 or 3 heads give
+    bitwise what one block of them all gives: a head's arithmetic does not depend on the heads beside it."""
+    ops, dev = sub
+    want = _run_attention(kind, ops, dev, dims, steps=_long_steps(), prior=LONG_PRIOR)[0]
+    for per_block in (1, 3):
+        narrow = CudaOps(tile_rows=None, launcher=ops.launch, device=dev)
+        narrow.att_heads = per_block
+        got = _run_attention(kind, narrow, dev, dims, steps=_long_steps(), prior=LONG_PRIOR)[0]
+        assert torch.equal(got, want), per_block
 
 
 def test_a_tokens_attention_is_the_same_in_any_batch(sub, monkeypatch) -> None:

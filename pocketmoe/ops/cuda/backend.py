@@ -43,7 +43,9 @@ Launcher = Callable[[str, str, tuple[int, int, int], tuple[int, int, int], Seque
 ROW_THREADS = 256  # norms and finalize: one block per row
 ROPE_THREADS = 128
 ATT_THREADS = 128
-ATT_ACC = 8  # attention.cu: value dims per thread, so value dims <= ATT_ACC * ATT_THREADS
+ATT_VACC = 4  # attention.cu: value dims per thread, so value dims <= ATT_VACC * ATT_THREADS
+ATT_HEADS = 16  # attention.cu: heads of one block at most (those that read the same key rows)
+ATT_QUERY_BYTES = 40 << 10  # a block's queries in shared memory at most (its static arrays take 4.6 KiB of 48)
 ATT_TILE = 64  # attention.cu: keys per tile
 ATT_MIN_TILES = 2  # a span of keys (one block's) is at least this many tiles: 128 keys
 ATT_MAX_SPANS = 32  # and a token's keys split into at most this many spans
@@ -170,6 +172,7 @@ class CudaOps(ReferenceOps):
     detail = "CUDA kernels (CuPy RawModule)"
     att_min_tiles = ATT_MIN_TILES  # attention.cu's key spans (the tests set smaller ones on an instance)
     att_max_spans = ATT_MAX_SPANS
+    att_heads = ATT_HEADS  # heads of one attention block at most
 
     def __init__(self, tile_rows: int | None = 8, launcher: Launcher | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -480,7 +483,7 @@ class CudaOps(ReferenceOps):
                       layer: int) -> torch.Tensor:
         c, cache = attn.cfg, ctx.cache
         if (not attn.absorbed or cache.dtype not in KV_TYPES or not _f32(q, kv)
-                or c.kv_lora > ATT_ACC * ATT_THREADS):
+                or c.kv_lora > ATT_VACC * ATT_THREADS):
             return super().mla_attention(attn, q, kv, ctx, layer)
         t, dev, width = q.shape[0], q.device, c.kv_lora + c.qk_rope
         write_rows, cos2, sin2 = self._step_arrays(ctx, dev)[3:]
@@ -494,20 +497,23 @@ class CudaOps(ReferenceOps):
         qcat[..., c.kv_lora:] = q_pe
         self._rope_into(qcat, cos2, sin2, False, c.kv_lora)
         o_lat = torch.empty(t, c.n_head, c.kv_lora, dtype=torch.float32, device=dev)  # [T, H, C]
-        self._attend("mla_attention_f32", ctx, qcat, rows, o_lat, [c.kv_lora, c.qk_rope, c.scale,
-                                                                   KV_TYPES[cache.dtype]], width)
+        self._attend("mla_attention_f32", ctx, qcat, rows, o_lat, c.n_head,
+                     [c.n_head, c.kv_lora, c.qk_rope, c.scale, KV_TYPES[cache.dtype]], width)
         return self._per_head(attn.v_b, o_lat).reshape(t, c.n_head * c.v_head)  # [T, H, V]
 
     def _attend(self, kernel: str, ctx: StepContext, q: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                dims: list[Any], dk: int) -> None:
-        """out [T, H, Dv] = attention.cu's `kernel` for q [T, H, dk] over the layer's cache rows: a block per
-        (head, span, token), S spans enough for the step's longest token (for a captured graph, for the cache's
+                shared: int, dims: list[Any], dk: int) -> None:
+        """out [T, H, Dv] = attention.cu's `kernel` for q [T, H, dk] over the layer's cache rows, `shared` heads
+        reading the same rows (in blocks of at most att_heads, whose queries fit ATT_QUERY_BYTES): a block per
+        (heads, span, token), S spans enough for the step's longest token (for a captured graph, for the cache's
         longest, since replays run at other lengths); with S > 1 the partials [tokens, H, S, Dv + 2] are merged
         after, the tokens in groups whose partials fit ATT_PART_BYTES."""
         t, n_head, dv = out.shape
         if not t:
             return
         seq, keys, table = self._step_arrays(ctx, q.device)[:3]
+        per_block = max(1, min(self.att_heads, ATT_HEADS, shared, ATT_QUERY_BYTES // (dk * 4)))
+        blocks = n_head // shared * -(-shared // per_block)
         capture = self.graphs is not None and self.graphs.inputs is not None
         longest = ctx.cache.max_seq_len if capture else int(ctx.keys.max())
         spans = attention_spans(longest, self.att_min_tiles, self.att_max_spans)
@@ -518,9 +524,9 @@ class CudaOps(ReferenceOps):
         split = [self.att_min_tiles, self.att_max_spans]
         for t0 in range(0, t, group):
             t1 = min(t, t0 + group)
-            self.launch("attention.cu", kernel, (n_head, spans, t1 - t0), (ATT_THREADS, 1, 1),
+            self.launch("attention.cu", kernel, (blocks, spans, t1 - t0), (ATT_THREADS, 1, 1),
                         [q[t0:t1], rows, seq[t0:t1], keys[t0:t1], table, table.shape[1], ctx.cache.page,
-                         out[t0:t1], part, *dims, *split], dk * 4)
+                         out[t0:t1], part, *dims, per_block, *split], per_block * dk * 4)
             if spans > 1:
                 self.launch("attention.cu", "attention_merge_f32", (n_head, t1 - t0, 1), (ATT_THREADS, 1, 1),
                             [part, keys[t0:t1], out[t0:t1], dv, spans, *split], 0)
@@ -528,7 +534,7 @@ class CudaOps(ReferenceOps):
     def gqa_attention(self, attn: GQAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
                       layer: int) -> torch.Tensor:
         c, cache = attn.cfg, ctx.cache
-        if cache.dtype not in KV_TYPES or not _f32(q, k, v) or c.v_dim > ATT_ACC * ATT_THREADS:
+        if cache.dtype not in KV_TYPES or not _f32(q, k, v) or c.v_dim > ATT_VACC * ATT_THREADS:
             return super().gqa_attention(attn, q, k, v, ctx, layer)
         t, dev = q.shape[0], q.device
         write_rows, cos2, sin2 = self._step_arrays(ctx, dev)[3:]
@@ -539,8 +545,8 @@ class CudaOps(ReferenceOps):
         rows = cache.layer_rows(layer)  # [P, G*(Dh+Dv)]
         rows.index_copy_(0, write_rows.long(), torch.cat([kr.view(t, -1), v.reshape(t, -1)], dim=-1).to(rows.dtype))
         out = torch.empty(t, c.n_head, c.v_dim, dtype=torch.float32, device=dev)
-        self._attend("gqa_attention_f32", ctx, qr, rows, out, [c.n_head_kv, c.head_dim, c.v_dim, c.scale,
-                                                               KV_TYPES[cache.dtype]], c.head_dim)
+        self._attend("gqa_attention_f32", ctx, qr, rows, out, c.n_head // c.n_head_kv,
+                     [c.n_head, c.n_head_kv, c.head_dim, c.v_dim, c.scale, KV_TYPES[cache.dtype]], c.head_dim)
         return out.view(t, c.n_head * c.v_dim)
 
     # -- experts -------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ cache at a few context lengths, in GB/s of cache read; each beside the device's 
                                              [--experts 64x1408x2048] [--chunk 256] [--top-k 6]
                                              [--attention-keys 512,4096,32768] [--attention-seqs 1,8] [--json]
 
-Attention is timed as the engine runs it (keys split into spans, a block per head and span, the spans merged)
-and with each token's keys in one span, a block per head walking them all ("one_span_us"): what the split gains.
+Attention is timed as the engine runs it (a block per span of keys and up to 16 heads, so each latent row is read
+once for all of them, the spans merged), with each token's keys in one span ("one_span_us": what the split gains),
+and with a block per head ("per_head_us": what sharing the rows gains).
 
 Where the engine's decode falls short of the HBM bound (scripts/gpu_check.sh), this tells whether the kernels
 or what surrounds them (launches, glue ops, the host) lose the time: "us" is a kernel's own time (the launches
@@ -223,18 +224,19 @@ def bench_attention(keys: int, seqs: int, launch: Any, device: torch.device, tim
     q = torch.randn(seqs, heads, width, generator=gen, device=device)
     out = torch.empty(seqs, heads, lora, dtype=torch.float32, device=device)
     scale = 192 ** -0.5  # V2-Lite's (qk_nope + qk_rope) ** -0.5
-    split, single = CudaOps(tile_rows=None, launcher=launch, device=device), CudaOps(None, launch, device)
+    split, single, per_head = (CudaOps(tile_rows=None, launcher=launch, device=device) for _ in range(3))
     single.att_max_spans = 1
+    per_head.att_heads = 1
+    dims = [heads, lora, rope, scale, KV_TYPES[torch.float32]]
 
     def timed(ops: CudaOps) -> float:
         def call(i: int) -> None:
-            ops._attend("mla_attention_f32", ctx, q, cache.layer_rows(i % layers), out,
-                        [lora, rope, scale, KV_TYPES[torch.float32]], width)
+            ops._attend("mla_attention_f32", ctx, q, cache.layer_rows(i % layers), out, heads, dims, width)
 
         return timer.per_call(call)
 
-    s1, s = timed(single), timed(split)
-    split._attend("mla_attention_f32", ctx, q, cache.layer_rows(0), out, [lora, rope, scale, 0], width)
+    s1, s_head, s = timed(single), timed(per_head), timed(split)
+    split._attend("mla_attention_f32", ctx, q, cache.layer_rows(0), out, heads, dims, width)
     rows = torch.from_numpy(cache.rows(names[-1], 0, n)).long().to(device)
     k = cache.data[0, rows].double()
     ref = torch.softmax(q[-1].double() @ k.T * scale, dim=-1) @ k[:, :lora]
@@ -243,7 +245,7 @@ def bench_attention(keys: int, seqs: int, launch: Any, device: torch.device, tim
     gbps = per_layer / s / 1e9
     return {"kernel": "mla_attention_f32", "heads": heads, "width": width, "keys": keys, "seqs": seqs,
             "spans": attention_spans(n), "cache_mib": per_layer / 2**20, "us": s * 1e6,
-            "host_us": timer.host_s[-1] * 1e6, "one_span_us": s1 * 1e6, "gbps": gbps,
+            "host_us": timer.host_s[-1] * 1e6, "one_span_us": s1 * 1e6, "per_head_us": s_head * 1e6, "gbps": gbps,
             "fraction_of_copy_bound": gbps / bound_gbps, "check": check}
 
 
@@ -303,11 +305,11 @@ def render(r: dict[str, Any]) -> str:
                      f"{g['check']}")
     if r.get("attention"):
         lines += ["", f"{'attention':10} {'keys':>7} {'seqs':>4} {'spans':>5} {'MiB':>7} {'us':>9} {'1-span us':>9} "
-                      f"{'GB/s':>8} {'of copy':>8}  check"]
+                      f"{'1-head us':>9} {'GB/s':>8} {'of copy':>8}  check"]
         for a in r["attention"]:
             lines.append(f"{'mla':10} {a['keys']:>7} {a['seqs']:>4} {a['spans']:>5} {a['cache_mib']:7.1f} "
-                         f"{a['us']:9.1f} {a['one_span_us']:9.1f} {a['gbps']:8.1f} {a['fraction_of_copy_bound']:8.0%}  "
-                         f"{a['check']}")
+                         f"{a['us']:9.1f} {a['one_span_us']:9.1f} {a['per_head_us']:9.1f} {a['gbps']:8.1f} "
+                         f"{a['fraction_of_copy_bound']:8.0%}  {a['check']}")
     return "\n".join(lines)
 
 

@@ -5,16 +5,17 @@
 // in tiles of ATT_TILE with an online softmax (running max and sum), all in a fixed order: no atomics, the same
 // result every run.
 //
-// Split over the keys (flash-decoding): a token's keys fall into spans of span_tiles(n_keys) tiles each, at
-// least min_tiles and at most max_spans spans, so a decode step of a few heads still fills the GPU and one
-// block never walks a long context alone. One block per (head, span, token): grid (H, S, T) with S at least
-// the most spans of any token (a block past its token's spans returns); blockDim.x a multiple of 32 with value
-// dims <= ATT_ACC * blockDim.x. A one-span token's block writes the output; a block of a token of several spans
-// writes its span's partial (running max, sum, unnormalized values) to part [T, H, S, Dv + 2] and
-// attention_merge_f32 folds the spans in order. The spans follow from the token's key count alone, so its result
-// is the same whatever else is in the batch and whatever S the launch has. Heads are the grid's fastest index:
-// MLA's heads read the same latent rows, and blocks next to each other share them in L2. Dynamic shared memory:
-// the query, dk floats.
+// A block takes several heads that read the same key rows (MLA: every head; GQA: the query heads of one KV head),
+// at most ATT_HEADS (per_block) of them, so each row is read once for all of them, not once per head. And the
+// keys are split (flash-decoding): a token's keys fall into spans of span_tiles(n_keys) tiles each, at least
+// min_tiles and at most max_spans spans, so a decode step of a few blocks of heads still fills the GPU and one
+// block never walks a long context alone. Grid (blocks of heads, S, T) with S at least the most spans of any
+// token (a block past its token's spans returns); blockDim.x a multiple of 32 with value dims <= ATT_VACC *
+// blockDim.x. A one-span token's block writes the output; a block of a token of several spans writes its span's
+// partials (running max, sum, unnormalized values) to part [T, H, S, Dv + 2] and attention_merge_f32 folds the
+// spans in order. The spans follow from the token's key count alone, and a head's arithmetic is the same in any
+// block of heads, so its result is the same whatever else is in the batch and whatever S the launch has.
+// Dynamic shared memory: the block's queries, per_block * dk floats.
 //
 // MLA (absorbed): q [T, H, C+R] is [q_nope absorbed by k_b, roped q_pe]; a cache row is [c_kv, k_pe], the
 // key of every head, and its first C values are the value: out [T, H, C] is the latent output that v_b
@@ -27,7 +28,8 @@
 #include "common.cuh"
 
 #define ATT_TILE 64
-#define ATT_ACC 8
+#define ATT_HEADS 16  // heads of one block at most (they share each key row it reads)
+#define ATT_VACC 4    // value dims per thread: dv <= ATT_VACC * blockDim.x
 
 // Tiles per span of a token of n_keys keys: at least min_tiles, and few enough for at most max_spans spans.
 __device__ __forceinline__ int span_tiles(int n_keys, int min_tiles, int max_spans) {
@@ -40,88 +42,144 @@ __device__ __forceinline__ int spans_of(int n_keys, int min_tiles, int max_spans
   return max(1, ((n_keys + ATT_TILE - 1) / ATT_TILE + per - 1) / per);
 }
 
-// Where a block's work goes: its keys [k0, k1), and either the output (one span) or its span's partial.
-struct Span {
-  int k0, k1;
-  float* part;  // [Dv + 2]: unnormalized values, then the running max and sum; nullptr: write out
+// A block's work: heads h0 .. h0 + nh - 1 of token blockIdx.z over its keys [k0, k1) of span blockIdx.y
+// (k0 == k1: past the token's spans, the block returns), into the output (one span) or the span partials.
+struct Work {
+  int h0, nh, k0, k1;
+  bool split;
 };
 
-// Block (h, s, t)'s span of its token (k0 == k1: none, the block returns).
-__device__ __forceinline__ Span span_of_block(int n_keys, int min_tiles, int max_spans, float* part, int dv) {
+// Block x of a token whose heads come in share groups of `shared` heads that read the same key rows (MLA: one
+// group of every head; GQA: a group per KV head), each group in blocks of at most per_block heads.
+__device__ __forceinline__ Work work_of_block(int n_keys, int shared, int per_block, int min_tiles, int max_spans) {
+  const int blocks = (shared + per_block - 1) / per_block, g = blockIdx.x / blocks;
+  const int h_in = blockIdx.x % blocks * per_block;
   const int s = blockIdx.y, spans = spans_of(n_keys, min_tiles, max_spans);
-  if (s >= spans) return Span{0, 0, nullptr};
   const int len = span_tiles(n_keys, min_tiles, max_spans) * ATT_TILE;
-  const long long at = (((long long)blockIdx.z * gridDim.x + blockIdx.x) * gridDim.y + s) * (dv + 2);
-  return Span{s * len, min(n_keys, (s + 1) * len), spans > 1 ? part + at : nullptr};
+  if (s >= spans) return Work{0, 0, 0, 0, false};
+  return Work{g * shared + h_in, min(per_block, shared - h_in), s * len, min(n_keys, (s + 1) * len), spans > 1};
 }
 
+// A block's static shared memory, declared once in each kernel (one per instantiation of attend would take
+// three times its 4.6 KiB, which with V2-Lite's 37 KiB of queries passes the 48 KiB a launch may have).
+struct AttShared {
+  float p[ATT_HEADS][ATT_TILE];  // the tile's scores, then their exps, per head
+  long long rows[ATT_TILE];      // the tile's cache rows (element offsets)
+  float corr[ATT_HEADS];         // each head's rescale of its values for this tile
+  float lsum[ATT_HEADS];         // each head's sum of exps, at the end
+};
+
+// The heads of `work` over its keys: per key tile the rows' addresses, each key's scores against every head (a
+// warp per key, lanes over its dims, the key read once for all heads), each head's softmax step (a thread per
+// head, in key order), then the values (each thread ATT_VACC value dims of every head, the value read once).
+// q: head h0's query (dk floats a head); out: head h0's output (dv floats a head); part: token t's partials
+// [H, S, Dv + 2] (head stride part_stride), unnormalized values, then the running max and sum.
 template <class T>
 __device__ __forceinline__ void attend(const float* __restrict__ q, const T* __restrict__ cache, long long ld,
-                                       int key_off, int dk, int val_off, int dv, Span span,
+                                       int key_off, int dk, int val_off, int dv, Work work,
                                        const int32_t* __restrict__ pages, int page, float scale,
-                                       float* __restrict__ out, float* qs, float* p, long long* rows,
-                                       float* scratch) {
-  const int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, nw = blockDim.x / WARP;
-  for (int i = tid; i < dk; i += blockDim.x) qs[i] = q[i];
-  float acc[ATT_ACC];
+                                       float* __restrict__ out, float* __restrict__ part, long long part_stride,
+                                       AttShared* sh) {
+  extern __shared__ float qs[];  // [nh, dk]
+  float(*p)[ATT_TILE] = sh->p;
+  long long* rows = sh->rows;
+  float *corr = sh->corr, *lsum = sh->lsum;
+  const int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, nw = blockDim.x / WARP, nh = work.nh;
+  for (int i = tid; i < nh * dk; i += blockDim.x) qs[i] = q[i];
+  float acc[ATT_HEADS][ATT_VACC];
 #pragma unroll
-  for (int k = 0; k < ATT_ACC; ++k) acc[k] = 0.0f;
-  float m = NEG_INF, l = 0.0f;
-  for (int s0 = span.k0; s0 < span.k1; s0 += ATT_TILE) {
-    const int n = min(ATT_TILE, span.k1 - s0);
+  for (int h = 0; h < ATT_HEADS; ++h)
+#pragma unroll
+    for (int k = 0; k < ATT_VACC; ++k) acc[h][k] = 0.0f;
+  float m = NEG_INF, l = 0.0f;  // thread h < nh: head h's running max and sum
+  for (int s0 = work.k0; s0 < work.k1; s0 += ATT_TILE) {
+    const int n = min(ATT_TILE, work.k1 - s0);
     for (int j = tid; j < n; j += blockDim.x) {
       const int pos = s0 + j;
       rows[j] = ((long long)pages[pos / page] * page + pos % page) * ld;
     }
-    __syncthreads();
-    for (int j = w; j < n; j += nw) {  // a warp per key, lanes over its dims
+    __syncthreads();  // the rows (and the first time, the queries) before the scores read them
+    for (int j = w; j < n; j += nw) {
       const T* key = cache + rows[j] + key_off;
-      float dot = 0.0f;
-      for (int i = lane; i < dk; i += WARP) dot += qs[i] * kv_value(key[i]);
-      dot = warp_sum(dot);
-      if (lane == 0) p[j] = dot * scale;
-    }
-    __syncthreads();
-    float tile_max = NEG_INF;
-    for (int j = tid; j < n; j += blockDim.x) tile_max = fmaxf(tile_max, p[j]);
-    const float m_new = fmaxf(m, block_max(tile_max, scratch));
-    float part = 0.0f;
-    for (int j = tid; j < n; j += blockDim.x) {
-      const float e = expf(p[j] - m_new);
-      p[j] = e;
-      part += e;
-    }
-    const float tile_sum = block_sum(part, scratch);  // its barriers publish p
-    const float corr = expf(m - m_new);
-    l = l * corr + tile_sum;
-    m = m_new;
+      float d[ATT_HEADS];
 #pragma unroll
-    for (int k = 0; k < ATT_ACC; ++k) {
-      const int c = tid + k * blockDim.x;
-      if (c < dv) {
-        float a = acc[k] * corr;
-        for (int j = 0; j < n; ++j) a += p[j] * kv_value(cache[rows[j] + val_off + c]);
-        acc[k] = a;
+      for (int h = 0; h < ATT_HEADS; ++h) d[h] = 0.0f;
+      for (int i = lane; i < dk; i += WARP) {
+        const float x = kv_value(key[i]);
+#pragma unroll
+        for (int h = 0; h < ATT_HEADS; ++h)
+          if (h < nh) d[h] += qs[h * dk + i] * x;
+      }
+#pragma unroll
+      for (int h = 0; h < ATT_HEADS; ++h) {
+        if (h < nh) {  // the same for the whole warp
+          const float dot = warp_sum(d[h]);
+          if (lane == 0) p[h][j] = dot * scale;
+        }
       }
     }
-    __syncthreads();
-  }
-  if (span.part == nullptr) {
-#pragma unroll
-    for (int k = 0; k < ATT_ACC; ++k) {
-      const int c = tid + k * blockDim.x;
-      if (c < dv) out[c] = acc[k] / l;
+    __syncthreads();  // every score before the softmax reads them
+    if (tid < nh) {
+      float mx = m;
+      for (int j = 0; j < n; ++j) mx = fmaxf(mx, p[tid][j]);
+      float sum = 0.0f;
+      for (int j = 0; j < n; ++j) {
+        const float e = expf(p[tid][j] - mx);
+        p[tid][j] = e;
+        sum += e;
+      }
+      const float c = expf(m - mx);
+      l = l * c + sum;
+      m = mx;
+      corr[tid] = c;
     }
-    return;
-  }
+    __syncthreads();  // the exps and corrections before the values read them
 #pragma unroll
-  for (int k = 0; k < ATT_ACC; ++k) {
-    const int c = tid + k * blockDim.x;
-    if (c < dv) span.part[c] = acc[k];
+    for (int h = 0; h < ATT_HEADS; ++h) {
+      if (h < nh) {
+        const float c = corr[h];
+#pragma unroll
+        for (int k = 0; k < ATT_VACC; ++k) acc[h][k] *= c;
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      float v[ATT_VACC];
+#pragma unroll
+      for (int k = 0; k < ATT_VACC; ++k) {
+        const int c = tid + k * blockDim.x;
+        v[k] = c < dv ? kv_value(cache[rows[j] + val_off + c]) : 0.0f;
+      }
+#pragma unroll
+      for (int h = 0; h < ATT_HEADS; ++h) {
+        if (h < nh) {
+          const float pj = p[h][j];
+#pragma unroll
+          for (int k = 0; k < ATT_VACC; ++k) acc[h][k] += pj * v[k];
+        }
+      }
+    }
+    __syncthreads();  // every read of this tile's rows and exps before the next tile's overwrite them
   }
-  if (tid == 0) {
-    span.part[dv] = m;
-    span.part[dv + 1] = l;
+  if (tid < nh) lsum[tid] = l;
+  __syncthreads();  // the sums before the threads divide by them
+#pragma unroll
+  for (int h = 0; h < ATT_HEADS; ++h) {
+    if (h < nh) {
+#pragma unroll
+      for (int k = 0; k < ATT_VACC; ++k) {
+        const int c = tid + k * blockDim.x;
+        if (c >= dv) continue;
+        if (work.split) {
+          part[h * part_stride + c] = acc[h][k];
+        } else {
+          out[h * dv + c] = acc[h][k] / lsum[h];
+        }
+      }
+    }
+  }
+  if (work.split && tid < nh) {
+    part[tid * part_stride + dv] = m;
+    part[tid * part_stride + dv + 1] = l;
   }
 }
 
@@ -137,40 +195,40 @@ __device__ __forceinline__ void attend_kv(int kv_type, const float* q, const voi
   }
 }
 
+// Grid (blocks of heads, S, T): every head shares the latent rows, in blocks of per_block heads.
 extern "C" __global__ void mla_attention_f32(const float* __restrict__ q, const void* __restrict__ cache,
                                              const int32_t* __restrict__ seq, const int32_t* __restrict__ n_keys,
                                              const int32_t* __restrict__ page_table, int n_pages, int page,
-                                             float* __restrict__ out, float* __restrict__ part, int kv_lora,
-                                             int rope, float scale, int kv_type, int min_tiles, int max_spans) {
-  extern __shared__ float qs[];
-  __shared__ float p[ATT_TILE];
-  __shared__ long long rows[ATT_TILE];
-  __shared__ float scratch[WARP];
-  const int h = blockIdx.x, t = blockIdx.z, n_head = gridDim.x, d = kv_lora + rope;
-  const Span span = span_of_block(n_keys[t], min_tiles, max_spans, part, kv_lora);
-  if (span.k0 == span.k1) return;  // past the token's spans: the whole block
-  const long long qh = (long long)t * n_head + h;
-  attend_kv(kv_type, q + qh * d, cache, (long long)d, 0, d, 0, kv_lora, span,
-            page_table + (long long)seq[t] * n_pages, page, scale, out + qh * kv_lora, qs, p, rows, scratch);
+                                             float* __restrict__ out, float* __restrict__ part, int n_head,
+                                             int kv_lora, int rope, float scale, int kv_type, int per_block,
+                                             int min_tiles, int max_spans) {
+  __shared__ AttShared sh;
+  const int t = blockIdx.z, d = kv_lora + rope;
+  const Work work = work_of_block(n_keys[t], n_head, per_block, min_tiles, max_spans);
+  if (work.k0 == work.k1) return;  // past the token's spans: the whole block
+  const long long qh = (long long)t * n_head + work.h0, ps = (long long)gridDim.y * (kv_lora + 2);
+  attend_kv(kv_type, q + qh * d, cache, (long long)d, 0, d, 0, kv_lora, work,
+            page_table + (long long)seq[t] * n_pages, page, scale, out + qh * kv_lora,
+            part + qh * ps + (long long)blockIdx.y * (kv_lora + 2), ps, &sh);
 }
 
+// Grid (blocks of heads, S, T): the query heads of each KV head share its rows, in blocks of per_block heads.
 extern "C" __global__ void gqa_attention_f32(const float* __restrict__ q, const void* __restrict__ cache,
                                              const int32_t* __restrict__ seq, const int32_t* __restrict__ n_keys,
                                              const int32_t* __restrict__ page_table, int n_pages, int page,
-                                             float* __restrict__ out, float* __restrict__ part, int n_head_kv,
-                                             int head_dim, int v_dim, float scale, int kv_type, int min_tiles,
-                                             int max_spans) {
-  extern __shared__ float qs[];
-  __shared__ float p[ATT_TILE];
-  __shared__ long long rows[ATT_TILE];
-  __shared__ float scratch[WARP];
-  const int h = blockIdx.x, t = blockIdx.z, n_head = gridDim.x, g = h / (n_head / n_head_kv);
-  const Span span = span_of_block(n_keys[t], min_tiles, max_spans, part, v_dim);
-  if (span.k0 == span.k1) return;  // past the token's spans: the whole block
-  const long long qh = (long long)t * n_head + h;
+                                             float* __restrict__ out, float* __restrict__ part, int n_head,
+                                             int n_head_kv, int head_dim, int v_dim, float scale, int kv_type,
+                                             int per_block, int min_tiles, int max_spans) {
+  __shared__ AttShared sh;
+  const int t = blockIdx.z, shared = n_head / n_head_kv;
+  const Work work = work_of_block(n_keys[t], shared, per_block, min_tiles, max_spans);
+  if (work.k0 == work.k1) return;  // past the token's spans: the whole block
+  const int g = work.h0 / shared;
+  const long long qh = (long long)t * n_head + work.h0, ps = (long long)gridDim.y * (v_dim + 2);
   const long long ld = (long long)n_head_kv * (head_dim + v_dim);
   attend_kv(kv_type, q + qh * head_dim, cache, ld, g * head_dim, head_dim, n_head_kv * head_dim + g * v_dim, v_dim,
-            span, page_table + (long long)seq[t] * n_pages, page, scale, out + qh * v_dim, qs, p, rows, scratch);
+            work, page_table + (long long)seq[t] * n_pages, page, scale, out + qh * v_dim,
+            part + qh * ps + (long long)blockIdx.y * (v_dim + 2), ps, &sh);
 }
 
 // The spans' partials of each (head, token) of several spans folded, in span order, into out [T, H, Dv]:

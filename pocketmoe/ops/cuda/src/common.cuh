@@ -74,17 +74,9 @@ __device__ __forceinline__ void warp_argmax(float& v, int& idx) {
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
   v = warp_sum(v);
   const int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, nw = blockDim.x / WARP;
-  __syncthreads();
+  __syncthreads();  // defensive: each caller (norms, finalize, the MLA latent) sums once per block today
   if (lane == 0) scratch[w] = v;
   __syncthreads();
   return warp_sum(lane < nw ? scratch[lane] : 0.0f);
 }
 
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-  v = warp_max(v);
-  const int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, nw = blockDim.x / WARP;
-  __syncthreads();  // defensive: its one caller (attention.cu) has a barrier between scratch's last reads and here
-  if (lane == 0) scratch[w] = v;
-  __syncthreads();
-  return warp_max(lane < nw ? scratch[lane] : NEG_INF);
-}
