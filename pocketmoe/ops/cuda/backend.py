@@ -523,13 +523,16 @@ class CudaOps(ReferenceOps):
                                                   device=q.device)
         split = [self.att_min_tiles, self.att_max_spans]
         for t0 in range(0, t, group):
-            t1 = min(t, t0 + group)
-            self.launch("attention.cu", kernel, (blocks, spans, t1 - t0), (ATT_THREADS, 1, 1),
-                        [q[t0:t1], rows, seq[t0:t1], keys[t0:t1], table, table.shape[1], ctx.cache.page,
-                         out[t0:t1], part, *dims, per_block, *split], per_block * dk * 4)
+            # the step's own tensors when one group takes every token (decode): a slice costs the host a few us
+            qg, sg, kg, og = (q, seq, keys, out) if group == t else \
+                (x[t0:t0 + group] for x in (q, seq, keys, out))
+            n = og.shape[0]
+            self.launch("attention.cu", kernel, (blocks, spans, n), (ATT_THREADS, 1, 1),
+                        [qg, rows, sg, kg, table, table.shape[1], ctx.cache.page, og, part, *dims, per_block, *split],
+                        per_block * dk * 4)
             if spans > 1:
-                self.launch("attention.cu", "attention_merge_f32", (n_head, t1 - t0, 1), (ATT_THREADS, 1, 1),
-                            [part, keys[t0:t1], out[t0:t1], dv, spans, *split], 0)
+                self.launch("attention.cu", "attention_merge_f32", (n_head, n, 1), (ATT_THREADS, 1, 1),
+                            [part, kg, og, dv, spans, *split], 0)
 
     def gqa_attention(self, attn: GQAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
                       layer: int) -> torch.Tensor:
