@@ -530,7 +530,7 @@ def truncate_prompt(ids: list[int], truncate: int | None, max_len: int, room: in
     if truncate > max_len:
         raise RequestError(f"truncate_prompt_tokens is {truncate} but this server's context holds {max_len} "
                            "(--max-model-len); give at most that, or -1.", "truncate_prompt_tokens")
-    keep = truncate if truncate > 0 else max_len - room
+    keep = max_len - room if truncate == -1 else truncate  # 0 and below -1 are refused where the request is checked
     if keep < 1:
         raise RequestError(f"max_tokens {room} leaves no room for a prompt in this server's context of {max_len} "
                            "tokens (--max-model-len); ask for fewer tokens.", "max_tokens",

@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(k <= 0 for k in att_keys) or not att_seqs or any(n <= 0 for n in att_seqs):
             raise ValueError(f"--attention-keys {a.attention_keys!r} and --attention-seqs {a.attention_seqs!r} must "
                              "be positive counts, comma-separated")
-        if a.device == "cuda":
+        if cuda_dev:
             from pocketmoe.ops import cuda
 
             if not cuda.available():
