@@ -24,7 +24,7 @@ from pocketmoe.experts import build
 from pocketmoe.experts.kernels import Activations, ExpertStore, ReferenceKernels
 from pocketmoe.experts.staging import CopyEngine
 from pocketmoe.layers import QuantLinear
-from pocketmoe.layers.experts import ExpertWeights
+from pocketmoe.layers.experts import ExpertWeights, combine
 from pocketmoe.ops import cuda
 from pocketmoe.ops.cuda.backend import CudaOps
 from pocketmoe.ops.cuda.experts import CudaExpertKernels
@@ -250,6 +250,30 @@ def test_expert_kernels_match_the_per_expert_linear_chain(sub, name: str) -> Non
                                ReferenceKernels(None).combine(contrib, weights), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "f16"])
+def test_ffn_gives_the_bits_of_the_expert_kernels(sub, name: str) -> None:
+    """CudaOps.ffn (dense FFN, shared experts) makes silu(gate) * up as down's activations are quantized, as the
+    expert kernels do: an expert's weights as a GatedMLP give that expert's pair outputs bit for bit (and those
+    are the torch silu chain's: the test above)."""
+    from pocketmoe.layers.mlp import GatedMLP
+
+    ops, dev = sub
+    ggml_type, bv = TYPES[name]
+    d, f = 256, 256 if bv > 1 else 64
+    rng = np.random.default_rng([ggml_type, 17])
+    store = expert_store(ggml_type, 2, d, f, rng, dev)
+    mlp = GatedMLP(*(QuantLinear(w.raw[1].cpu(), ggml_type, w.shape[1:]) for w in (store.gate, store.up, store.down)))
+    for t in (1, 11):  # the GEMV, then the one-group GEMM
+        x = torch.from_numpy(random_acts(rng, t, d)).to(dev)
+        calls = getattr(ops.launch, "calls", None)
+        fused = None if calls is None else calls.get(f"quantize_swiglu_q8_{'0' if bv == 32 else 'k'}", 0)
+        y = ops.ffn(mlp, x).cpu()
+        if calls is not None and bv > 1:
+            assert calls[f"quantize_swiglu_q8_{'0' if bv == 32 else 'k'}"] == fused + 1
+        want = CudaExpertKernels(ops.launch).outputs(store, x, torch.ones(t, dtype=torch.int64, device=dev)).cpu()
+        np.testing.assert_array_equal(y.numpy(), want.numpy())
+
+
 def test_expert_kernels_quantize_each_input_row_once() -> None:
     """The activations are quantized once per row, not once per pair: gate and up read a token's row whichever
     of its experts the pair is, and the calls of one layer over parts of its pairs (a dispatcher's hits, then
@@ -258,9 +282,9 @@ def test_expert_kernels_quantize_each_input_row_once() -> None:
         pytest.skip(REASON)
     launch = CountingShimLauncher()
 
-    def quantized() -> list[int]:  # rows of each quantize launch since the last call (its grid's y)
-        rows = [g[1] for g in launch.grids.pop("quantize_q8_k", [])]
-        assert not launch.grids.get("quantize_q8_0")
+    def quantized() -> list[int]:  # rows of each quantize launch since the last call (its grid's y): x's, then h's
+        rows = [g[1] for name in ("quantize_q8_k", "quantize_swiglu_q8_k") for g in launch.grids.pop(name, [])]
+        assert not launch.grids.get("quantize_q8_0") and not launch.grids.get("quantize_swiglu_q8_0")
         return rows
 
     rng = np.random.default_rng(13)
@@ -283,17 +307,26 @@ def test_expert_kernels_quantize_each_input_row_once() -> None:
 def test_expert_groups_are_a_stable_sort_by_expert(sub, p: int, n: int) -> None:
     """CudaExpertKernels.groups against torch's stable argsort: up to 64 pairs the one-warp group_pairs kernel
     (route.cu; several rounds of 32 experts when n > 32, empty groups, every pair in one group), beyond it the
-    torch path; either way the grid bound covers the largest group."""
+    torch path; either way the grid bound covers the largest group, given input rows the pairs' rows come back
+    in the grouped order, and given a counter it gains the number of distinct experts."""
     ops, dev = sub
     k = CudaExpertKernels(ops.launch)
     gen = torch.Generator().manual_seed(p * 1000 + n)
     which = torch.randint(0, n, (p,), generator=gen) if n > 8 else torch.full((p,), n - 1)
-    offsets, order, largest = k.groups(which.to(dev), n)
+    offsets, order, tokens, largest = k.groups(which.to(dev), n)
     counts = torch.bincount(which, minlength=n)
-    assert offsets.dtype == order.dtype == torch.int32
+    assert offsets.dtype == order.dtype == tokens.dtype == torch.int32
     assert offsets.cpu().tolist() == [0, *torch.cumsum(counts, 0).tolist()]
     assert order.cpu().tolist() == torch.argsort(which, stable=True).tolist()
+    assert tokens.cpu().tolist() == order.cpu().tolist()
     assert largest >= int(counts.max())
+    # with input rows: tokens gathers them in the grouped order (pair p of a K = 3 step reads row p // 3)
+    rows = (torch.arange(p) // 3).flip(0).to(torch.int32)
+    used = torch.full((), 7, dtype=torch.int64, device=dev)  # and a counter gains the distinct experts
+    offsets2, order2, tokens2, _ = k.groups(which.to(dev), n, rows.to(dev), used)
+    assert torch.equal(offsets2.cpu(), offsets.cpu()) and torch.equal(order2.cpu(), order.cpu())
+    assert tokens2.dtype == torch.int32 and tokens2.cpu().tolist() == rows[order.cpu().long()].tolist()
+    assert int(used) == 7 + len(torch.unique(which))
 
 
 def test_expert_kernels_float_store_match_the_reference_kernels(sub) -> None:
@@ -306,6 +339,24 @@ def test_expert_kernels_float_store_match_the_reference_kernels(sub) -> None:
     y = CudaExpertKernels(ops.launch).outputs(store, x.to(dev), which.to(dev)).cpu()
     host = ExpertStore(*(ExpertWeights(w.raw.cpu(), 0, w.shape) for w in (store.gate, store.up, store.down)))
     torch.testing.assert_close(y, ReferenceKernels(None).outputs(host, x, which), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 6, 2048), (5, 8, 300), (3, 1, 64), (0, 6, 64)])
+def test_expert_combine_is_one_launch_with_the_torch_bits(sub, shape: tuple[int, int, int]) -> None:
+    """combine_f32 sums a token's K weighted outputs in slot order, each product and sum rounded alone: the bits of
+    layers.experts.combine (torch's 2K - 1 ops), on a strided view too, in one launch."""
+    ops, dev = sub
+    t, k, d = shape
+    g = torch.Generator().manual_seed(t * 100 + k)
+    contrib = torch.randn(t, k, d + 3, generator=g)[..., 1:d + 1]  # not contiguous
+    weights = torch.rand(t, k, generator=g)
+    kernels = CudaExpertKernels(ops.launch)
+    calls = getattr(ops.launch, "calls", None)
+    before = None if calls is None else calls.get("combine_f32", 0)
+    y = kernels.combine(contrib.to(dev), weights.to(dev)).cpu()
+    assert torch.equal(y, combine(contrib, weights))
+    if calls is not None:
+        assert calls.get("combine_f32", 0) - before == (1 if t else 0)
 
 
 # ---- host-side logic: backend choice, expert kernel hook, stream / event order -------------------------------

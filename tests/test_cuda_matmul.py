@@ -92,6 +92,34 @@ def test_activation_quantization_matches_the_cpu_model(mod: ShimModule, bv: int)
         assert (ms[:3] != (md[:3] * mq[:3].reshape(3, -1, 32).sum(axis=-1))).any()  # s is not d * sum
 
 
+@pytest.mark.parametrize("limit", [0.0, 1.5])
+@pytest.mark.parametrize("bv", [32, 256])
+def test_swiglu_quantization_is_the_model_of_the_float64_product(mod: ShimModule, bv: int, limit: float) -> None:
+    """quantize_swiglu_* make silu(g) * u (clamped with a limit: DeepSeek-V4) as they quantize it: against the
+    CPU model of the float64 product rounded to float32. The kernel's float32 product is a few ulps from it, so a
+    q may sit one step off where the product lies at a rounding boundary; nothing else differs beyond that."""
+    rng = np.random.default_rng([bv, int(limit * 10)])
+    t, n = 6, 512
+    g, u = (random_acts(rng, t, n) * 3 for _ in range(2))
+    g[0, :bv] = 0.0  # a zero block (silu(0) = 0)
+    q, d, s = (torch.empty_like(a) for a in quantize_kernel(mod, g, bv))
+    mod.launch(f"quantize_swiglu_q8_{'0' if bv == 32 else 'k'}", grid=(math.ceil(n // bv / WARPS), t, 1),
+               block=THREADS, args=[torch.from_numpy(g), torch.from_numpy(u), limit, q, d, s, n])
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    if limit:
+        g64, u64 = np.minimum(g64, limit), np.clip(u64, -limit, limit)
+        assert (g > limit).any() and (np.abs(u) > limit).any()
+    h = (g64 / (1.0 + np.exp(-g64)) * u64).astype(np.float32)
+    mq, md, ms = quantize_model(h, bv)
+    q, d, s = q.numpy(), d.numpy(), s.numpy()
+    assert np.abs(q.astype(np.int32) - mq).max() <= 1 and (q == mq).mean() > 0.99
+    # a block's scale from its max |h|: within a few float32 ulps (Q8_0's is stored as fp16: within its rounding)
+    np.testing.assert_allclose(d, md, rtol=2**-10 if bv == 32 else 1e-6, atol=0)
+    assert (md[0, 0] == 0) and (d[0, 0] == 0) and (q[0, :bv] == 0).all()
+    if bv == 256:  # the sums are the kernel's own q's
+        np.testing.assert_array_equal(s, q.reshape(t, n // 16, 16).sum(axis=-1, dtype=np.int16))
+
+
 @pytest.mark.parametrize("bv", [32, 256])
 def test_activation_model_matches_native(bv: int) -> None:
     native = pytest.importorskip("pocketmoe.native")

@@ -294,20 +294,29 @@ def _trace_compute(bank: DispatchExperts, events: list, lock: threading.Lock) ->
                                               "combine": bank.device_kernels.combine})()
 
 
-def test_device_counts_settle_when_read_and_stay_one_sum():
-    """ExpertStats.add_on_device keeps one running device sum per field (however many steps add before anyone
-    reads), to_json reads it back into the field, reset drops it."""
+def test_device_counters_settle_when_read():
+    """ExpertStats.counter is one persistent device tensor per field and device that kernels add to in place (a
+    graph replay included); to_json reads what it gained since the last read into the field, reset forgets what
+    it held, and a snapshot (the bench's prefill statistics) holds no live counter."""
+    from dataclasses import replace
+
     from pocketmoe.experts import ExpertStats
 
     st = ExpertStats()
     st.add(resident=2)
+    c = st.counter("resident", torch.device("cpu"))
+    assert st.counter("resident", "cpu") is c and c.dtype == torch.int64
     for i in range(1000):
-        st.add_on_device("resident", torch.tensor(i % 4))
-    assert len(st._pending) == 1 and st.resident == 2
-    assert st.to_json()["resident"] == 2 + sum(i % 4 for i in range(1000)) and st._pending == {}
-    st.add_on_device("resident", torch.tensor(5))
+        c += i % 4
+    assert st.resident == 2
+    assert st.to_json()["resident"] == 2 + sum(i % 4 for i in range(1000))
+    assert st.to_json()["resident"] == 2 + sum(i % 4 for i in range(1000))  # read once, not again
+    c += 5
+    snap = replace(st, _counters={})
     st.reset()
-    assert st.to_json()["resident"] == 0
+    assert st.to_json()["resident"] == 0 and snap.to_json()["resident"] == 2 + sum(i % 4 for i in range(1000))
+    c += 3
+    assert st.to_json()["resident"] == 3
 
 
 def test_cpu_experts_inputs_cross_once_per_token_or_per_pair_whichever_is_fewer():

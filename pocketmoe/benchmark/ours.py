@@ -37,7 +37,7 @@ class _RunnerStepper:
         tok = int(self.runner.forward(ids, 0, last_only=True)[0].argmax())
         if stats is not None:  # the experts' statistics of the latest prefill, then of the decodes since
             stats.settle()
-            self.prefill_stats = replace(stats, _lock=threading.Lock(), _pending={})
+            self.prefill_stats = replace(stats, _lock=threading.Lock(), _counters={})  # settled: a snapshot
             stats.reset()
         if self.profile is not None:
             self.prefill_profile, self.prefill_tokens = self.profile.snapshot(), len(ids)

@@ -61,13 +61,20 @@ def input_rows(x: torch.Tensor | Activations, rows: torch.Tensor | None) -> torc
     return x if rows is None else x[rows.to(x.device)]
 
 
+def count_used(which: torch.Tensor, n: int, used: torch.Tensor | None) -> None:
+    """used (an int64 counter on which's device) += the distinct values of which (in [0, n)), on the device."""
+    if used is not None and len(which):
+        used += torch.zeros(n, dtype=torch.bool, device=which.device).index_fill_(0, which, True).sum()
+
+
 class ExpertKernels(Protocol):
     name: str
 
     def outputs(self, store: ExpertStore, x: torch.Tensor | Activations, which: torch.Tensor,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, used: torch.Tensor | None = None) -> torch.Tensor:
         """x [R, D] float32, which [P] int64 (expert or slot of `store`), rows [P] (pair p reads x[rows[p]];
-        None: R == P, row p) -> [P, D] float32, unweighted."""
+        None: R == P, row p) -> [P, D] float32, unweighted. used: an int64 counter on which's device that gains
+        the number of distinct experts of the call (count_used), read back only when the statistics are."""
         ...
 
     def combine(self, contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -92,7 +99,8 @@ class NativeKernels:
         return got[1]
 
     def outputs(self, store: ExpertStore, x: torch.Tensor | Activations, which: torch.Tensor,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, used: torch.Tensor | None = None) -> torch.Tensor:
+        count_used(which, store.count, used)
         g, u, d = self._raw(store)
         x = input_rows(x, rows)
         ids = which.to(torch.int32).reshape(-1, 1).numpy()
@@ -113,7 +121,8 @@ class ReferenceKernels:
         self.tile_rows = tile_rows
 
     def outputs(self, store: ExpertStore, x: torch.Tensor | Activations, which: torch.Tensor,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, used: torch.Tensor | None = None) -> torch.Tensor:
+        count_used(which, store.count, used)
         x = input_rows(x, rows)
         bank = ReferenceExperts(store.gate, store.up, store.down, tile_rows=self.tile_rows,
                                 swiglu_limit=store.swiglu_limit)

@@ -11,6 +11,7 @@ import torch
 from pocketmoe.experts.kernels import ExpertKernels, ExpertStore, NativeKernels
 from pocketmoe.experts.stats import ExpertStats
 from pocketmoe.layers.experts import ExpertBank, ExpertWeights, NativeExperts, ReferenceExperts
+from pocketmoe.ops.cuda.graphs import made_once
 
 
 class ResidentExperts:
@@ -19,22 +20,26 @@ class ResidentExperts:
     def __init__(self, store: ExpertStore, kernels: ExpertKernels, stats: ExpertStats,
                  counts_tokens: bool = False) -> None:
         self.store, self.kernels, self.stats, self.counts_tokens = store, kernels, stats, counts_tokens
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}  # (T, K) -> each pair's input row, made once
+        # the distinct experts of each call, counted by the kernels into a device counter (no read-back per layer,
+        # and a decode CUDA graph's replays count too)
+        self._used = stats.counter("resident", store.gate.raw.device)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
         dev = self.store.gate.raw.device
         flat = ids.reshape(-1).to(dev)
-        rows = torch.arange(t * k, dtype=torch.int32, device=dev) // k
-        contrib = self.kernels.outputs(self.store, x.to(dev), flat, rows)
+        if len(self._rows) >= 256:  # prefill chunks of many lengths
+            self._rows.clear()
+        rows = made_once(self._rows, (t, k), lambda: torch.arange(t * k, dtype=torch.int32, device=dev) // k)
+        contrib = self.kernels.outputs(self.store, x.to(dev), flat, rows, used=self._used)
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # a decode CUDA graph (ops.cuda.graphs): nothing is read back; each replay counts the tokens
             from pocketmoe.ops.cuda.graphs import on_replay
 
             on_replay(lambda: self.stats.add(tokens=t if self.counts_tokens else 0))
-        else:  # the distinct experts, counted on the device: no read-back (a stream stall) per layer
+        else:
             self.stats.add(tokens=t if self.counts_tokens else 0)
-            used = torch.zeros(self.store.count, dtype=torch.bool, device=dev).index_fill_(0, flat, True)
-            self.stats.add_on_device("resident", used.sum())
         return self.kernels.combine(contrib.view(t, k, -1), weights.to(dev)).to(x.device)
 
 

@@ -18,36 +18,42 @@ class ExpertStats:
     bytes_copied: int = 0
     model_seconds: float = 0.0  # the cost model's time for the routed experts of every step
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    # counts still on a device, one running 0-d tensor per (field, device): read back when the statistics are read,
-    # not on the hot path
-    _pending: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False, compare=False)
+    # counts still on a device (reading one on the hot path would stall the stream): a persistent counter per
+    # (field, device) that kernels add to (counter()), read back when the statistics are: [tensor, value settled]
+    _counters: dict[tuple[str, str], list[Any]] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, **counts: float) -> None:
         with self._lock:
             for k, v in counts.items():
                 setattr(self, k, getattr(self, k) + v)
 
-    def add_on_device(self, name: str, count: Any) -> None:
-        """A count that is a 0-d device tensor: reading it now would stall the stream, so it is added on the device
-        (one running sum per field and device, however long nobody reads) and into `name` by settle(), which
-        to_json calls."""
-        key = (name, str(count.device))
+    def counter(self, name: str, device: Any) -> Any:
+        """An int64 0-d tensor on `device` that kernels add `name`'s counts to in place (a CUDA graph's replays
+        too: the tensor stays the same), settled into `name` by settle(). One per field and device; make it
+        before any capture."""
+        import torch
+
+        key = (name, str(device))
         with self._lock:
-            got = self._pending.get(key)
-            self._pending[key] = count if got is None else got + count
+            got = self._counters.get(key)
+            if got is None:
+                got = self._counters[key] = [torch.zeros((), dtype=torch.int64, device=device), 0]
+            return got[0]
 
     def settle(self) -> None:
         """Reads back the device counts added since the last settle."""
         with self._lock:
-            pending, self._pending = self._pending, {}
-            for (name, _), count in pending.items():
-                setattr(self, name, getattr(self, name) + int(count))
+            for (name, _), entry in self._counters.items():
+                total = int(entry[0])
+                setattr(self, name, getattr(self, name) + total - entry[1])
+                entry[1] = total
 
     def reset(self) -> None:
         with self._lock:
             self.tokens = self.hits = self.misses = self.staged = self.cpu_experts = self.resident = 0
             self.bytes_copied, self.model_seconds = 0, 0.0
-            self._pending = {}
+            for entry in self._counters.values():  # what the counters hold so far is before the reset
+                entry[1] = int(entry[0])
 
     @property
     def hit_rate(self) -> float:

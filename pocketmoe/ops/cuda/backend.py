@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from pocketmoe.layers.experts import ExpertBank
     from pocketmoe.layers.gqa import GQAttention
     from pocketmoe.layers.linear import QuantEmbedding, QuantLinear
+    from pocketmoe.layers.mlp import GatedMLP
     from pocketmoe.layers.moe import Router
 
 # launch(source, kernel, grid, block, args, shared_mem): args are tensors (pointers), ints and floats
@@ -308,6 +309,16 @@ class CudaOps(ReferenceOps):
             out.append(self._matmul(w, layer, acts[bv]))
         return out
 
+    def ffn(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate x) * up x), the product made as down's activations are quantized (one launch)."""
+        w = self.weight(mlp.down)
+        if w is False or len(mlp.down.shape) != 2:
+            return super().ffn(mlp, x)
+        g, u = self.linear_multi((mlp.gate, mlp.up), x)
+        acts = matmul.quantize_swiglu(self.launch, self._here(g), self._here(u),
+                                      matmul.activation_block(mlp.down.ggml_type))
+        return self._matmul(w, mlp.down, acts)
+
     def batched(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [H, T, I] -> [H, T, O]
         return self._per_head(layer, x.transpose(0, 1)).transpose(0, 1).contiguous()
 
@@ -560,7 +571,7 @@ class CudaOps(ReferenceOps):
             return super().route(router, x)
         logits = logits.contiguous()
         t = logits.shape[0]
-        ids = torch.empty(t, c.top_k, dtype=torch.int32, device=x.device)
+        ids = torch.empty(t, c.top_k, dtype=torch.int64, device=x.device)  # as torch's topk gives them
         weights = torch.empty(t, c.top_k, dtype=torch.float32, device=x.device)
         if t:
             bias = router.bias
@@ -569,4 +580,4 @@ class CudaOps(ReferenceOps):
                          ids, weights, c.n_experts, c.top_k, 1 if c.gating == GATING_SOFTMAX else 2, c.n_groups,
                          c.groups_used, int(c.norm), float(c.scale), WEIGHT_SUM_MIN],
                         (2 * c.n_experts + c.n_groups) * 4)
-        return weights, ids.long()
+        return weights, ids

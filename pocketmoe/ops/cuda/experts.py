@@ -4,9 +4,10 @@ pool or an all-device bank) read in place by the grouped GEMM of src/matmul.cu, 
 A call's P (row, expert) pairs are grouped by expert on the device (a stable sort); every expert of the store is
 one entry of the pointer array (an expert without pairs is an empty group), so the cached slots and the freshly
 staged ones of a layer run in the same launches. gate and up read the input rows (a token's row, whichever of
-its K experts the pair is) quantized once per row; down reads silu(gate) * up, one row per pair, quantized once.
+its K experts the pair is) quantized once per row; down reads silu(gate) * up, one row per pair, made as it is
+quantized (one launch).
 Each pair's output is unweighted ([P, D]); combine sums a token's K outputs in slot order in fp32, as the host
-kernels do. A store whose types have no kernel runs on the host.
+kernels do, in one launch. A store whose types have no kernel runs on the host.
 
 Legend: P pairs, R input rows, D hidden, F expert FFN width, E experts (or slots) of the store, T tokens, K experts
 per token.
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pocketmoe.experts.kernels import Activations, input_rows
-from pocketmoe.layers.experts import combine, swiglu
+from pocketmoe.layers.experts import combine
 from pocketmoe.ops.cuda import matmul
 from pocketmoe.ops.cuda.graphs import capturing
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from pocketmoe.layers.experts import ExpertWeights
     from pocketmoe.ops.cuda.backend import Launcher
 
+COMBINE_THREADS = 256  # combine_f32: one block per token
 SMALL_PAIRS = 64  # up to this many pairs: grouped by one kernel launch, the grid sized for P (no read-back)
 
 
@@ -60,41 +62,54 @@ class CudaExpertKernels:
             got = self._views[id(store)] = (store, views)
         return got[1]
 
-    def groups(self, which: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """offsets [n + 1] and order [P] (pair indices grouped by expert, in pair order within one) as int32 on
-        which's device (int64), and a bound on the largest group.
+    def groups(self, which: torch.Tensor, n: int, rows: torch.Tensor | None = None,
+               used: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """offsets [n + 1], order [P] (pair indices grouped by expert, in pair order within one) and tokens [P]
+        (rows[order], the input row of each grouped pair; order itself without rows) as int32 on which's device
+        (int64), and a bound on the largest group; used (an int64 counter) gains the non-empty groups.
 
-        Up to SMALL_PAIRS pairs (a decode step's) one launch sorts them (route.cu group_pairs; torch's sort,
-        counts and scan are a dozen ops of host overhead) and P bounds the largest group: the tiles past a
-        group's end exit at once, which costs less than the stream stall of a read-back. Beyond, torch's stable
-        argsort, and the largest group read back (one sync; while a CUDA graph is captured, P)."""
+        Up to SMALL_PAIRS pairs (a decode step's) one launch sorts them, gathers the rows and counts the groups
+        (route.cu group_pairs; torch's sort, counts and scan are a dozen ops of host overhead) and P bounds the
+        largest group: the tiles past a group's end exit at once, which costs less than the stream stall of a
+        read-back. Beyond, torch's stable argsort, and the largest group read back (one sync; while a CUDA graph
+        is captured, P)."""
         dev, p = which.device, len(which)
+        if rows is not None:
+            rows = _as(rows, dev, torch.int32)
         if p <= SMALL_PAIRS:
             offsets = torch.zeros(n + 1, dtype=torch.int32, device=dev) if p == 0 else \
                 torch.empty(n + 1, dtype=torch.int32, device=dev)
             order = torch.empty(p, dtype=torch.int32, device=dev)
+            tokens = order if rows is None else torch.empty(p, dtype=torch.int32, device=dev)
             if p:
-                self.launch("route.cu", "group_pairs", (1, 1, 1), (32, 1, 1), [which.contiguous(), p, n, offsets,
-                                                                              order], 0)
-            return offsets, order, p
+                which = which.contiguous()
+                self.launch("route.cu", "group_pairs", (1, 1, 1), (32, 1, 1),
+                            [which, p, n, offsets, order, order if rows is None else rows.contiguous(),
+                             int(rows is not None), tokens, which if used is None else used, int(used is not None)],
+                            0)
+            return offsets, order, tokens, p
         order = torch.argsort(which, stable=True)
         counts = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, which, torch.ones_like(which))
         offsets = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         offsets[1:] = torch.cumsum(counts, 0)
+        if used is not None:
+            used += (counts > 0).sum()
         largest = p if capturing() else int(counts.max())
-        return offsets, order.to(torch.int32), largest
+        order32 = order.to(torch.int32)
+        return offsets, order32, order32 if rows is None else rows.index_select(0, order), largest
 
     def outputs(self, store: ExpertStore, x: torch.Tensor | Activations, which: torch.Tensor,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, used: torch.Tensor | None = None) -> torch.Tensor:
         """x [R, D] float32, which [P] (expert or slot of `store`), rows [P] (pair p reads x[rows[p]]; None:
-        row p) -> [P, D] float32, unweighted. x's rows are quantized once (once per layer call when x is an
-        Activations shared by the calls), not once per pair."""
+        row p) -> [P, D] float32, unweighted; used gains the distinct experts (kernels.count_used). x's rows are
+        quantized once (once per layer call when x is an Activations shared by the calls), not once per pair."""
         dev = store.gate.raw.device
         p, d, f = len(which), store.down.shape[1], store.ffn
         if not reads(store):
-            from pocketmoe.experts.kernels import ExpertStore, ReferenceKernels
+            from pocketmoe.experts.kernels import ExpertStore, ReferenceKernels, count_used
             from pocketmoe.layers.experts import ExpertWeights
 
+            count_used(which, store.count, used)
             host = ExpertStore(*(ExpertWeights(w.raw.cpu(), w.ggml_type, w.shape) for w in (store.gate, store.up, store.down)),
                                store.swiglu_limit)
             return ReferenceKernels(None).outputs(host, input_rows(x, rows).cpu().float(), which.cpu()).to(dev)
@@ -105,10 +120,9 @@ class CudaExpertKernels:
         if acts.x.device != dev:  # (quantize_activations makes the rows float32 and contiguous)
             acts = Activations(acts.x.to(dev))
         which = _as(which, dev, torch.int64)
-        offsets, order, largest = self.groups(which, store.count)
         # top_k 0: a pair's output row (tokens[p] * top_k + slots[p]) is slots[p], here its own index, the row of
         # h that down reads; gate and up read row tokens[p] of x, the pair's input row
-        tokens = order if rows is None else _as(rows, dev, torch.int32).index_select(0, order)
+        offsets, order, tokens, largest = self.groups(which, store.count, rows, used)
         gate, up, down = self._experts(store)
 
         def gemm(experts: list[torch.Tensor], w: ExpertWeights, a: list[torch.Tensor], n_out: int, y: torch.Tensor,
@@ -123,10 +137,20 @@ class CudaExpertKernels:
                 acts.derived[key] = matmul.quantize_activations(self.launch, acts.x, bv)
             return gemm(experts, w, acts.derived[key], f, torch.empty((p, f), dtype=torch.float32, device=dev), False)
 
-        h = swiglu(first(gate, store.gate), first(up, store.up), store.swiglu_limit).contiguous()  # [P, F]
-        h_acts = matmul.quantize_activations(self.launch, h, matmul.activation_block(store.down.ggml_type))
+        h_acts = matmul.quantize_swiglu(self.launch, first(gate, store.gate), first(up, store.up),  # h [P, F]
+                                        matmul.activation_block(store.down.ggml_type), store.swiglu_limit)
         return gemm(down, store.down, h_acts, d, out, True)
 
     def combine(self, contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """contrib [T, K, D], weights [T, K] -> [T, D] float32 in slot order (on contrib's device)."""
-        return combine(contrib, weights.to(contrib.device).float())
+        """contrib [T, K, D], weights [T, K] -> [T, D] float32 in slot order (on contrib's device): one launch of
+        finalize.cu's combine_f32, the bits of layers.experts.combine (whose 2K - 1 torch ops are as many)."""
+        dev = contrib.device
+        w = _as(weights, dev, torch.float32)
+        if contrib.dtype != torch.float32 or contrib.dim() != 3 or not contrib.shape[1] or w.shape != contrib.shape[:2]:
+            return combine(contrib, w)
+        t, k, d = contrib.shape
+        y = torch.empty((t, d), dtype=torch.float32, device=dev)
+        if t and d:
+            self.launch("finalize.cu", "combine_f32", (t, 1, 1), (COMBINE_THREADS, 1, 1),
+                        [contrib.contiguous(), w.contiguous(), y, k, d], 0)
+        return y

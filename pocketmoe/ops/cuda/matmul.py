@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pocketmoe.errors import PocketMoEError
+from pocketmoe.layers.experts import swiglu
 from pocketmoe.quant.formats import format_of
 
 Launcher = Callable[[str, str, tuple[int, int, int], tuple[int, int, int], Sequence[Any], int], None]
@@ -58,20 +59,37 @@ def quantize_activations(launch: Launcher, x: torch.Tensor, block: int) -> list[
         x = x.contiguous()
     if block == 1:
         return [x]
-    r, n = x.shape
+    return _quantize(launch, "quantize", [x], x.shape, block, x.device)
+
+
+def quantize_swiglu(launch: Launcher, gate: torch.Tensor, up: torch.Tensor, block: int,
+                    limit: float = 0.0) -> list[torch.Tensor]:
+    """quantize_activations of swiglu(gate, up, limit) (layers.experts.swiglu), gate and up [R, I]: one launch
+    that makes each value as it quantizes it, where torch's silu, product (and clamps) would each be a launch
+    writing [R, I]. Float weights (block 1) read the product itself, made by torch."""
+    if block == 1 or gate.shape != up.shape or gate.dim() != 2:
+        return quantize_activations(launch, swiglu(gate, up, limit), block)
+    gate, up = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in (gate, up))
+    return _quantize(launch, "quantize_swiglu", [gate, up, float(limit)], gate.shape, block, gate.device)
+
+
+def _quantize(launch: Launcher, kernel: str, inputs: list[Any], shape: torch.Size, block: int,
+              dev: torch.device) -> list[torch.Tensor]:
+    """The outputs of `kernel`_q8_0 (block 32) or `kernel`_q8_k (256) for rows of `shape`, launched on `inputs`."""
+    r, n = shape
     if n % block != 0:
         raise CudaMatmulError(f"activation rows of {n} values do not split into blocks of {block}; "
                               f"pad the row to a multiple of {block}")
-    q = torch.empty((r, n), dtype=torch.int8, device=x.device)
-    d = torch.empty((r, n // block), dtype=torch.float32, device=x.device)
+    q = torch.empty((r, n), dtype=torch.int8, device=dev)
+    d = torch.empty((r, n // block), dtype=torch.float32, device=dev)
     if block == 32:
-        s = torch.empty((r, n // 32), dtype=torch.float32, device=x.device)
-        launch(SOURCE, "quantize_q8_0", (math.ceil(n // 32 / (THREADS // 32)), r, 1), (THREADS, 1, 1),
-               [x, q, d, s, n], 0)
+        s = torch.empty((r, n // 32), dtype=torch.float32, device=dev)
+        launch(SOURCE, f"{kernel}_q8_0", (math.ceil(n // 32 / (THREADS // 32)), r, 1), (THREADS, 1, 1),
+               [*inputs, q, d, s, n], 0)
         return [q, d, s]
-    sums = torch.empty((r, n // 16), dtype=torch.int16, device=x.device)
-    launch(SOURCE, "quantize_q8_k", (math.ceil(n // 256 / (THREADS // 32)), r, 1), (THREADS, 1, 1),
-           [x, q, d, sums, n], 0)
+    sums = torch.empty((r, n // 16), dtype=torch.int16, device=dev)
+    launch(SOURCE, f"{kernel}_q8_k", (math.ceil(n // 256 / (THREADS // 32)), r, 1), (THREADS, 1, 1),
+           [*inputs, q, d, sums, n], 0)
     return [q, d, sums]
 
 

@@ -108,6 +108,9 @@ inline float __cosf(float x) { return cosf(x); }
 inline float __powf(float x, float y) { return powf(x, y); }
 inline float __fdividef(float x, float y) { return x / y; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
+// one rounding each (the shim compiles with -ffp-contract=off, so nothing fuses them)
+inline float __fmul_rn(float x, float y) { return x * y; }
+inline float __fadd_rn(float x, float y) { return x + y; }
 inline float __saturatef(float x) { return fminf(fmaxf(x, 0.0f), 1.0f); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline void __sincosf(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }

@@ -10,11 +10,39 @@ __device__ __forceinline__ int round_q8(float x, float inv) { return __float2int
 
 // s: llama.cpp's block_q8_1 s, fp16(d32 * sum of the 32 q) with d32 the fp32 scale; past fp16's range
 // (where llama.cpp stores inf) the fp32 product itself.
-__device__ __forceinline__ void quantize_q8_0_block(const float* x, int8_t* q, float* d, float* s, int cols) {
+// What a quantize kernel reads at (row, column) of its [rows, cols] input: the rows themselves (Plain), or
+// silu(gate) * up made on the fly (Swiglu), so the FFN's down projection quantizes its input without a launch
+// that writes it first.
+struct Plain {
+  const float* x;
+  int cols;
+  __device__ __forceinline__ float operator()(long long row, int col) const { return x[row * cols + col]; }
+};
+
+// layers.experts.swiglu: silu(g) * u, with limit > 0 the clamped form silu(min(g, limit)) * clamp(u, -limit,
+// limit); silu(g) = g / (1 + exp(-g)) as torch computes it, the product rounded on its own.
+struct Swiglu {
+  const float* g;
+  const float* u;
+  float limit;
+  int cols;
+  __device__ __forceinline__ float operator()(long long row, int col) const {
+    const long long i = row * cols + col;
+    float a = g[i], b = u[i];
+    if (limit > 0.0f) {
+      a = fminf(a, limit);
+      b = fminf(fmaxf(b, -limit), limit);
+    }
+    return __fmul_rn(a / (1.0f + expf(-a)), b);
+  }
+};
+
+template <class Src>
+__device__ __forceinline__ void quantize_q8_0_block(Src x, int8_t* q, float* d, float* s, int cols) {
   const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
   if (b >= cols / 32) return;
   const long long row = blockIdx.y;
-  const float v = x[row * cols + 32 * b + lane];
+  const float v = x(row, 32 * b + lane);
   const float amax = warp_max(fabsf(v));
   const bool zero = !(amax > 0.0f);
   const int qv = zero ? 0 : round_q8(v, 127.0f / amax);
@@ -29,14 +57,18 @@ __device__ __forceinline__ void quantize_q8_0_block(const float* x, int8_t* q, f
   }
 }
 
-__device__ __forceinline__ void quantize_q8_k_block(const float* x, int8_t* q, float* d, int16_t* sums, int cols) {
+template <class Src>
+__device__ __forceinline__ void quantize_q8_k_block(Src x, int8_t* q, float* d, int16_t* sums, int cols) {
   const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
   if (b >= cols / 256) return;
   const long long row = blockIdx.y;
-  const float* xb = x + row * cols + 256 * b + 8 * lane;
+  float xb[8];
   float m = 0.0f;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(xb[j]));
+  for (int j = 0; j < 8; ++j) {
+    xb[j] = x(row, 256 * b + 8 * lane + j);
+    m = fmaxf(m, fabsf(xb[j]));
+  }
   const float amax = warp_max(m);
   const bool zero = !(amax > 0.0f);
   const float inv = zero ? 0.0f : 127.0f / amax;

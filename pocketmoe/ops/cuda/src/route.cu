@@ -10,7 +10,7 @@
 #include "common.cuh"
 
 extern "C" __global__ void route_f32(const float* __restrict__ logits, const float* __restrict__ bias,
-                                     int has_bias, int32_t* __restrict__ ids, float* __restrict__ weights,
+                                     int has_bias, long long* __restrict__ ids, float* __restrict__ weights,
                                      int n_experts, int top_k, int gating, int n_groups, int groups_used,
                                      int norm, float scale, float weight_sum_min) {
   extern __shared__ float smem[];
@@ -69,7 +69,7 @@ extern "C" __global__ void route_f32(const float* __restrict__ logits, const flo
       if (group_score[i / per] != POS_INF) select[i] = NEG_INF;
     __syncthreads();  // defensive: each lane reads back only the select entries it wrote
   }
-  int32_t* id = ids + (long long)blockIdx.x * top_k;
+  long long* id = ids + (long long)blockIdx.x * top_k;
   float* wt = weights + (long long)blockIdx.x * top_k;
   float wsum = 0.0f;
   for (int j = 0; j < top_k; ++j) {
@@ -106,12 +106,17 @@ extern "C" __global__ void route_f32(const float* __restrict__ logits, const flo
 // when a step has few of them: one warp (grid 1, blockDim.x = 32), no shared memory. which[P] holds each pair's
 // expert (or slot), in [0, n). offsets[n + 1] gets the start of each expert's group (offsets[n] = P) and order[P]
 // the pair indices grouped by expert, ascending, in pair order within a group: a stable counting sort, the order
-// torch.argsort(which, stable=True) gives. Lane l counts experts l, l + 32, ...; a warp scan of the counts places
-// each round of 32 experts after the pairs of the rounds before.
+// torch.argsort(which, stable=True) gives. With has_rows, tokens[P] gets rows[order[i]] beside it (the input
+// row each grouped pair reads), which saves a gather launch; with has_used, *used (an int64 counter the
+// statistics read back later) gains the number of non-empty groups, the distinct experts of the step. Lane l
+// counts experts l, l + 32, ...; a warp scan of the counts places each round of 32 experts after the pairs of the
+// rounds before.
 extern "C" __global__ void group_pairs(const long long* __restrict__ which, int p, int n,
-                                       int32_t* __restrict__ offsets, int32_t* __restrict__ order) {
+                                       int32_t* __restrict__ offsets, int32_t* __restrict__ order,
+                                       const int32_t* __restrict__ rows, int has_rows, int32_t* __restrict__ tokens,
+                                       long long* __restrict__ used, int has_used) {
   const int lane = threadIdx.x;
-  int base = 0;
+  int base = 0, distinct = 0;
   for (int e0 = 0; e0 < n; e0 += WARP) {
     const int e = e0 + lane;
     int count = 0;
@@ -126,9 +131,16 @@ extern "C" __global__ void group_pairs(const long long* __restrict__ which, int 
       int at = base + incl - count;
       offsets[e] = at;
       for (int i = 0; i < p; ++i)
-        if (which[i] == e) order[at++] = i;
+        if (which[i] == e) {
+          if (has_rows) tokens[at] = rows[i];
+          order[at++] = i;
+        }
     }
     base += __shfl_sync(FULL_MASK, incl, WARP - 1);
+    distinct += warp_sum_int(count > 0 ? 1 : 0);
   }
-  if (lane == 0) offsets[n] = base;
+  if (lane == 0) {
+    offsets[n] = base;
+    if (has_used) *used += distinct;
+  }
 }
