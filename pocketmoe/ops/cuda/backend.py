@@ -502,23 +502,24 @@ class CudaOps(ReferenceOps):
         self.launch("attention.cu", "mla_latent_f32", (t, 1, 1), (ROW_THREADS, 1, 1),
                     [kv.contiguous(), self.on_device(attn.kv_a_norm.float()), cos2, sin2, write_rows, rows,
                      c.kv_lora, c.qk_rope, attn.eps, KV_TYPES[cache.dtype]], 0)
-        q_nope, q_pe = q.view(t, c.n_head, -1).split([c.qk_nope, c.qk_rope], dim=-1)
-        qcat = torch.empty(t, c.n_head, width, dtype=torch.float32, device=dev)  # [T, H, C+R]
-        qcat[..., :c.kv_lora] = self._per_head(attn.k_b, q_nope)
-        qcat[..., c.kv_lora:] = q_pe
-        self._rope_into(qcat, cos2, sin2, False, c.kv_lora)
+        q = q.contiguous()
+        # the kernel reads each head's query as [k_b q_nope, rope(q_pe)]: the absorbed part from the per-head GEMM,
+        # q_pe from q itself, rotated as it is loaded (no [T, H, C+R] buffer to copy both into, no rope launch)
+        q_abs = self._per_head(attn.k_b, q.view(t, c.n_head, -1)[..., :c.qk_nope])  # [T, H, C]
         o_lat = torch.empty(t, c.n_head, c.kv_lora, dtype=torch.float32, device=dev)  # [T, H, C]
-        self._attend("mla_attention_f32", ctx, qcat, rows, o_lat, c.n_head,
-                     [c.n_head, c.kv_lora, c.qk_rope, c.scale, KV_TYPES[cache.dtype]], width)
+        self._attend("mla_attention_f32", ctx, q_abs, rows, o_lat, c.n_head,
+                     [c.n_head, c.kv_lora, c.qk_rope, c.qk_nope, c.scale, KV_TYPES[cache.dtype]], width,
+                     per_token=(q, cos2, sin2))
         return self._per_head(attn.v_b, o_lat).reshape(t, c.n_head * c.v_head)  # [T, H, V]
 
     def _attend(self, kernel: str, ctx: StepContext, q: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                shared: int, dims: list[Any], dk: int) -> None:
-        """out [T, H, Dv] = attention.cu's `kernel` for q [T, H, dk] over the layer's cache rows, `shared` heads
-        reading the same rows (in blocks of at most att_heads, whose queries fit ATT_QUERY_BYTES): a block per
-        (heads, span, token), S spans enough for the step's longest token (for a captured graph, for the cache's
-        longest, since replays run at other lengths); with S > 1 the partials [tokens, H, S, Dv + 2] are merged
-        after, the tokens in groups whose partials fit ATT_PART_BYTES."""
+                shared: int, dims: list[Any], dk: int, per_token: Sequence[torch.Tensor] = ()) -> None:
+        """out [T, H, Dv] = attention.cu's `kernel` for q (queries of dk floats a head) over the layer's cache
+        rows, `shared` heads reading the same rows (in blocks of at most att_heads, whose queries fit
+        ATT_QUERY_BYTES): a block per (heads, span, token), S spans enough for the step's longest token (for a
+        captured graph, for the cache's longest, since replays run at other lengths); with S > 1 the partials
+        [tokens, H, S, Dv + 2] are merged after, the tokens in groups whose partials fit ATT_PART_BYTES.
+        per_token: more [T, ...] arguments, after q (sliced with it)."""
         t, n_head, dv = out.shape
         if not t:
             return
@@ -535,12 +536,12 @@ class CudaOps(ReferenceOps):
         split = [self.att_min_tiles, self.att_max_spans]
         for t0 in range(0, t, group):
             # the step's own tensors when one group takes every token (decode): a slice costs the host a few us
-            qg, sg, kg, og = (q, seq, keys, out) if group == t else \
-                (x[t0:t0 + group] for x in (q, seq, keys, out))
+            qg, sg, kg, og, *xg = (q, seq, keys, out, *per_token) if group == t else \
+                (x[t0:t0 + group] for x in (q, seq, keys, out, *per_token))
             n = og.shape[0]
             self.launch("attention.cu", kernel, (blocks, spans, n), (ATT_THREADS, 1, 1),
-                        [qg, rows, sg, kg, table, table.shape[1], ctx.cache.page, og, part, *dims, per_block, *split],
-                        per_block * dk * 4)
+                        [qg, *xg, rows, sg, kg, table, table.shape[1], ctx.cache.page, og, part, *dims, per_block,
+                         *split], per_block * dk * 4)
             if spans > 1:
                 self.launch("attention.cu", "attention_merge_f32", (n_head, n, 1), (ATT_THREADS, 1, 1),
                             [part, kg, og, dv, spans, *split], 0)

@@ -220,23 +220,29 @@ def bench_attention(keys: int, seqs: int, launch: Any, device: torch.device, tim
     for name in names:
         cache.reserve(name, keys)
     ctx = StepContext.build(Step([SeqChunk(name, [0], keys) for name in names]), cache, 1)
-    ctx.cos2 = ctx.sin2 = torch.zeros(seqs, rope)  # the step's rope tables: the attention kernel reads none
-    q = torch.randn(seqs, heads, width, generator=gen, device=device)
+    ctx.cos2 = ctx.sin2 = torch.zeros(seqs, rope)  # the step's tables (_step_arrays makes them; unread here)
+    nope = 128  # V2-Lite's qk_nope: the kernel reads q_pe after it in the model's q
+    # the step's rope tables as the identity, so the kernel's queries are [q_abs, q_pe]
+    rot = torch.ones(seqs, rope, device=device), torch.zeros(seqs, rope, device=device)
+    q_abs = torch.randn(seqs, heads, lora, generator=gen, device=device)
+    q_model = torch.randn(seqs, heads, nope + rope, generator=gen, device=device)
     out = torch.empty(seqs, heads, lora, dtype=torch.float32, device=device)
     scale = 192 ** -0.5  # V2-Lite's (qk_nope + qk_rope) ** -0.5
     split, single, per_head = (CudaOps(tile_rows=None, launcher=launch, device=device) for _ in range(3))
     single.att_max_spans = 1
     per_head.att_heads = 1
-    dims = [heads, lora, rope, scale, KV_TYPES[torch.float32]]
+    dims = [heads, lora, rope, nope, scale, KV_TYPES[torch.float32]]
+
+    def attend(ops: CudaOps, layer: int) -> None:
+        ops._attend("mla_attention_f32", ctx, q_abs, cache.layer_rows(layer), out, heads, dims, width,
+                    per_token=(q_model, *rot))
 
     def timed(ops: CudaOps) -> float:
-        def call(i: int) -> None:
-            ops._attend("mla_attention_f32", ctx, q, cache.layer_rows(i % layers), out, heads, dims, width)
-
-        return timer.per_call(call)
+        return timer.per_call(lambda i: attend(ops, i % layers))
 
     s1, s_head, s = timed(single), timed(per_head), timed(split)
-    split._attend("mla_attention_f32", ctx, q, cache.layer_rows(0), out, heads, dims, width)
+    attend(split, 0)
+    q = torch.cat([q_abs, q_model[..., nope:]], dim=-1)
     rows = torch.from_numpy(cache.rows(names[-1], 0, n)).long().to(device)
     k = cache.data[0, rows].double()
     ref = torch.softmax(q[-1].double() @ k.T * scale, dim=-1) @ k[:, :lora]

@@ -69,13 +69,39 @@ struct AttShared {
   float lsum[ATT_HEADS];         // each head's sum of exps, at the end
 };
 
+// A block's queries, value i of its heads' [nh, dk] (head h0 first): GQA's as they lie (HeadQueries), MLA's made
+// as they are loaded (MlaQueries).
+struct HeadQueries {
+  const float* q;  // head h0's query, dk floats a head
+  __device__ __forceinline__ float operator()(int i) const { return q[i]; }
+};
+
+// MLA: head h's query is [q_abs[h] (kv_lora: k_b of its q_nope), rope(q_pe[h]) (rope)], q_pe read from the
+// model's q ([q_nope, q_pe] a head) and rotated as norm_rope.cu's rope_f32 does (pairs 2p, 2p + 1; MLA's rope
+// is not NeoX): no [T, H, C + R] buffer, no copies and no rope launch before the attention.
+struct MlaQueries {
+  const float* q_abs;  // head h0's, kv_lora floats a head
+  const float* q;      // head h0's [q_nope, q_pe], q_nope + rope floats a head
+  const float* cos2;   // the token's [rope]
+  const float* sin2;
+  int kv_lora, rope, q_nope;
+  __device__ __forceinline__ float operator()(int i) const {
+    const int dk = kv_lora + rope, h = i / dk, c = i % dk;
+    if (c < kv_lora) return q_abs[h * kv_lora + c];
+    const int j = c - kv_lora, i0 = j & ~1, i1 = i0 + 1;
+    const float* pe = q + h * (q_nope + rope) + q_nope;
+    const float a = pe[i0], b = pe[i1];
+    return j == i0 ? a * cos2[i0] + b * sin2[i0] : b * cos2[i1] + a * sin2[i1];
+  }
+};
+
 // The heads of `work` over its keys: per key tile the rows' addresses, each key's scores against every head (a
 // warp per key, lanes over its dims, the key read once for all heads), each head's softmax step (a thread per
 // head, in key order), then the values (each thread ATT_VACC value dims of every head, the value read once).
-// q: head h0's query (dk floats a head); out: head h0's output (dv floats a head); part: token t's partials
+// q: the block's queries (dk floats a head); out: head h0's output (dv floats a head); part: token t's partials
 // [H, S, Dv + 2] (head stride part_stride), unnormalized values, then the running max and sum.
-template <class T>
-__device__ __forceinline__ void attend(const float* __restrict__ q, const T* __restrict__ cache, long long ld,
+template <class T, class Q>
+__device__ __forceinline__ void attend(Q q, const T* __restrict__ cache, long long ld,
                                        int key_off, int dk, int val_off, int dv, Work work,
                                        const int32_t* __restrict__ pages, int page, float scale,
                                        float* __restrict__ out, float* __restrict__ part, long long part_stride,
@@ -85,7 +111,7 @@ __device__ __forceinline__ void attend(const float* __restrict__ q, const T* __r
   long long* rows = sh->rows;
   float *corr = sh->corr, *lsum = sh->lsum;
   const int tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, nw = blockDim.x / WARP, nh = work.nh;
-  for (int i = tid; i < nh * dk; i += blockDim.x) qs[i] = q[i];
+  for (int i = tid; i < nh * dk; i += blockDim.x) qs[i] = q(i);
   float acc[ATT_HEADS][ATT_VACC];
 #pragma unroll
   for (int h = 0; h < ATT_HEADS; ++h)
@@ -184,8 +210,8 @@ __device__ __forceinline__ void attend(const float* __restrict__ q, const T* __r
 }
 
 // attend over a cache of kv_type (the same branch for every thread of the launch).
-template <class... Args>
-__device__ __forceinline__ void attend_kv(int kv_type, const float* q, const void* cache, Args... args) {
+template <class Q, class... Args>
+__device__ __forceinline__ void attend_kv(int kv_type, Q q, const void* cache, Args... args) {
   if (kv_type == KV_F16) {
     attend(q, static_cast<const __half*>(cache), args...);
   } else if (kv_type == KV_BF16) {
@@ -196,18 +222,23 @@ __device__ __forceinline__ void attend_kv(int kv_type, const float* q, const voi
 }
 
 // Grid (blocks of heads, S, T): every head shares the latent rows, in blocks of per_block heads.
-extern "C" __global__ void mla_attention_f32(const float* __restrict__ q, const void* __restrict__ cache,
+// q_abs [T, H, kv_lora], q [T, H, q_nope + rope], cos2 / sin2 [T, rope]: MlaQueries.
+extern "C" __global__ void mla_attention_f32(const float* __restrict__ q_abs, const float* __restrict__ q,
+                                             const float* __restrict__ cos2, const float* __restrict__ sin2,
+                                             const void* __restrict__ cache,
                                              const int32_t* __restrict__ seq, const int32_t* __restrict__ n_keys,
                                              const int32_t* __restrict__ page_table, int n_pages, int page,
                                              float* __restrict__ out, float* __restrict__ part, int n_head,
-                                             int kv_lora, int rope, float scale, int kv_type, int per_block,
-                                             int min_tiles, int max_spans) {
+                                             int kv_lora, int rope, int q_nope, float scale, int kv_type,
+                                             int per_block, int min_tiles, int max_spans) {
   __shared__ AttShared sh;
   const int t = blockIdx.z, d = kv_lora + rope;
   const Work work = work_of_block(n_keys[t], n_head, per_block, min_tiles, max_spans);
   if (work.k0 == work.k1) return;  // past the token's spans: the whole block
   const long long qh = (long long)t * n_head + work.h0, ps = (long long)gridDim.y * (kv_lora + 2);
-  attend_kv(kv_type, q + qh * d, cache, (long long)d, 0, d, 0, kv_lora, work,
+  const MlaQueries queries{q_abs + qh * kv_lora, q + qh * (q_nope + rope), cos2 + (long long)t * rope,
+                           sin2 + (long long)t * rope, kv_lora, rope, q_nope};
+  attend_kv(kv_type, queries, cache, (long long)d, 0, d, 0, kv_lora, work,
             page_table + (long long)seq[t] * n_pages, page, scale, out + qh * kv_lora,
             part + qh * ps + (long long)blockIdx.y * (kv_lora + 2), ps, &sh);
 }
@@ -226,7 +257,7 @@ extern "C" __global__ void gqa_attention_f32(const float* __restrict__ q, const 
   const int g = work.h0 / shared;
   const long long qh = (long long)t * n_head + work.h0, ps = (long long)gridDim.y * (v_dim + 2);
   const long long ld = (long long)n_head_kv * (head_dim + v_dim);
-  attend_kv(kv_type, q + qh * head_dim, cache, ld, g * head_dim, head_dim, n_head_kv * head_dim + g * v_dim, v_dim,
+  attend_kv(kv_type, HeadQueries{q + qh * head_dim}, cache, ld, g * head_dim, head_dim, n_head_kv * head_dim + g * v_dim, v_dim,
             work, page_table + (long long)seq[t] * n_pages, page, scale, out + qh * v_dim,
             part + qh * ps + (long long)blockIdx.y * (v_dim + 2), ps, &sh);
 }
