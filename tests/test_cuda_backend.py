@@ -26,6 +26,7 @@ from pocketmoe.experts.staging import CopyEngine
 from pocketmoe.layers import QuantLinear
 from pocketmoe.layers.experts import ExpertWeights, combine
 from pocketmoe.ops import cuda
+from pocketmoe.ops.cuda import matmul
 from pocketmoe.ops.cuda.backend import CudaOps
 from pocketmoe.ops.cuda.experts import CudaExpertKernels
 from pocketmoe.ops.reference import ReferenceOps
@@ -221,9 +222,10 @@ def expert_store(ggml_type: int, n: int, d: int, f: int, rng: np.random.Generato
 
 @pytest.mark.parametrize("name", ["q4_k", "q8_0", "iq4_xs", "f16"])
 def test_expert_kernels_match_the_per_expert_linear_chain(sub, name: str) -> None:
-    """CudaExpertKernels.outputs (three grouped GEMMs over every slot, empty groups included) gives each pair
-    the bits of gate / up / silu / down run as CudaOps linears on that expert alone; the pairs read their token's
-    row by index (4 tokens, 3 experts each), and give the bits of the same pairs handed their own rows."""
+    """CudaExpertKernels.outputs (grouped GEMMs over every slot, empty groups included) gives each pair the bits
+    of gate / up / silu / down run as CudaOps linears on that expert alone; the pairs read their token's row by
+    index (4 tokens, 3 experts each: gate and up in one launch), and give the bits of the same pairs handed their
+    own rows (gate and up apart)."""
     ops, dev = sub
     ggml_type, bv = TYPES[name]
     d, f, n, k = 256, 256 if bv > 1 else 64, 5, 3
@@ -233,7 +235,12 @@ def test_expert_kernels_match_the_per_expert_linear_chain(sub, name: str) -> Non
     x = torch.from_numpy(random_acts(rng, len(which) // k, d))
     rows = torch.arange(len(which)) // k
     kernels = CudaExpertKernels(ops.launch)
+    calls = getattr(ops.launch, "calls", None)
+    gemms = lambda: sum(v for k, v in calls.items() if k.startswith("moe_gemm_"))  # noqa: E731
+    before = None if calls is None else gemms()
     y = kernels.outputs(store, x.to(dev), which.to(dev), rows.to(dev)).cpu()
+    if calls is not None:  # given the rows: gate and up in one launch, then down
+        assert gemms() - before == 2
     np.testing.assert_array_equal(y.numpy(), kernels.outputs(store, x[rows].to(dev), which.to(dev)).cpu().numpy())
     for e in range(n):
         pairs = (which == e).nonzero().squeeze(1)
@@ -327,6 +334,11 @@ def test_expert_groups_are_a_stable_sort_by_expert(sub, p: int, n: int) -> None:
     assert torch.equal(offsets2.cpu(), offsets.cpu()) and torch.equal(order2.cpu(), order.cpu())
     assert tokens2.dtype == torch.int32 and tokens2.cpu().tolist() == rows[order.cpu().long()].tolist()
     assert int(used) == 7 + len(torch.unique(which))
+    # laid out twice (one launch over gate and up): the second copy's groups and output rows P further on
+    offsets3, order3, tokens3, _ = k.groups(which.to(dev), n, rows.to(dev), None, copies=2)
+    o, r, t = offsets.cpu().tolist(), order.cpu().tolist(), tokens2.cpu().tolist()
+    assert offsets3.cpu().tolist() == o + [p + v for v in o[1:]]
+    assert order3.cpu().tolist() == r + [p + v for v in r] and tokens3.cpu().tolist() == t + t
 
 
 def test_expert_kernels_float_store_match_the_reference_kernels(sub) -> None:
@@ -609,7 +621,7 @@ def _runner_on_cuda_ops(bundle, monkeypatch, mode: str, gpu_memory_gib=None):  #
     from pocketmoe.placement.run import RunPlacement
 
     ops = CudaOps(tile_rows=None, launcher=CountingShimLauncher())
-    kernels = CudaExpertKernels(ops.launch)
+    kernels = ops.expert_kernels(ops.device)  # as the runtime makes them (sharing the MoE input's quantization)
     placement = None
     if mode != "cpu":
         placement = RunPlacement(device="cpu", mode=mode, expert_policy="cache", expert_cache_slots=2,
@@ -681,7 +693,7 @@ def _shim_runner(bundle, monkeypatch, graphs: bool = False, capture=None):  # no
     ops = CudaOps(tile_rows=None, launcher=CountingShimLauncher())
     if graphs:
         ops.graphs = _fake_graphs(ops) if capture is None else _fake_graphs(ops, capture)
-    kernels = CudaExpertKernels(ops.launch)
+    kernels = ops.expert_kernels(ops.device)  # as the runtime makes them (sharing the MoE input's quantization)
     monkeypatch.setattr(build, "device_kernels", lambda ops_, device, host: kernels)
     monkeypatch.setattr(build, "resident_bank", lambda store, k, device, stats, tile_rows, counts:
                         resident.ResidentExperts(store, k, stats, counts))
@@ -730,6 +742,38 @@ def test_all_device_decode_reads_nothing_back(tiny_bundle, monkeypatch) -> None:
     st = r.experts.stats.to_json()
     k = tiny_bundle.metadata[f"{tiny_bundle.architecture}.expert_used_count"]
     assert st["tokens"] == 3 and st["resident"] == 3 * len(r.plan.resident) * k
+
+
+def test_decode_quantizes_each_input_once_and_fuses_gate_up(tiny_bundle, monkeypatch) -> None:
+    """One all-device decode step: no activation rows are quantized twice for one block size (the MoE input once
+    for the routed and the shared experts), every FFN makes silu(gate) * up in its quantize launch, routed gate
+    and up go in one launch, and the shared / dense gate and up in one matmul."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    seen: list[tuple[int, tuple[int, ...], int]] = []
+    kept: list[torch.Tensor] = []  # alive, so no other tensor takes their addresses this step
+    real = matmul.quantize_activations
+
+    def counted(launch, x, block):  # noqa: ANN001, ANN202
+        seen.append((x.data_ptr(), tuple(x.shape), block))
+        kept.append(x)
+        return real(launch, x, block)
+
+    r = _shim_runner(tiny_bundle, monkeypatch)
+    r.forward(PROMPT[:6], 0)
+    monkeypatch.setattr(matmul, "quantize_activations", counted)
+    calls = r.ops.launch.calls
+    calls.clear()
+    r.decode(11, 6)
+    assert seen and len(seen) == len(set(seen))
+    n_layer = tiny_bundle.metadata[f"{tiny_bundle.architecture}.block_count"]
+    moe = len(r.plan.resident)
+    # silu(gate) * up: the FFN of every layer (dense or shared), and the routed experts of the MoE layers
+    assert sum(v for k, v in calls.items() if k.startswith("quantize_swiglu_")) == n_layer + moe
+    assert sum(v for k, v in calls.items() if k.startswith("moe_gemm_")) == 2 * moe + 2 * n_layer  # + k_b, v_b
+    # GEMVs: q, kv_a and wo, then the FFN's (dense or shared) gate_up and down in every layer; the router's in
+    # each MoE layer; the output head's
+    assert sum(v for k, v in calls.items() if k.startswith("gemv_")) == 5 * n_layer + moe + 1
 
 
 def test_decode_graph_host_logic_on_a_fake_capture(tiny_bundle, monkeypatch) -> None:

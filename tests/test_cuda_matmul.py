@@ -104,7 +104,7 @@ def test_swiglu_quantization_is_the_model_of_the_float64_product(mod: ShimModule
     g[0, :bv] = 0.0  # a zero block (silu(0) = 0)
     q, d, s = (torch.empty_like(a) for a in quantize_kernel(mod, g, bv))
     mod.launch(f"quantize_swiglu_q8_{'0' if bv == 32 else 'k'}", grid=(math.ceil(n // bv / WARPS), t, 1),
-               block=THREADS, args=[torch.from_numpy(g), torch.from_numpy(u), limit, q, d, s, n])
+               block=THREADS, args=[torch.from_numpy(np.stack([g, u])), t * n, n, limit, q, d, s, n])
     g64, u64 = g.astype(np.float64), u.astype(np.float64)
     if limit:
         g64, u64 = np.minimum(g64, limit), np.clip(u64, -limit, limit)
@@ -118,6 +118,15 @@ def test_swiglu_quantization_is_the_model_of_the_float64_product(mod: ShimModule
     assert (md[0, 0] == 0) and (d[0, 0] == 0) and (q[0, :bv] == 0).all()
     if bv == 256:  # the sums are the kernel's own q's
         np.testing.assert_array_equal(s, q.reshape(t, n // 16, 16).sum(axis=-1, dtype=np.int16))
+    # the host wrapper: gate and up stacked [2, T, I] or side by side [T, 2I] (one matmul's rows), the same bits
+    from pocketmoe.ops.cuda import matmul
+
+    def launch(source, kernel, grid, block, args, shared_mem):  # noqa: ANN001, ANN202 - backend.Launcher
+        mod.launch(kernel, grid=grid, block=block, args=args, shared_mem=shared_mem)
+
+    for gu in (torch.from_numpy(np.stack([g, u])), torch.from_numpy(np.concatenate([g, u], axis=1))):
+        for a, b in zip(matmul.quantize_swiglu(launch, gu, bv, limit), (q, d, s), strict=True):
+            np.testing.assert_array_equal(a.numpy(), b)
 
 
 @pytest.mark.parametrize("bv", [32, 256])

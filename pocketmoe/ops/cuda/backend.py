@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from pocketmoe.layers.gqa import GQAttention
     from pocketmoe.layers.linear import QuantEmbedding, QuantLinear
     from pocketmoe.layers.mlp import GatedMLP
-    from pocketmoe.layers.moe import Router
+    from pocketmoe.layers.moe import MoEBlock, Router
+    from pocketmoe.layers.norm import Residual
 
 # launch(source, kernel, grid, block, args, shared_mem): args are tensors (pointers), ints and floats
 Launcher = Callable[[str, str, tuple[int, int, int], tuple[int, int, int], Sequence[Any], int], None]
@@ -194,7 +195,10 @@ class CudaOps(ReferenceOps):
         self._vectors: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self._groups: dict[tuple[int, int, torch.device], tuple[torch.Tensor, ...]] = {}  # _head_groups
         self._heads: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # id(w) -> (w, its per-head views)
+        self._gate_ups: dict[int, tuple[GatedMLP, torch.Tensor | bool]] = {}  # id(FFN) -> (it, _gate_up's blocks)
         self.graphs: Any = None  # graphs.DecodeGraphs when CUDA graphs are on (enable_graphs)
+        # the input of the MoE sublayer running, and its quantizations so far (block -> _acts' list)
+        self._sublayer_x: tuple[torch.Tensor, dict[int, list[torch.Tensor]]] | None = None
         self._ctx: StepContext | None = None  # the step run() is running
 
     # -- where each layer runs: a model split by layer over several GPUs ---------------------------
@@ -267,7 +271,15 @@ class CudaOps(ReferenceOps):
         return raw.to(self.device).contiguous()
 
     def _acts(self, x: torch.Tensor, block: int) -> list[torch.Tensor]:
-        return matmul.quantize_activations(self.launch, self._here(x), block)
+        """x quantized for `block`-value weights: once per MoE sublayer for its input (moe_sublayer), which the
+        routed experts and the shared ones both read."""
+        scope = self._sublayer_x
+        if scope is None or x is not scope[0]:
+            return matmul.quantize_activations(self.launch, self._here(x), block)
+        got = scope[1].get(block)
+        if got is None:
+            got = scope[1][block] = matmul.quantize_activations(self.launch, self._here(x), block)
+        return got
 
     def _matmul(self, w: torch.Tensor, layer: QuantLinear, acts: list[torch.Tensor]) -> torch.Tensor:
         """y [T, O] from quantized activations: the GEMV for a few tokens, the one-group GEMM beyond (the same
@@ -310,14 +322,32 @@ class CudaOps(ReferenceOps):
         return out
 
     def ffn(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate x) * up x), the product made as down's activations are quantized (one launch)."""
+        """down(silu(gate x) * up x): gate and up as one matmul over their rows stacked (when they are alike), the
+        product made as down's activations are quantized (one launch)."""
         w = self.weight(mlp.down)
         if w is False or len(mlp.down.shape) != 2:
             return super().ffn(mlp, x)
-        g, u = self.linear_multi((mlp.gate, mlp.up), x)
-        acts = matmul.quantize_swiglu(self.launch, self._here(g), self._here(u),
-                                      matmul.activation_block(mlp.down.ggml_type))
+        wgu = self._gate_up(mlp)
+        if wgu is not False:  # [T, 2F]: a row's gate, then its up
+            gu = self._matmul(wgu, mlp.gate, self._acts(x, matmul.activation_block(mlp.gate.ggml_type)))
+        else:
+            gu = torch.cat([self._here(y) for y in self.linear_multi((mlp.gate, mlp.up), x)], dim=1)
+        acts = matmul.quantize_swiglu(self.launch, gu, matmul.activation_block(mlp.down.ggml_type))
         return self._matmul(w, mlp.down, acts)
+
+    def _gate_up(self, mlp: GatedMLP) -> torch.Tensor | bool:
+        """gate's raw blocks on the device with up's rows after them ([2F, row_bytes]), uploaded once per FFN in
+        place of the two (False when they differ in type or shape, or no kernel reads them)."""
+        got = self._gate_ups.get(id(mlp))
+        if got is None or got[0] is not mlp:
+            g, u = mlp.gate, mlp.up
+            both: torch.Tensor | bool = False
+            if g.ggml_type == u.ggml_type and len(g.shape) == 2 and g.shape == u.shape:
+                wg, wu = self._upload(g), self._upload(u)
+                if wg is not False and wu is not False:
+                    both = torch.cat([wg, wu])
+            got = self._gate_ups[id(mlp)] = (mlp, both)
+        return got[1]
 
     def batched(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [H, T, I] -> [H, T, O]
         return self._per_head(layer, x.transpose(0, 1)).transpose(0, 1).contiguous()
@@ -373,6 +403,15 @@ class CudaOps(ReferenceOps):
             return bank(x.cpu(), ids.cpu(), weights.cpu()).to(x.device)
         return bank(x, ids, weights)
 
+    def moe_sublayer(self, block: MoEBlock, x: torch.Tensor, residual: Residual) -> torch.Tensor | None:
+        """ReferenceOps' MoE sublayer, its input quantized once for the routed and the shared experts (the sublayer
+        reads x and writes only the residual stream, so x's quantization holds throughout)."""
+        self._sublayer_x = (x, {})
+        try:
+            return super().moe_sublayer(block, x, residual)
+        finally:
+            self._sublayer_x = None
+
     def run(self, model: Any, ctx: StepContext) -> torch.Tensor:
         """The step on the device (a captured CUDA graph when graphs are on and the step's shape has one);
         the logits come back to the host, as every backend returns them."""
@@ -392,7 +431,7 @@ class CudaOps(ReferenceOps):
         """The routed-expert kernels for slot pools and resident banks on `device` (experts.build's hook)."""
         from pocketmoe.ops.cuda.experts import CudaExpertKernels
 
-        return CudaExpertKernels(self.launch)
+        return CudaExpertKernels(self.launch, self._acts)
 
     def _step_arrays(self, ctx: StepContext, device: torch.device) -> tuple[torch.Tensor, ...]:
         """seq, keys, page_table, write_rows (int32) and cos2, sin2 (float32) of the step on the device, made once

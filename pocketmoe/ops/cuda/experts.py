@@ -15,6 +15,7 @@ per token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,23 +51,30 @@ def _as(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tens
 class CudaExpertKernels:
     name = "cuda"
 
-    def __init__(self, launch: Launcher) -> None:
+    def __init__(self, launch: Launcher,
+                 quantize: Callable[[torch.Tensor, int], list[torch.Tensor]] | None = None) -> None:
+        """quantize(x, block): the input rows' activations (CudaOps._acts, which shares them with the shared
+        experts); default matmul.quantize_activations."""
         self.launch = launch
+        self.quantize = quantize or (lambda x, block: matmul.quantize_activations(launch, x, block))
         # id(store) -> (store, per weight: the list of expert views the pointer array is made of)
         self._views: dict[int, tuple[ExpertStore, tuple[list[torch.Tensor], ...]]] = {}
 
     def _experts(self, store: ExpertStore) -> tuple[list[torch.Tensor], ...]:
+        """The expert views of gate, up, down, and of gate then up (one launch over both)."""
         got = self._views.get(id(store))
         if got is None or got[0] is not store:
-            views = tuple([w.raw[e] for e in range(store.count)] for w in (store.gate, store.up, store.down))
-            got = self._views[id(store)] = (store, views)
+            gate, up, down = ([w.raw[e] for e in range(store.count)] for w in (store.gate, store.up, store.down))
+            got = self._views[id(store)] = (store, (gate, up, down, gate + up))
         return got[1]
 
     def groups(self, which: torch.Tensor, n: int, rows: torch.Tensor | None = None,
-               used: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+               used: torch.Tensor | None = None, copies: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """offsets [n + 1], order [P] (pair indices grouped by expert, in pair order within one) and tokens [P]
         (rows[order], the input row of each grouped pair; order itself without rows) as int32 on which's device
-        (int64), and a bound on the largest group; used (an int64 counter) gains the non-empty groups.
+        (int64), and a bound on the largest group; used (an int64 counter) gains the non-empty groups. copies = 2
+        (with rows) lays them out twice for one launch over two weights: offsets [2n + 1], order and tokens [2P],
+        the second copy's offsets and order P further on; the first n + 1 / P entries are the one-copy arrays.
 
         Up to SMALL_PAIRS pairs (a decode step's) one launch sorts them, gathers the rows and counts the groups
         (route.cu group_pairs; torch's sort, counts and scan are a dozen ops of host overhead) and P bounds the
@@ -74,19 +82,22 @@ class CudaExpertKernels:
         read-back. Beyond, torch's stable argsort, and the largest group read back (one sync; while a CUDA graph
         is captured, P)."""
         dev, p = which.device, len(which)
+        if copies not in (1, 2) or (copies == 2 and rows is None):
+            raise ValueError(f"groups lays pairs out once, or twice given their rows; not {copies} times "
+                             f"({'with' if rows is not None else 'without'} rows)")
         if rows is not None:
             rows = _as(rows, dev, torch.int32)
         if p <= SMALL_PAIRS:
-            offsets = torch.zeros(n + 1, dtype=torch.int32, device=dev) if p == 0 else \
-                torch.empty(n + 1, dtype=torch.int32, device=dev)
-            order = torch.empty(p, dtype=torch.int32, device=dev)
-            tokens = order if rows is None else torch.empty(p, dtype=torch.int32, device=dev)
+            offsets = torch.zeros(copies * n + 1, dtype=torch.int32, device=dev) if p == 0 else \
+                torch.empty(copies * n + 1, dtype=torch.int32, device=dev)
+            order = torch.empty(copies * p, dtype=torch.int32, device=dev)
+            tokens = order if rows is None else torch.empty(copies * p, dtype=torch.int32, device=dev)
             if p:
                 which = which.contiguous()
                 self.launch("route.cu", "group_pairs", (1, 1, 1), (32, 1, 1),
                             [which, p, n, offsets, order, order if rows is None else rows.contiguous(),
-                             int(rows is not None), tokens, which if used is None else used, int(used is not None)],
-                            0)
+                             int(rows is not None), tokens, which if used is None else used, int(used is not None),
+                             copies], 0)
             return offsets, order, tokens, p
         order = torch.argsort(which, stable=True)
         counts = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, which, torch.ones_like(which))
@@ -96,7 +107,11 @@ class CudaExpertKernels:
             used += (counts > 0).sum()
         largest = p if capturing() else int(counts.max())
         order32 = order.to(torch.int32)
-        return offsets, order32, order32 if rows is None else rows.index_select(0, order), largest
+        tokens = order32 if rows is None else rows.index_select(0, order)
+        if copies == 2:
+            offsets, order32, tokens = (torch.cat([offsets, offsets[1:] + p]), torch.cat([order32, order32 + p]),
+                                        torch.cat([tokens, tokens]))
+        return offsets, order32, tokens, largest
 
     def outputs(self, store: ExpertStore, x: torch.Tensor | Activations, which: torch.Tensor,
                 rows: torch.Tensor | None = None, used: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,26 +135,36 @@ class CudaExpertKernels:
         if acts.x.device != dev:  # (quantize_activations makes the rows float32 and contiguous)
             acts = Activations(acts.x.to(dev))
         which = _as(which, dev, torch.int64)
+        # one launch over gate and up when they are alike and the pairs' rows are given (the grouping laid out
+        # twice: the second copy's output rows P further on); two launches into the halves of gu otherwise
+        both = rows is not None and store.gate.ggml_type == store.up.ggml_type and store.gate.shape == store.up.shape
         # top_k 0: a pair's output row (tokens[p] * top_k + slots[p]) is slots[p], here its own index, the row of
         # h that down reads; gate and up read row tokens[p] of x, the pair's input row
-        offsets, order, tokens, largest = self.groups(which, store.count, rows, used)
-        gate, up, down = self._experts(store)
+        offsets, order, tokens, largest = self.groups(which, store.count, rows, used, 2 if both else 1)
+        gate, up, down, gate_up = self._experts(store)
+        grouped = (offsets, tokens, order)
+        once = (offsets[:store.count + 1], tokens[:p], order[:p]) if both else grouped  # the first copy
 
         def gemm(experts: list[torch.Tensor], w: ExpertWeights, a: list[torch.Tensor], n_out: int, y: torch.Tensor,
-                 by_pair: bool) -> torch.Tensor:
-            return matmul.moe_gemm(self.launch, experts, w.ggml_type, n_out, w.shape[2], offsets, tokens, order, a,
-                                   0, y, act_by_pair=by_pair, max_pairs=largest)
+                 by_pair: bool, arrays: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            return matmul.moe_gemm(self.launch, experts, w.ggml_type, n_out, w.shape[2], *arrays, a, 0, y,
+                                   act_by_pair=by_pair, max_pairs=largest)
 
-        def first(experts: list[torch.Tensor], w: ExpertWeights) -> torch.Tensor:
-            bv = matmul.activation_block(w.ggml_type)
-            key = (self.name, bv)
+        def x_acts(w: ExpertWeights) -> list[torch.Tensor]:
+            key = (self.name, matmul.activation_block(w.ggml_type))
             if key not in acts.derived:
-                acts.derived[key] = matmul.quantize_activations(self.launch, acts.x, bv)
-            return gemm(experts, w, acts.derived[key], f, torch.empty((p, f), dtype=torch.float32, device=dev), False)
+                acts.derived[key] = self.quantize(acts.x, key[1])
+            return acts.derived[key]
 
-        h_acts = matmul.quantize_swiglu(self.launch, first(gate, store.gate), first(up, store.up),  # h [P, F]
-                                        matmul.activation_block(store.down.ggml_type), store.swiglu_limit)
-        return gemm(down, store.down, h_acts, d, out, True)
+        gu = torch.empty((2, p, f), dtype=torch.float32, device=dev)  # gate's outputs, then up's
+        if both:
+            gemm(gate_up, store.gate, x_acts(store.gate), f, gu.view(2 * p, f), False, grouped)
+        else:
+            gemm(gate, store.gate, x_acts(store.gate), f, gu[0], False, grouped)
+            gemm(up, store.up, x_acts(store.up), f, gu[1], False, grouped)
+        h_acts = matmul.quantize_swiglu(self.launch, gu, matmul.activation_block(store.down.ggml_type),  # h [P, F]
+                                        store.swiglu_limit)
+        return gemm(down, store.down, h_acts, d, out, True, once)
 
     def combine(self, contrib: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """contrib [T, K, D], weights [T, K] -> [T, D] float32 in slot order (on contrib's device): one launch of

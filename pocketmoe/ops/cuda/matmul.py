@@ -62,18 +62,26 @@ def quantize_activations(launch: Launcher, x: torch.Tensor, block: int) -> list[
     return _quantize(launch, "quantize", [x], x.shape, block, x.device)
 
 
-def quantize_swiglu(launch: Launcher, gate: torch.Tensor, up: torch.Tensor, block: int,
-                    limit: float = 0.0) -> list[torch.Tensor]:
-    """quantize_activations of swiglu(gate, up, limit) (layers.experts.swiglu), gate and up [R, I]: one launch
-    that makes each value as it quantizes it, where torch's silu, product (and clamps) would each be a launch
-    writing [R, I]. Float weights (block 1) read the product itself, made by torch."""
-    if block == 1 or gate.shape != up.shape or gate.dim() != 2:
-        return quantize_activations(launch, swiglu(gate, up, limit), block)
-    gate, up = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in (gate, up))
-    return _quantize(launch, "quantize_swiglu", [gate, up, float(limit)], gate.shape, block, gate.device)
+def quantize_swiglu(launch: Launcher, gu: torch.Tensor, block: int, limit: float = 0.0) -> list[torch.Tensor]:
+    """quantize_activations of swiglu(gate, up, limit) (layers.experts.swiglu) for gu float32 holding gate and up:
+    stacked [2, R, F] (gate's rows, then up's) or side by side [R, 2F] (a row's gate, then its up: one matmul
+    over both weights). One launch that makes each value as it quantizes it, where torch's silu, product (and
+    clamps) would each be a launch writing [R, F]. Float weights (block 1) read the product itself, made by
+    torch."""
+    stacked = gu.dim() == 3
+    if (gu.shape[0] != 2 if stacked else gu.dim() != 2 or gu.shape[1] % 2) or gu.dtype != torch.float32:
+        raise CudaMatmulError(f"gate and up come stacked [2, R, F] or side by side [R, 2F] in float32, not "
+                              f"{gu.dtype} {tuple(gu.shape)}")
+    r, f = (gu.shape[1], gu.shape[2]) if stacked else (gu.shape[0], gu.shape[1] // 2)
+    if block == 1:
+        g, u = (gu[0], gu[1]) if stacked else (gu[:, :f], gu[:, f:])
+        return quantize_activations(launch, swiglu(g, u, limit), block)
+    gu = gu.contiguous()
+    u_off, ld = (r * f, f) if stacked else (f, 2 * f)  # where up's row 0 starts, and floats from a row to the next
+    return _quantize(launch, "quantize_swiglu", [gu, u_off, ld, float(limit)], (r, f), block, gu.device)
 
 
-def _quantize(launch: Launcher, kernel: str, inputs: list[Any], shape: torch.Size, block: int,
+def _quantize(launch: Launcher, kernel: str, inputs: list[Any], shape: tuple[int, int], block: int,
               dev: torch.device) -> list[torch.Tensor]:
     """The outputs of `kernel`_q8_0 (block 32) or `kernel`_q8_k (256) for rows of `shape`, launched on `inputs`."""
     r, n = shape

@@ -20,15 +20,16 @@ struct Plain {
 };
 
 // layers.experts.swiglu: silu(g) * u, with limit > 0 the clamped form silu(min(g, limit)) * clamp(u, -limit,
-// limit); silu(g) = g / (1 + exp(-g)) as torch computes it, the product rounded on its own.
+// limit); silu(g) = g / (1 + exp(-g)) as torch computes it, the product rounded on its own. Row r's g at
+// gu + r * ld, its u at gu + u_off + r * ld (gate and up stacked, or side by side in one matmul's rows).
 struct Swiglu {
-  const float* g;
-  const float* u;
+  const float* gu;
+  long long u_off;
+  int ld;
   float limit;
-  int cols;
   __device__ __forceinline__ float operator()(long long row, int col) const {
-    const long long i = row * cols + col;
-    float a = g[i], b = u[i];
+    const long long i = row * ld + col;
+    float a = gu[i], b = gu[u_off + i];
     if (limit > 0.0f) {
       a = fminf(a, limit);
       b = fminf(fmaxf(b, -limit), limit);

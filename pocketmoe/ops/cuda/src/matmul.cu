@@ -41,15 +41,16 @@ extern "C" __global__ void quantize_q8_k(const float* x, int8_t* q, float* d, in
   pmq::quantize_q8_k_block(pmq::Plain{x, cols}, q, d, sums, cols);
 }
 
-// quantize_swiglu_*: the same of silu(g) * u (clamped with limit > 0; act_quant.cuh Swiglu), g and u [T, I].
-extern "C" __global__ void quantize_swiglu_q8_0(const float* g, const float* u, float limit, int8_t* q, float* d,
-                                                float* s, int cols) {
-  pmq::quantize_q8_0_block(pmq::Swiglu{g, u, limit, cols}, q, d, s, cols);
+// quantize_swiglu_*: the same of silu(g) * u (clamped with limit > 0) for gate and up in one buffer gu: row r's
+// gate at gu + r * ld, its up u_off further on (act_quant.cuh Swiglu).
+extern "C" __global__ void quantize_swiglu_q8_0(const float* gu, long long u_off, int ld, float limit, int8_t* q,
+                                                float* d, float* s, int cols) {
+  pmq::quantize_q8_0_block(pmq::Swiglu{gu, u_off, ld, limit}, q, d, s, cols);
 }
 
-extern "C" __global__ void quantize_swiglu_q8_k(const float* g, const float* u, float limit, int8_t* q, float* d,
-                                                int16_t* sums, int cols) {
-  pmq::quantize_q8_k_block(pmq::Swiglu{g, u, limit, cols}, q, d, sums, cols);
+extern "C" __global__ void quantize_swiglu_q8_k(const float* gu, long long u_off, int ld, float limit, int8_t* q,
+                                                float* d, int16_t* sums, int cols) {
+  pmq::quantize_q8_k_block(pmq::Swiglu{gu, u_off, ld, limit}, q, d, sums, cols);
 }
 
 // ---- GEMV: y [T, O] = x [T, I] W^T; xs: the Q8_0 rows' s (read by Q4_1 / Q5_1) or the Q8_K sums ----

@@ -108,13 +108,15 @@ extern "C" __global__ void route_f32(const float* __restrict__ logits, const flo
 // the pair indices grouped by expert, ascending, in pair order within a group: a stable counting sort, the order
 // torch.argsort(which, stable=True) gives. With has_rows, tokens[P] gets rows[order[i]] beside it (the input
 // row each grouped pair reads), which saves a gather launch; with has_used, *used (an int64 counter the
-// statistics read back later) gains the number of non-empty groups, the distinct experts of the step. Lane l
-// counts experts l, l + 32, ...; a warp scan of the counts places each round of 32 experts after the pairs of the
-// rounds before.
+// statistics read back later) gains the number of non-empty groups, the distinct experts of the step. copies = 2
+// lays the grouping out twice, for one launch over two weights (gate, then up): offsets [2n + 1], order and
+// tokens [2P], the second copy's groups and order entries P further on (the rows of its outputs). Lane l counts
+// experts l, l + 32, ...; a warp scan of the counts places each round of 32 experts after the pairs of the rounds
+// before.
 extern "C" __global__ void group_pairs(const long long* __restrict__ which, int p, int n,
                                        int32_t* __restrict__ offsets, int32_t* __restrict__ order,
                                        const int32_t* __restrict__ rows, int has_rows, int32_t* __restrict__ tokens,
-                                       long long* __restrict__ used, int has_used) {
+                                       long long* __restrict__ used, int has_used, int copies) {
   const int lane = threadIdx.x;
   int base = 0, distinct = 0;
   for (int e0 = 0; e0 < n; e0 += WARP) {
@@ -129,18 +131,21 @@ extern "C" __global__ void group_pairs(const long long* __restrict__ which, int 
     }
     if (e < n) {
       int at = base + incl - count;
-      offsets[e] = at;
+      for (int c = 0; c < copies; ++c) offsets[c * n + e] = c * p + at;
       for (int i = 0; i < p; ++i)
         if (which[i] == e) {
-          if (has_rows) tokens[at] = rows[i];
-          order[at++] = i;
+          for (int c = 0; c < copies; ++c) {
+            if (has_rows) tokens[c * p + at] = rows[i];
+            order[c * p + at] = c * p + i;
+          }
+          ++at;
         }
     }
     base += __shfl_sync(FULL_MASK, incl, WARP - 1);
     distinct += warp_sum_int(count > 0 ? 1 : 0);
   }
   if (lane == 0) {
-    offsets[n] = base;
+    offsets[copies * n] = copies * base;
     if (has_used) *used += distinct;
   }
 }
