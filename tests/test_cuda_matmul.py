@@ -48,7 +48,7 @@ def quantize_kernel(mod: ShimModule, x: np.ndarray, bv: int) -> tuple[torch.Tens
     d = torch.empty((t, n // bv), dtype=torch.float32)
     s = torch.empty((t, n // 32), dtype=torch.float32) if bv == 32 else torch.empty((t, n // 16), dtype=torch.int16)
     grid = (math.ceil(n // bv / WARPS), t, 1)
-    args = [torch.from_numpy(x), q, d, s, n]
+    args = [torch.from_numpy(x), n, q, d, s, n]
     mod.launch("quantize_q8_0" if bv == 32 else "quantize_q8_k", grid=grid, block=THREADS, args=args)
     return q, d, s
 
@@ -90,6 +90,30 @@ def test_activation_quantization_matches_the_cpu_model(mod: ShimModule, bv: int)
     if bv == 32:
         assert 65504 < ms[6, 0] < 65520 and ms[6, 1] > 65520 and ms[6, 2] < -65520
         assert (ms[:3] != (md[:3] * mq[:3].reshape(3, -1, 32).sum(axis=-1))).any()  # s is not d * sum
+
+
+@pytest.mark.parametrize("bv", [32, 256])
+def test_activation_rows_are_read_in_place_at_their_stride(mod: ShimModule, bv: int) -> None:
+    """Each row's leading values of a wider tensor (MLA's per-head q_nope) are quantized where they lie, no copy
+    first: the kernel reads x's own memory, and gives the bits of the contiguous copy. A view whose last row
+    would run past the storage at that stride is copied instead, with the same bits."""
+    from pocketmoe.ops.cuda import matmul
+
+    read: list[int] = []
+
+    def launch(source, kernel, grid, block, args, shared_mem):  # noqa: ANN001, ANN202 - backend.Launcher
+        read.append(args[0].data_ptr())
+        mod.launch(kernel, grid=grid, block=block, args=args, shared_mem=shared_mem)
+
+    x = torch.from_numpy(random_acts(np.random.default_rng(bv + 1), 12, 640))
+    lead = x.view(6, 2, 640)[..., :512].reshape(12, 512)  # rows 640 floats apart
+    tail = x[:, 64:576]  # its last row's 640 floats would end 64 past x
+    assert lead.stride() == tail.stride() == (640, 1)
+    for view, in_place in ((lead, True), (tail, False)):
+        got = matmul.quantize_activations(launch, view, bv)
+        assert (read.pop() == x.data_ptr()) == in_place
+        for a, b in zip(got, act_inputs(view.contiguous().numpy(), bv)[0], strict=True):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
 @pytest.mark.parametrize("limit", [0.0, 1.5])

@@ -55,11 +55,26 @@ def quantize_activations(launch: Launcher, x: torch.Tensor, block: int) -> list[
     weights, 1). One quantization per row, reused by every matmul."""
     if x.dtype != torch.float32:
         x = x.float()
+    if block != 1 and not x.is_contiguous() and (rows := _rows_in_place(x)) is not None:
+        return _quantize(launch, "quantize", [rows, rows.shape[1]], x.shape, block, x.device)
     if not x.is_contiguous():
         x = x.contiguous()
     if block == 1:
         return [x]
-    return _quantize(launch, "quantize", [x], x.shape, block, x.device)
+    return _quantize(launch, "quantize", [x, x.shape[1]], x.shape, block, x.device)
+
+
+def _rows_in_place(x: torch.Tensor) -> torch.Tensor | None:
+    """For x [R, I] whose rows lie ld > I floats apart (each row's leading values of a wider tensor, as MLA's
+    per-head q_nope): the contiguous [R, ld] tensor over the same memory, which the quantize kernels read at
+    stride ld with no copy first. None for any other layout, or when the last row's ld floats would run past
+    x's storage."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.shape[0] < 2 or x.stride(0) <= x.shape[1]:
+        return None
+    r, ld = x.shape[0], x.stride(0)
+    if x.storage_offset() + r * ld > x.untyped_storage().nbytes() // x.element_size():
+        return None
+    return x.as_strided((r, ld), (ld, 1))
 
 
 def quantize_swiglu(launch: Launcher, gu: torch.Tensor, block: int, limit: float = 0.0) -> list[torch.Tensor]:

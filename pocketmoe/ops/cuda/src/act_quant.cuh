@@ -10,13 +10,13 @@ __device__ __forceinline__ int round_q8(float x, float inv) { return __float2int
 
 // s: llama.cpp's block_q8_1 s, fp16(d32 * sum of the 32 q) with d32 the fp32 scale; past fp16's range
 // (where llama.cpp stores inf) the fp32 product itself.
-// What a quantize kernel reads at (row, column) of its [rows, cols] input: the rows themselves (Plain), or
-// silu(gate) * up made on the fly (Swiglu), so the FFN's down projection quantizes its input without a launch
-// that writes it first.
+// What a quantize kernel reads at (row, column) of its [rows, cols] input: the rows themselves, ld floats apart
+// (Plain: ld > cols reads each row's leading values in place, as MLA's per-head q_nope), or silu(gate) * up made
+// on the fly (Swiglu), so the FFN's down projection quantizes its input without a launch that writes it first.
 struct Plain {
   const float* x;
-  int cols;
-  __device__ __forceinline__ float operator()(long long row, int col) const { return x[row * cols + col]; }
+  int ld;
+  __device__ __forceinline__ float operator()(long long row, int col) const { return x[row * ld + col]; }
 };
 
 // layers.experts.swiglu: silu(g) * u, with limit > 0 the clamped form silu(min(g, limit)) * clamp(u, -limit,

@@ -17,8 +17,8 @@
 // llama.cpp's Q8_1 dot does; NVFP4: one step per 16 values, d_s * da, in order, as llama.cpp's CPU dot).
 //
 // Launch geometry (block = (B, 1, 1), B a multiple of 32, W = B / 32 warps):
-//   quantize_q8_0 / quantize_q8_k (and their quantize_swiglu_ forms): grid (ceil(I / 32 / W) or
-//     ceil(I / 256 / W), T); one warp per block.
+//   quantize_q8_0 / quantize_q8_k (x's rows ld floats apart) and their quantize_swiglu_ forms: grid
+//     (ceil(I / 32 / W) or ceil(I / 256 / W), T); one warp per block; q, d and s / sums contiguous.
 //   gemv_<type>: grid (ceil(O / W), ceil(T / 8)); one warp per output row, up to 8 tokens per blockIdx.y.
 //     y [T, O]; weight [O, row_bytes] contiguous.
 //   moe_gemm_<type>: grid (ceil(O / (4 W)), any n >= 1, G); group g = blockIdx.z reads expert weight
@@ -33,12 +33,12 @@
 
 // ---- activation quantization ----
 
-extern "C" __global__ void quantize_q8_0(const float* x, int8_t* q, float* d, float* s, int cols) {
-  pmq::quantize_q8_0_block(pmq::Plain{x, cols}, q, d, s, cols);
+extern "C" __global__ void quantize_q8_0(const float* x, int ld, int8_t* q, float* d, float* s, int cols) {
+  pmq::quantize_q8_0_block(pmq::Plain{x, ld}, q, d, s, cols);
 }
 
-extern "C" __global__ void quantize_q8_k(const float* x, int8_t* q, float* d, int16_t* sums, int cols) {
-  pmq::quantize_q8_k_block(pmq::Plain{x, cols}, q, d, sums, cols);
+extern "C" __global__ void quantize_q8_k(const float* x, int ld, int8_t* q, float* d, int16_t* sums, int cols) {
+  pmq::quantize_q8_k_block(pmq::Plain{x, ld}, q, d, sums, cols);
 }
 
 // quantize_swiglu_*: the same of silu(g) * u (clamped with limit > 0) for gate and up in one buffer gu: row r's
