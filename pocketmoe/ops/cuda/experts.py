@@ -68,8 +68,8 @@ class CudaExpertKernels:
             got = self._views[id(store)] = (store, (gate, up, down, gate + up))
         return got[1]
 
-    def groups(self, which: torch.Tensor, n: int, rows: torch.Tensor | None = None,
-               used: torch.Tensor | None = None, copies: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def groups(self, which: torch.Tensor, n: int, rows: torch.Tensor | None = None, used: torch.Tensor | None = None,
+               copies: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """offsets [n + 1], order [P] (pair indices grouped by expert, in pair order within one) and tokens [P]
         (rows[order], the input row of each grouped pair; order itself without rows) as int32 on which's device
         (int64), and a bound on the largest group; used (an int64 counter) gains the non-empty groups. copies = 2

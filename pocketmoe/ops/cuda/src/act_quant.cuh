@@ -8,8 +8,6 @@ namespace pmq {
 // The fp32 scale of one block from its max |x|, and the int8 of x (|x * inv| <= 127; ties to even).
 __device__ __forceinline__ int round_q8(float x, float inv) { return __float2int_rn(x * inv); }
 
-// s: llama.cpp's block_q8_1 s, fp16(d32 * sum of the 32 q) with d32 the fp32 scale; past fp16's range
-// (where llama.cpp stores inf) the fp32 product itself.
 // What a quantize kernel reads at (row, column) of its [rows, cols] input: the rows themselves, ld floats apart
 // (Plain: ld > cols reads each row's leading values in place, as MLA's per-head q_nope), or silu(gate) * up made
 // on the fly (Swiglu), so the FFN's down projection quantizes its input without a launch that writes it first.
@@ -38,6 +36,8 @@ struct Swiglu {
   }
 };
 
+// s: llama.cpp's block_q8_1 s, fp16(d32 * sum of the 32 q) with d32 the fp32 scale; past fp16's range
+// (where llama.cpp stores inf) the fp32 product itself.
 template <class Src>
 __device__ __forceinline__ void quantize_q8_0_block(Src x, int8_t* q, float* d, float* s, int cols) {
   const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;

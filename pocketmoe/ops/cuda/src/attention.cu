@@ -257,9 +257,9 @@ extern "C" __global__ void gqa_attention_f32(const float* __restrict__ q, const 
   const int g = work.h0 / shared;
   const long long qh = (long long)t * n_head + work.h0, ps = (long long)gridDim.y * (v_dim + 2);
   const long long ld = (long long)n_head_kv * (head_dim + v_dim);
-  attend_kv(kv_type, HeadQueries{q + qh * head_dim}, cache, ld, g * head_dim, head_dim, n_head_kv * head_dim + g * v_dim, v_dim,
-            work, page_table + (long long)seq[t] * n_pages, page, scale, out + qh * v_dim,
-            part + qh * ps + (long long)blockIdx.y * (v_dim + 2), ps, &sh);
+  attend_kv(kv_type, HeadQueries{q + qh * head_dim}, cache, ld, g * head_dim, head_dim,
+            n_head_kv * head_dim + g * v_dim, v_dim, work, page_table + (long long)seq[t] * n_pages, page, scale,
+            out + qh * v_dim, part + qh * ps + (long long)blockIdx.y * (v_dim + 2), ps, &sh);
 }
 
 // The spans' partials of each (head, token) of several spans folded, in span order, into out [T, H, Dv]:
