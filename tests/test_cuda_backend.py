@@ -194,6 +194,29 @@ def test_linear_multi_quantizes_each_block_size_once() -> None:
         torch.testing.assert_close(y, ops.linear(layer, x), rtol=0, atol=0)
 
 
+def test_linear_multi_stacks_alike_weights(sub) -> None:
+    """Each run of weights of one type and column count (MLA's q and kv_a, GQA's q, k, v) is one matmul over their
+    rows stacked: each output has the bits of that weight's own linear, in the GEMV (decode) and the GEMM."""
+    ops, dev = sub
+    rng = np.random.default_rng(21)
+    cols = 512
+    kinds = [("q4_k", 16), ("q4_k", 8), ("q6_k", 12), ("q6_k", 4), ("q4_k", 20), ("q8_0", 8)]
+    layers = [layer_of(random_blocks(TYPES[n][0], (rows, cols), rng), TYPES[n][0], (rows, cols))
+              for n, rows in kinds]
+    calls = getattr(ops.launch, "calls", None)
+    for t, kind in ((3, "gemv"), (11, "moe_gemm")):
+        x = torch.from_numpy(random_acts(rng, t, cols)).to(dev)
+        before = None if calls is None else dict(calls)
+        ys = ops.linear_multi(layers, x)
+        if calls is not None:  # runs: (q4_k, q4_k), (q6_k, q6_k), (q4_k), (q8_0)
+            made = {k: v - before.get(k, 0) for k, v in calls.items() if v != before.get(k, 0)}
+            assert made == {"quantize_q8_k": 1, "quantize_q8_0": 1, f"{kind}_q4_k": 2, f"{kind}_q6_k": 1,
+                            f"{kind}_q8_0": 1}
+        for layer, y in zip(layers, ys, strict=True):
+            assert y.shape == (t, layer.shape[0]) and y.is_contiguous()
+            np.testing.assert_array_equal(y.cpu().numpy(), ops.linear(layer, x).cpu().numpy())
+
+
 @pytest.mark.parametrize("name", ["q8_0", "q4_k", "f32"])
 def test_batched_per_head_is_one_grouped_gemm(sub, name: str) -> None:
     """[H, O, I] weights on x [H, T, I]: each head's slice equals that head's own linear, bit for bit."""
@@ -746,8 +769,9 @@ def test_all_device_decode_reads_nothing_back(tiny_bundle, monkeypatch) -> None:
 
 def test_decode_quantizes_each_input_once_and_fuses_gate_up(tiny_bundle, monkeypatch) -> None:
     """One all-device decode step: no activation rows are quantized twice for one block size (the MoE input once
-    for the routed and the shared experts), every FFN makes silu(gate) * up in its quantize launch, routed gate
-    and up go in one launch, and the shared / dense gate and up in one matmul."""
+    for the routed and the shared experts), a finalize quantizes the next sublayer's input, every FFN makes
+    silu(gate) * up in its quantize launch, routed gate and up go in one launch, the shared / dense gate and up
+    in one matmul, and so do MLA's q and kv_a; the MoE finalize combines the routed experts' outputs."""
     if REASON is not None:
         pytest.skip(REASON)
     seen: list[tuple[int, tuple[int, ...], int]] = []
@@ -771,9 +795,13 @@ def test_decode_quantizes_each_input_once_and_fuses_gate_up(tiny_bundle, monkeyp
     # silu(gate) * up: the FFN of every layer (dense or shared), and the routed experts of the MoE layers
     assert sum(v for k, v in calls.items() if k.startswith("quantize_swiglu_")) == n_layer + moe
     assert sum(v for k, v in calls.items() if k.startswith("moe_gemm_")) == 2 * moe + 2 * n_layer  # + k_b, v_b
-    # GEMVs: q, kv_a and wo, then the FFN's (dense or shared) gate_up and down in every layer; the router's in
-    # each MoE layer; the output head's
-    assert sum(v for k, v in calls.items() if k.startswith("gemv_")) == 5 * n_layer + moe + 1
+    # GEMVs: q and kv_a (one, stacked) and wo, then the FFN's (dense or shared) gate_up and down in every layer;
+    # the router's in each MoE layer; the output head's
+    assert sum(v for k, v in calls.items() if k.startswith("gemv_")) == 4 * n_layer + moe + 1
+    # every finalize but the last (the output norm follows it) quantizes the next sublayer's input as it makes it
+    assert sum(v for k, v in calls.items() if k.startswith("finalize_q8_")) == 2 * n_layer - 1
+    assert calls["finalize_f32"] == 1
+    assert "combine_f32" not in calls  # the routed experts' combine runs in their sublayer's finalize
 
 
 def test_decode_graph_host_logic_on_a_fake_capture(tiny_bundle, monkeypatch) -> None:

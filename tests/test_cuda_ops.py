@@ -100,6 +100,68 @@ def test_norms_and_finalize(sub, d: int) -> None:
     assert torch.equal(xd.cpu(), xr)
 
 
+@pytest.mark.parametrize("block", [32, 256])
+def test_finalize_quantizes_the_next_input_once_its_block_is_known(sub, block: int) -> None:
+    """Once the next sublayer's matmuls have quantized a finalize's y for `block`-value weights, the next finalize
+    with that norm weight quantizes its y in the same launch (finalize_q8_0 / _q8_k): y and the residual stream
+    keep finalize_f32's bits, the activations have quantize_activations' bits of y, and _acts hands them out
+    without a quantize launch. A y some op reads that is not the finalize's own output is quantized as before."""
+    from pocketmoe.ops.cuda import matmul
+
+    ops, dev = sub
+    d = 2048
+    w = (torch.rand(d, generator=g(5)) + 0.5).to(dev)
+    x0 = (torch.randn(3, d, generator=g(6)) * 3).to(dev)
+    a, b = torch.randn(3, d, generator=g(7)).to(dev), torch.randn(3, d, generator=g(8)).to(dev)
+    plain, fused = x0.clone(), x0.clone()
+    y_plain = ops.finalize(plain, a, b, w, 1e-6)  # the block is not known yet: finalize_f32
+    want = matmul.quantize_activations(ops.launch, y_plain, block)
+    assert ops._acts(y_plain, block) is ops._acts(y_plain, block)  # the first call learns the norm's block
+    launches: list[str] = []
+    real = ops.launch
+
+    def counted(source, kernel, *rest):  # noqa: ANN001, ANN202
+        launches.append(kernel)
+        return real(source, kernel, *rest)
+
+    ops.launch = counted
+    try:
+        y = ops.finalize(fused, a, b, w, 1e-6)
+        got = ops._acts(y, block)
+    finally:
+        ops.launch = real
+    assert launches == [f"finalize_q8_{'0' if block == 32 else 'k'}"]
+    assert torch.equal(fused.cpu(), plain.cpu()) and torch.equal(y.cpu(), y_plain.cpu())
+    for have, expect in zip(got, want, strict=True):
+        assert torch.equal(have.cpu(), expect.cpu())
+    other = y.clone()  # not the finalize's output: quantized on its own
+    assert ops._acts(other, block) is not got
+    ops._input = None
+
+
+@pytest.mark.parametrize("k", [1, 6])
+def test_finalize_combines_the_routed_experts_outputs(sub, k: int) -> None:
+    """The MoE sublayer's close with the experts' unweighted outputs [T, K, D] and their weights: the combine
+    (layers.experts.combine, slot order, no fused multiply-add) and the finalize in one launch, the bits of the
+    two apart, with and without the shared experts' output and the norm."""
+    from pocketmoe.layers.experts import combine
+
+    ops, dev = sub
+    t, d = 3, 1024
+    contrib = torch.randn(t, k, d, generator=g(9)).to(dev)
+    kw = torch.rand(t, k, generator=g(10)).to(dev)
+    shared = torch.randn(t, d, generator=g(11)).to(dev)
+    w = (torch.rand(d, generator=g(12)) + 0.5).to(dev)
+    x0 = (torch.randn(t, d, generator=g(13)) * 3).to(dev)
+    for b, norm in ((shared, w), (None, w), (shared, None)):
+        fused, apart = x0.clone(), x0.clone()
+        y = ops._finalize(fused, contrib, kw, b, norm, 1e-6)
+        want = ops.finalize(apart, combine(contrib, kw), b, norm, 1e-6)
+        assert torch.equal(fused.cpu(), apart.cpu())
+        assert (y is None) == (want is None) and (y is None or torch.equal(y.cpu(), want.cpu()))
+    ops._input = None
+
+
 def test_rms_norm_kernel_row_strides() -> None:
     """rms_norm_f32 on the first C values of [T, C+R] rows (the latent's c_kv), into rows of another width."""
     if REASON is not None:

@@ -26,6 +26,12 @@ class ResidentExperts:
         self._used = stats.counter("resident", store.gate.raw.device)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        dev = self.store.gate.raw.device
+        return self.kernels.combine(self.unweighted(x, ids), weights.to(dev)).to(x.device)
+
+    def unweighted(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot)'s expert output [T, K, D] on the store's device, before the combine (a backend that
+        combines them as it closes the sublayer takes these: ops.cuda's moe_sublayer)."""
         t, k = ids.shape
         dev = self.store.gate.raw.device
         flat = ids.reshape(-1).to(dev)
@@ -40,7 +46,7 @@ class ResidentExperts:
             on_replay(lambda: self.stats.add(tokens=t if self.counts_tokens else 0))
         else:
             self.stats.add(tokens=t if self.counts_tokens else 0)
-        return self.kernels.combine(contrib.view(t, k, -1), weights.to(dev)).to(x.device)
+        return contrib.view(t, k, -1)
 
 
 def to_device(w: ExpertWeights, device: torch.device) -> ExpertWeights:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pocketmoe.layers.experts import NativeExperts, ReferenceExperts
+from pocketmoe.layers.experts import NativeExperts, ReferenceExperts, combine
 from pocketmoe.layers.moe import GATING_SOFTMAX, WEIGHT_SUM_MIN
 from pocketmoe.ops.cuda import matmul
 from pocketmoe.ops.cuda.graphs import made_once
@@ -167,6 +167,13 @@ def _f32(*ts: torch.Tensor | None) -> bool:
     return all(t is None or t.dtype == torch.float32 for t in ts)
 
 
+def _alike(a: QuantLinear, b: QuantLinear) -> bool:
+    """2-D weights one matmul can read as one: the same type and columns (the stacked rows read the same
+    activations)."""
+    return (a.ggml_type == b.ggml_type and len(a.shape) == 2 and len(b.shape) == 2
+            and a.in_features == b.in_features)
+
+
 class CudaOps(ReferenceOps):
     name = "cuda"
     absorbs_legacy_mla = True  # attn_kv_b is split into k_b / v_b at load: attention runs in latent space
@@ -195,10 +202,15 @@ class CudaOps(ReferenceOps):
         self._vectors: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self._groups: dict[tuple[int, int, torch.device], tuple[torch.Tensor, ...]] = {}  # _head_groups
         self._heads: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # id(w) -> (w, its per-head views)
-        self._gate_ups: dict[int, tuple[GatedMLP, torch.Tensor | bool]] = {}  # id(FFN) -> (it, _gate_up's blocks)
+        # ids of alike layers -> (them, _stacked's blocks): an FFN's gate and up, MLA's q and kv_a, ...
+        self._stacks: dict[tuple[int, ...], tuple[tuple[QuantLinear, ...], torch.Tensor | bool]] = {}
         self.graphs: Any = None  # graphs.DecodeGraphs when CUDA graphs are on (enable_graphs)
-        # the input of the MoE sublayer running, and its quantizations so far (block -> _acts' list)
-        self._sublayer_x: tuple[torch.Tensor, dict[int, list[torch.Tensor]]] | None = None
+        # the sublayer input (a finalize's y, or the MoE sublayer's x), its quantizations so far (block -> _acts'
+        # list; a sublayer reads its input and writes only the residual stream, so they hold until the next
+        # finalize) and the norm weight that made it (None: not a finalize's)
+        self._input: tuple[torch.Tensor, dict[int, list[torch.Tensor]], torch.Tensor | None] | None = None
+        # id(norm weight) -> (it, the activation block its sublayer's matmuls read): finalize quantizes for it
+        self._norm_blocks: dict[int, tuple[torch.Tensor, int]] = {}
         self._ctx: StepContext | None = None  # the step run() is running
 
     # -- where each layer runs: a model split by layer over several GPUs ---------------------------
@@ -271,14 +283,18 @@ class CudaOps(ReferenceOps):
         return raw.to(self.device).contiguous()
 
     def _acts(self, x: torch.Tensor, block: int) -> list[torch.Tensor]:
-        """x quantized for `block`-value weights: once per MoE sublayer for its input (moe_sublayer), which the
-        routed experts and the shared ones both read."""
-        scope = self._sublayer_x
-        if scope is None or x is not scope[0]:
+        """x quantized for `block`-value weights, once per sublayer input (`_input`): the MoE input once for the
+        routed and the shared experts, and a finalize's y by the finalize itself once a step has shown which
+        block size its sublayer's matmuls read."""
+        known = self._input
+        if known is None or x is not known[0]:
             return matmul.quantize_activations(self.launch, self._here(x), block)
-        got = scope[1].get(block)
+        got = known[1].get(block)
         if got is None:
-            got = scope[1][block] = matmul.quantize_activations(self.launch, self._here(x), block)
+            got = known[1][block] = matmul.quantize_activations(self.launch, self._here(x), block)
+            norm = known[2]
+            if norm is not None and block > 1:  # the next finalize with this norm quantizes its y for `block`
+                self._norm_blocks[id(norm)] = (norm, block)
         return got
 
     def _matmul(self, w: torch.Tensor, layer: QuantLinear, acts: list[torch.Tensor]) -> torch.Tensor:
@@ -307,18 +323,34 @@ class CudaOps(ReferenceOps):
         return self._matmul(w, layer, self._acts(x, matmul.activation_block(layer.ggml_type)))
 
     def linear_multi(self, weights: Sequence[QuantLinear], x: torch.Tensor) -> list[torch.Tensor]:
-        """The input quantized once per activation block size the weights read, then one matmul each."""
+        """The input quantized once per activation block size the weights read; each run of alike weights (one type
+        and column count: MLA's q and kv_a, GQA's q, k and v when their types agree) as one matmul over their rows
+        stacked, the outputs its column slices (the bits of one matmul each: a row's sum does not depend on the
+        rows beside it)."""
         acts: dict[int, list[torch.Tensor]] = {}
-        out = []
-        for layer in weights:
-            w = self.weight(layer)
-            if w is False or len(layer.shape) != 2:
-                out.append(self._host_linear(layer, x))
+        out: list[torch.Tensor] = []
+        i = 0
+        while i < len(weights):
+            j = i + 1
+            while j < len(weights) and _alike(weights[i], weights[j]):
+                j += 1
+            run = tuple(weights[i:j])
+            i = j
+            w = self._stacked(run)
+            if w is False:
+                out += [self._host_linear(layer, x) for layer in run]
                 continue
-            bv = matmul.activation_block(layer.ggml_type)
+            bv = matmul.activation_block(run[0].ggml_type)
             if bv not in acts:
                 acts[bv] = self._acts(x, bv)
-            out.append(self._matmul(w, layer, acts[bv]))
+            y = self._matmul(w, run[0], acts[bv])
+            if len(run) == 1:
+                out.append(y)
+                continue
+            at = 0
+            for layer in run:  # a slice of one row is contiguous already (decode): no copy then
+                out.append(y[:, at:at + layer.shape[0]].contiguous())
+                at += layer.shape[0]
         return out
 
     def ffn(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
@@ -327,7 +359,7 @@ class CudaOps(ReferenceOps):
         w = self.weight(mlp.down)
         if w is False or len(mlp.down.shape) != 2:
             return super().ffn(mlp, x)
-        wgu = self._gate_up(mlp)
+        wgu = self._stacked((mlp.gate, mlp.up)) if _alike(mlp.gate, mlp.up) else False
         if wgu is not False:  # [T, 2F]: a row's gate, then its up
             gu = self._matmul(wgu, mlp.gate, self._acts(x, matmul.activation_block(mlp.gate.ggml_type)))
         else:
@@ -335,18 +367,18 @@ class CudaOps(ReferenceOps):
         acts = matmul.quantize_swiglu(self.launch, gu, matmul.activation_block(mlp.down.ggml_type))
         return self._matmul(w, mlp.down, acts)
 
-    def _gate_up(self, mlp: GatedMLP) -> torch.Tensor | bool:
-        """gate's raw blocks on the device with up's rows after them ([2F, row_bytes]), uploaded once per FFN in
-        place of the two (False when they differ in type or shape, or no kernel reads them)."""
-        got = self._gate_ups.get(id(mlp))
-        if got is None or got[0] is not mlp:
-            g, u = mlp.gate, mlp.up
-            both: torch.Tensor | bool = False
-            if g.ggml_type == u.ggml_type and len(g.shape) == 2 and g.shape == u.shape:
-                wg, wu = self._upload(g), self._upload(u)
-                if wg is not False and wu is not False:
-                    both = torch.cat([wg, wu])
-            got = self._gate_ups[id(mlp)] = (mlp, both)
+    def _stacked(self, layers: tuple[QuantLinear, ...]) -> torch.Tensor | bool:
+        """The raw blocks of alike 2-D layers on the device, each layer's rows after the one before ([sum O,
+        row_bytes]): one layer's own weight(), several uploaded once as one tensor in place of each (False when no
+        kernel reads them)."""
+        if len(layers) == 1:
+            return self.weight(layers[0]) if len(layers[0].shape) == 2 else False
+        key = tuple(id(layer) for layer in layers)
+        got = self._stacks.get(key)
+        if got is None or any(a is not b for a, b in zip(got[0], layers, strict=True)):
+            parts = [self._upload(layer) for layer in layers]
+            both = False if any(p is False for p in parts) else torch.cat(parts)
+            got = self._stacks[key] = (layers, both)
         return got[1]
 
     def batched(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [H, T, I] -> [H, T, O]
@@ -405,12 +437,20 @@ class CudaOps(ReferenceOps):
 
     def moe_sublayer(self, block: MoEBlock, x: torch.Tensor, residual: Residual) -> torch.Tensor | None:
         """ReferenceOps' MoE sublayer, its input quantized once for the routed and the shared experts (the sublayer
-        reads x and writes only the residual stream, so x's quantization holds throughout)."""
-        self._sublayer_x = (x, {})
-        try:
+        reads x and writes only the residual stream, so x's quantization holds throughout). With the experts
+        resident on the device, their combine runs in the finalize's launch (the same bits)."""
+        from pocketmoe.experts.resident import ResidentExperts
+        from pocketmoe.ops.cuda.experts import CudaExpertKernels
+
+        if self._input is None or x is not self._input[0]:
+            self._input = (x, {}, None)
+        bank = block.experts
+        if not isinstance(bank, ResidentExperts) or not isinstance(bank.kernels, CudaExpertKernels):
             return super().moe_sublayer(block, x, residual)
-        finally:
-            self._sublayer_x = None
+        weights, ids = self.route(block.router, x)
+        contrib = self._here(bank.unweighted(x, ids))  # [T, K, D]
+        shared = None if block.shared is None else self.ffn(block.shared, x)
+        return self._finalize(residual.x, contrib, self._here(weights), shared, residual.norm, residual.eps)
 
     def run(self, model: Any, ctx: StepContext) -> torch.Tensor:
         """The step on the device (a captured CUDA graph when graphs are on and the step's shape has one);
@@ -426,6 +466,7 @@ class CudaOps(ReferenceOps):
             return model(ctx).cpu()
         finally:
             self._ctx = None
+            self._input = None
 
     def expert_kernels(self, device: torch.device) -> Any:
         """The routed-expert kernels for slot pools and resident banks on `device` (experts.build's hook)."""
@@ -499,26 +540,50 @@ class CudaOps(ReferenceOps):
 
     def finalize(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None,
                  weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor | None:
-        if (not _f32(x, a, b, weight) or not x.is_contiguous() or a.shape != x.shape
-                or (b is not None and b.shape != x.shape)):
-            return super().finalize(x, a, b, weight, eps)
+        """x += a (+ b), then y = rms_norm(x) * weight, the next sublayer's input: quantized in the same launch
+        (finalize_q8_0 / _q8_k) for the block size its matmuls read in an earlier step, which _acts then hands
+        them."""
+        return self._finalize(x, a, None, b, weight, eps)
+
+    def _finalize(self, x: torch.Tensor, a: torch.Tensor, kw: torch.Tensor | None, b: torch.Tensor | None,
+                  weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+        """finalize of a [T, D]; or, given kw [T, K], of the routed experts' unweighted outputs a [T, K, D] combined
+        with those weights in the same launch (layers.experts.combine's bits)."""
         d = x.shape[-1]
+        rows = x.numel() // d if d else 0
+        if kw is None:
+            fits = a.shape == x.shape
+        else:
+            fits = x.dim() == 2 and a.dim() == 3 and a.shape[::2] == x.shape and kw.shape == a.shape[:2] and _f32(kw)
+        if not fits or not _f32(x, a, b, weight) or not x.is_contiguous() or (b is not None and b.shape != x.shape):
+            self._input = None
+            return super().finalize(x, a if kw is None else combine(a, kw), b, weight, eps)
         y = None if weight is None else torch.empty_like(x)
+        known: dict[int, list[torch.Tensor]] = {}
         if x.numel():
             a = a.contiguous()
-            self.launch("finalize.cu", "finalize_f32", (x.numel() // d, 1, 1), (ROW_THREADS, 1, 1),
-                        [x, a, a if b is None else b.contiguous(), 1 if b is None else 2,
-                         x if weight is None else self.on_device(weight), x if y is None else y,
-                         0 if weight is None else 1, d, float(eps)], 0)
+            args = [x, a, a if kw is None else kw.contiguous(), 0 if kw is None else a.shape[1],
+                    a if b is None else b.contiguous(), 1 if b is None else 2]
+            learned = None if weight is None else self._norm_blocks.get(id(weight))
+            if learned is not None and learned[0] is weight and d % learned[1] == 0:
+                block = learned[1]
+                acts = known[block] = matmul.activation_buffers((rows, d), block, x.device)
+                self.launch("finalize.cu", f"finalize_q8_{'0' if block == 32 else 'k'}", (rows, 1, 1),
+                            (ROW_THREADS, 1, 1), [*args, self.on_device(weight), y, float(eps), d, *acts], 0)
+            else:
+                self.launch("finalize.cu", "finalize_f32", (rows, 1, 1), (ROW_THREADS, 1, 1),
+                            [*args, x if weight is None else self.on_device(weight), x if y is None else y,
+                             0 if weight is None else 1, d, float(eps)], 0)
+        self._input = None if y is None else (y, known, weight)
         return y
 
-    def _rope_into(self, y: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, neox: bool, off: int = 0) -> None:
-        """Rotate, in place, the R dims at `off` of every head of y [T, H, W] (contiguous)."""
+    def _rope_into(self, y: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, neox: bool) -> None:
+        """Rotate, in place, the leading R dims of every head of y [T, H, W] (contiguous)."""
         t, h, w = y.shape
         r = cos2.shape[-1]
         if t and r:
             self.launch("norm_rope.cu", "rope_f32", (t, 1, 1), (ROPE_THREADS, 1, 1),
-                        [y, y, cos2.float().contiguous(), sin2.float().contiguous(), h * w, h, w, off, r,
+                        [y, y, cos2.float().contiguous(), sin2.float().contiguous(), h * w, h, w, 0, r,
                          int(neox)], 0)
 
     def rope(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, neox: bool = False) -> torch.Tensor:

@@ -100,20 +100,24 @@ def _quantize(launch: Launcher, kernel: str, inputs: list[Any], shape: tuple[int
               dev: torch.device) -> list[torch.Tensor]:
     """The outputs of `kernel`_q8_0 (block 32) or `kernel`_q8_k (256) for rows of `shape`, launched on `inputs`."""
     r, n = shape
-    if n % block != 0:
+    out = activation_buffers(shape, block, dev)
+    grid = (math.ceil(n // block / (THREADS // 32)), r, 1)
+    launch(SOURCE, f"{kernel}_q8_{'0' if block == 32 else 'k'}", grid, (THREADS, 1, 1), [*inputs, *out, n], 0)
+    return out
+
+
+def activation_buffers(shape: tuple[int, int], block: int, dev: torch.device) -> list[torch.Tensor]:
+    """Empty quantized activations of float rows of `shape` for `block`-value weights: [q, d, s] (32: Q8_0) or
+    [q, d, sums] (256: Q8_K), as the quantize kernels write them."""
+    r, n = shape
+    if block not in (32, 256) or n % block != 0:
         raise CudaMatmulError(f"activation rows of {n} values do not split into blocks of {block}; "
                               f"pad the row to a multiple of {block}")
     q = torch.empty((r, n), dtype=torch.int8, device=dev)
     d = torch.empty((r, n // block), dtype=torch.float32, device=dev)
     if block == 32:
-        s = torch.empty((r, n // 32), dtype=torch.float32, device=dev)
-        launch(SOURCE, f"{kernel}_q8_0", (math.ceil(n // 32 / (THREADS // 32)), r, 1), (THREADS, 1, 1),
-               [*inputs, q, d, s, n], 0)
-        return [q, d, s]
-    sums = torch.empty((r, n // 16), dtype=torch.int16, device=dev)
-    launch(SOURCE, f"{kernel}_q8_k", (math.ceil(n // 256 / (THREADS // 32)), r, 1), (THREADS, 1, 1),
-           [*inputs, q, d, sums, n], 0)
-    return [q, d, sums]
+        return [q, d, torch.empty((r, n // 32), dtype=torch.float32, device=dev)]
+    return [q, d, torch.empty((r, n // 16), dtype=torch.int16, device=dev)]
 
 
 def activation_block(ggml_type: int) -> int:

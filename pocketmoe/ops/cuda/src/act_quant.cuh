@@ -36,13 +36,13 @@ struct Swiglu {
   }
 };
 
+// Block b of row `row` quantized by one warp (every lane of it, with the same row and b).
 // s: llama.cpp's block_q8_1 s, fp16(d32 * sum of the 32 q) with d32 the fp32 scale; past fp16's range
 // (where llama.cpp stores inf) the fp32 product itself.
 template <class Src>
-__device__ __forceinline__ void quantize_q8_0_block(Src x, int8_t* q, float* d, float* s, int cols) {
-  const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
-  if (b >= cols / 32) return;
-  const long long row = blockIdx.y;
+__device__ __forceinline__ void quantize_q8_0_block(Src x, long long row, int b, int8_t* q, float* d, float* s,
+                                                    int cols) {
+  const int lane = threadIdx.x % WARP;
   const float v = x(row, 32 * b + lane);
   const float amax = warp_max(fabsf(v));
   const bool zero = !(amax > 0.0f);
@@ -59,10 +59,9 @@ __device__ __forceinline__ void quantize_q8_0_block(Src x, int8_t* q, float* d, 
 }
 
 template <class Src>
-__device__ __forceinline__ void quantize_q8_k_block(Src x, int8_t* q, float* d, int16_t* sums, int cols) {
-  const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, lane = threadIdx.x % WARP;
-  if (b >= cols / 256) return;
-  const long long row = blockIdx.y;
+__device__ __forceinline__ void quantize_q8_k_block(Src x, long long row, int b, int8_t* q, float* d,
+                                                    int16_t* sums, int cols) {
+  const int lane = threadIdx.x % WARP;
   float xb[8];
   float m = 0.0f;
 #pragma unroll
@@ -87,6 +86,30 @@ __device__ __forceinline__ void quantize_q8_k_block(Src x, int8_t* q, float* d, 
   s += __shfl_xor_sync(FULL_MASK, s, 1);
   if (lane % 2 == 0) sums[row * (cols / 16) + 16 * b + lane / 2] = static_cast<int16_t>(s);
   if (lane == 0) d[row * (cols / 256) + b] = zero ? 0.0f : amax / 127.0f;
+}
+
+// The quantize kernels' geometry: grid (ceil(blocks of a row / warps), rows), one warp per block of a row.
+template <int BLOCK, class Src, class Sums>
+__device__ __forceinline__ void quantize_rows(Src x, int8_t* q, float* d, Sums* s, int cols) {
+  const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (b >= cols / BLOCK) return;
+  if constexpr (BLOCK == 32) {
+    quantize_q8_0_block(x, blockIdx.y, b, q, d, s, cols);
+  } else {
+    quantize_q8_k_block(x, blockIdx.y, b, q, d, s, cols);
+  }
+}
+
+// Row `row` quantized by the warps of one block, warp w taking blocks w, w + warps, ... of the row.
+template <int BLOCK, class Src, class Sums>
+__device__ __forceinline__ void quantize_row(Src x, long long row, int8_t* q, float* d, Sums* s, int cols) {
+  for (int b = threadIdx.x / WARP; b < cols / BLOCK; b += blockDim.x / WARP) {
+    if constexpr (BLOCK == 32) {
+      quantize_q8_0_block(x, row, b, q, d, s, cols);
+    } else {
+      quantize_q8_k_block(x, row, b, q, d, s, cols);
+    }
+  }
 }
 
 }  // namespace pmq

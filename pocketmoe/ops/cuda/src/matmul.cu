@@ -34,23 +34,23 @@
 // ---- activation quantization ----
 
 extern "C" __global__ void quantize_q8_0(const float* x, int ld, int8_t* q, float* d, float* s, int cols) {
-  pmq::quantize_q8_0_block(pmq::Plain{x, ld}, q, d, s, cols);
+  pmq::quantize_rows<32>(pmq::Plain{x, ld}, q, d, s, cols);
 }
 
 extern "C" __global__ void quantize_q8_k(const float* x, int ld, int8_t* q, float* d, int16_t* sums, int cols) {
-  pmq::quantize_q8_k_block(pmq::Plain{x, ld}, q, d, sums, cols);
+  pmq::quantize_rows<256>(pmq::Plain{x, ld}, q, d, sums, cols);
 }
 
 // quantize_swiglu_*: the same of silu(g) * u (clamped with limit > 0) for gate and up in one buffer gu: row r's
 // gate at gu + r * ld, its up u_off further on (act_quant.cuh Swiglu).
 extern "C" __global__ void quantize_swiglu_q8_0(const float* gu, long long u_off, int ld, float limit, int8_t* q,
                                                 float* d, float* s, int cols) {
-  pmq::quantize_q8_0_block(pmq::Swiglu{gu, u_off, ld, limit}, q, d, s, cols);
+  pmq::quantize_rows<32>(pmq::Swiglu{gu, u_off, ld, limit}, q, d, s, cols);
 }
 
 extern "C" __global__ void quantize_swiglu_q8_k(const float* gu, long long u_off, int ld, float limit, int8_t* q,
                                                 float* d, int16_t* sums, int cols) {
-  pmq::quantize_q8_k_block(pmq::Swiglu{gu, u_off, ld, limit}, q, d, sums, cols);
+  pmq::quantize_rows<256>(pmq::Swiglu{gu, u_off, ld, limit}, q, d, sums, cols);
 }
 
 // ---- GEMV: y [T, O] = x [T, I] W^T; xs: the Q8_0 rows' s (read by Q4_1 / Q5_1) or the Q8_K sums ----
