@@ -343,7 +343,7 @@ def test_expert_groups_are_a_stable_sort_by_expert(sub, p: int, n: int) -> None:
     k = CudaExpertKernels(ops.launch)
     gen = torch.Generator().manual_seed(p * 1000 + n)
     which = torch.randint(0, n, (p,), generator=gen) if n > 8 else torch.full((p,), n - 1)
-    offsets, order, tokens, largest = k.groups(which.to(dev), n)
+    offsets, order, tokens, largest, groups = k.groups(which.to(dev), n)
     counts = torch.bincount(which, minlength=n)
     assert offsets.dtype == order.dtype == tokens.dtype == torch.int32
     assert offsets.cpu().tolist() == [0, *torch.cumsum(counts, 0).tolist()]
@@ -353,15 +353,45 @@ def test_expert_groups_are_a_stable_sort_by_expert(sub, p: int, n: int) -> None:
     # with input rows: tokens gathers them in the grouped order (pair p of a K = 3 step reads row p // 3)
     rows = (torch.arange(p) // 3).flip(0).to(torch.int32)
     used = torch.full((), 7, dtype=torch.int64, device=dev)  # and a counter gains the distinct experts
-    offsets2, order2, tokens2, _ = k.groups(which.to(dev), n, rows.to(dev), used)
+    offsets2, order2, tokens2, _, _ = k.groups(which.to(dev), n, rows.to(dev), used)
     assert torch.equal(offsets2.cpu(), offsets.cpu()) and torch.equal(order2.cpu(), order.cpu())
     assert tokens2.dtype == torch.int32 and tokens2.cpu().tolist() == rows[order.cpu().long()].tolist()
     assert int(used) == 7 + len(torch.unique(which))
     # laid out twice (one launch over gate and up): the second copy's groups and output rows P further on
-    offsets3, order3, tokens3, _ = k.groups(which.to(dev), n, rows.to(dev), None, copies=2)
+    offsets3, order3, tokens3, _, groups3 = k.groups(which.to(dev), n, rows.to(dev), None, copies=2)
     o, r, t = offsets.cpu().tolist(), order.cpu().tolist(), tokens2.cpu().tolist()
     assert offsets3.cpu().tolist() == o + [p + v for v in o[1:]]
     assert order3.cpu().tolist() == r + [p + v for v in r] and tokens3.cpu().tolist() == t + t
+    if p <= 64:  # the kernel lists the non-empty groups (what the GEMM's grid takes), then -1s up to min(n, P)
+        present = torch.unique(which).tolist()
+        listed = present + [-1] * (min(n, p) - len(present))
+        assert groups.dtype == torch.int32 and groups.cpu().tolist() == listed
+        assert groups3.cpu().tolist() == listed + [n + v if v >= 0 else -1 for v in listed]
+    else:  # torch's path: every group runs
+        assert groups is None and groups3 is None
+
+
+def test_expert_grid_takes_only_the_non_empty_groups(sub, monkeypatch) -> None:
+    """A decode step's few pairs over many experts: the grouped GEMMs' grids take the min(E, P) groups that
+    group_pairs lists (a copy), not all E, most of them idle; the outputs are the bits of the every-group path."""
+    from pocketmoe.ops.cuda import experts as cuda_experts
+
+    ops, dev = sub
+    ggml_type = TYPES["q4_k"][0]
+    rng = np.random.default_rng(23)
+    store = expert_store(ggml_type, 40, 256, 256, rng, dev)
+    which = torch.tensor([31, 3, 39, 3, 17, 8], dtype=torch.int64)  # one token, K = 6: 5 distinct experts
+    x = torch.from_numpy(random_acts(rng, 1, 256)).to(dev)
+    rows = torch.zeros(len(which), dtype=torch.int32)
+    kernels = CudaExpertKernels(ops.launch)
+    grids = getattr(ops.launch, "grids", None)
+    before = None if grids is None else len(grids.get("moe_gemm_q4_k", []))
+    y = kernels.outputs(store, x, which.to(dev), rows.to(dev))
+    if grids is not None:  # gate and up (two copies of 6), then down
+        assert [g[2] for g in grids["moe_gemm_q4_k"][before:]] == [12, 6]
+    monkeypatch.setattr(cuda_experts, "SMALL_PAIRS", 0)  # torch's grouping: every group in the grid
+    every = kernels.outputs(store, x, which.to(dev), rows.to(dev))
+    np.testing.assert_array_equal(y.cpu().numpy(), every.cpu().numpy())
 
 
 def test_expert_kernels_float_store_match_the_reference_kernels(sub) -> None:
@@ -543,7 +573,7 @@ def test_cupy_launcher_host_path_on_a_fake_cupy(monkeypatch) -> None:
     assert [int(a) for a in args] == [0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 16, 256, 1]
     experts = [_GpuTensor(0x100), _GpuTensor(0x200)]
     launch("matmul.cu", "moe_gemm_q8_0", (1, 1, 2), (128, 1, 1),
-           [experts, d, q, s, q, d, s, y, 16, 32, 2, 1], 0)
+           [experts, d, q, s, q, d, s, y, 16, 32, 2, 1, d, 0], 0)
     assert arrays == [(0x100, 0x200)] and int(launches[-1][3][0]) == 0x9001
     stream.cuda_stream = 0xDEF  # another current stream (a copy stream, a graph capture): wrapped once, used
     launch("norm_rope.cu", "rms_norm_f32", (1, 1, 1), (256, 1, 1), [w, 8, w, y, 8, 8, 1e-6], 0)

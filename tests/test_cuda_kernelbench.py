@@ -63,7 +63,8 @@ class ScaledGemv(ShimLauncher):
     def __call__(self, source, kernel, grid, block, args, shared_mem=0) -> None:  # noqa: ANN001
         super().__call__(source, kernel, grid, block, args, shared_mem)
         if kernel.startswith(("gemv_", "moe_gemm_")):
-            out = args[-4] if kernel.startswith("gemv_") else args[-5]
+            # y: before the GEMV's rows, cols, n_tokens; the GEMM's rows, cols, top_k, act_by_pair, groups, has_groups
+            out = args[-4] if kernel.startswith("gemv_") else args[-7]
             out.mul_(1 + 1e-4)
 
 

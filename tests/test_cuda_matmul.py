@@ -282,7 +282,7 @@ def moe_gemm(mod: ShimModule, name: str, experts: list[torch.Tensor], route: tup
     y = torch.full((out_rows, rows), float("nan"))
     grid = (math.ceil(rows / (4 * WARPS)), grid_y, len(experts))
     mod.launch(f"moe_gemm_{name}", grid=grid, block=THREADS,
-               args=[experts, *route, *acts, y, rows, cols, top_k, act_by_pair])
+               args=[experts, *route, *acts, y, rows, cols, top_k, act_by_pair, route[0], 0])
     return y.numpy()
 
 

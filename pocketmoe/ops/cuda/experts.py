@@ -3,7 +3,8 @@ pool or an all-device bank) read in place by the grouped GEMM of src/matmul.cu, 
 
 A call's P (row, expert) pairs are grouped by expert on the device (a stable sort); every expert of the store is
 one entry of the pointer array (an expert without pairs is an empty group), so the cached slots and the freshly
-staged ones of a layer run in the same launches. gate and up read the input rows (a token's row, whichever of
+staged ones of a layer run in the same launches, whose grid takes only the non-empty groups when a step has few
+pairs (a decode step's: at most P of the E). gate and up read the input rows (a token's row, whichever of
 its K experts the pair is) quantized once per row; down reads silu(gate) * up, one row per pair, made as it is
 quantized (one launch).
 Each pair's output is unweighted ([P, D]); combine sums a token's K outputs in slot order in fp32, as the host
@@ -16,7 +17,7 @@ per token.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -48,6 +49,15 @@ def _as(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tens
     return t if t.device == device and t.dtype == dtype else t.to(device, dtype)
 
 
+class Grouping(NamedTuple):
+    """A call's pairs grouped by expert (CudaExpertKernels.groups)."""
+    offsets: torch.Tensor  # [n + 1] int32: where each expert's group starts
+    order: torch.Tensor  # [P] int32: the pair indices, grouped
+    tokens: torch.Tensor  # [P] int32: the input row of each grouped pair (order itself without rows)
+    largest: int  # a bound on the largest group
+    groups: torch.Tensor | None  # [m] int32: the non-empty groups then -1s, m = min(n, P) (None: every group runs)
+
+
 class CudaExpertKernels:
     name = "cuda"
 
@@ -69,18 +79,19 @@ class CudaExpertKernels:
         return got[1]
 
     def groups(self, which: torch.Tensor, n: int, rows: torch.Tensor | None = None, used: torch.Tensor | None = None,
-               copies: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+               copies: int = 1) -> Grouping:
         """offsets [n + 1], order [P] (pair indices grouped by expert, in pair order within one) and tokens [P]
         (rows[order], the input row of each grouped pair; order itself without rows) as int32 on which's device
         (int64), and a bound on the largest group; used (an int64 counter) gains the non-empty groups. copies = 2
         (with rows) lays them out twice for one launch over two weights: offsets [2n + 1], order and tokens [2P],
         the second copy's offsets and order P further on; the first n + 1 / P entries are the one-copy arrays.
 
-        Up to SMALL_PAIRS pairs (a decode step's) one launch sorts them, gathers the rows and counts the groups
-        (route.cu group_pairs; torch's sort, counts and scan are a dozen ops of host overhead) and P bounds the
-        largest group: the tiles past a group's end exit at once, which costs less than the stream stall of a
-        read-back. Beyond, torch's stable argsort, and the largest group read back (one sync; while a CUDA graph
-        is captured, P)."""
+        Up to SMALL_PAIRS pairs (a decode step's) one launch sorts them, gathers the rows, counts the groups and
+        lists the non-empty ones (route.cu group_pairs; torch's sort, counts and scan are a dozen ops of host
+        overhead): the GEMM's grid takes min(n, P) groups a copy, not n, and P bounds the largest group (the
+        tiles past a group's end exit at once, which costs less than the stream stall of a read-back). Beyond,
+        torch's stable argsort, every group, and the largest group read back (one sync; while a CUDA graph is
+        captured, P)."""
         dev, p = which.device, len(which)
         if copies not in (1, 2) or (copies == 2 and rows is None):
             raise ValueError(f"groups lays pairs out once, or twice given their rows; not {copies} times "
@@ -92,13 +103,15 @@ class CudaExpertKernels:
                 torch.empty(copies * n + 1, dtype=torch.int32, device=dev)
             order = torch.empty(copies * p, dtype=torch.int32, device=dev)
             tokens = order if rows is None else torch.empty(copies * p, dtype=torch.int32, device=dev)
+            m = min(n, p)
+            groups = torch.empty(copies * m, dtype=torch.int32, device=dev)
             if p:
                 which = which.contiguous()
                 self.launch("route.cu", "group_pairs", (1, 1, 1), (32, 1, 1),
                             [which, p, n, offsets, order, order if rows is None else rows.contiguous(),
                              int(rows is not None), tokens, which if used is None else used, int(used is not None),
-                             copies], 0)
-            return offsets, order, tokens, p
+                             copies, groups, m], 0)
+            return Grouping(offsets, order, tokens, p, groups)
         order = torch.argsort(which, stable=True)
         counts = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, which, torch.ones_like(which))
         offsets = torch.zeros(n + 1, dtype=torch.int32, device=dev)
@@ -111,7 +124,7 @@ class CudaExpertKernels:
         if copies == 2:
             offsets, order32, tokens = (torch.cat([offsets, offsets[1:] + p]), torch.cat([order32, order32 + p]),
                                         torch.cat([tokens, tokens]))
-        return offsets, order32, tokens, largest
+        return Grouping(offsets, order32, tokens, largest, None)
 
     def outputs(self, store: ExpertStore, x: torch.Tensor | Activations, which: torch.Tensor,
                 rows: torch.Tensor | None = None, used: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,15 +153,19 @@ class CudaExpertKernels:
         both = rows is not None and store.gate.ggml_type == store.up.ggml_type and store.gate.shape == store.up.shape
         # top_k 0: a pair's output row (tokens[p] * top_k + slots[p]) is slots[p], here its own index, the row of
         # h that down reads; gate and up read row tokens[p] of x, the pair's input row
-        offsets, order, tokens, largest = self.groups(which, store.count, rows, used, 2 if both else 1)
+        g = self.groups(which, store.count, rows, used, 2 if both else 1)
         gate, up, down, gate_up = self._experts(store)
-        grouped = (offsets, tokens, order)
-        once = (offsets[:store.count + 1], tokens[:p], order[:p]) if both else grouped  # the first copy
+        grouped = (g.offsets, g.tokens, g.order, g.groups)
+        once = grouped  # the first copy
+        if both:
+            once = (g.offsets[:store.count + 1], g.tokens[:p], g.order[:p],
+                    None if g.groups is None else g.groups[:len(g.groups) // 2])
 
         def gemm(experts: list[torch.Tensor], w: ExpertWeights, a: list[torch.Tensor], n_out: int, y: torch.Tensor,
-                 by_pair: bool, arrays: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            return matmul.moe_gemm(self.launch, experts, w.ggml_type, n_out, w.shape[2], *arrays, a, 0, y,
-                                   act_by_pair=by_pair, max_pairs=largest)
+                 by_pair: bool, arrays: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+            offsets, tokens, order, groups = arrays
+            return matmul.moe_gemm(self.launch, experts, w.ggml_type, n_out, w.shape[2], offsets, tokens, order, a,
+                                   0, y, act_by_pair=by_pair, max_pairs=g.largest, groups=groups)
 
         def x_acts(w: ExpertWeights) -> list[torch.Tensor]:
             key = (self.name, matmul.activation_block(w.ggml_type))

@@ -140,21 +140,26 @@ def gemv(launch: Launcher, weight: torch.Tensor, ggml_type: int, cols: int, acts
 
 def moe_gemm(launch: Launcher, experts: Sequence[torch.Tensor], ggml_type: int, rows: int, cols: int,
              offsets: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, acts: list[torch.Tensor],
-             top_k: int, out: torch.Tensor, act_by_pair: bool = False, max_pairs: int | None = None) -> torch.Tensor:
+             top_k: int, out: torch.Tensor, act_by_pair: bool = False, max_pairs: int | None = None,
+             groups: torch.Tensor | None = None) -> torch.Tensor:
     """out [T * K, O]: row tokens[p] * top_k + slots[p] = W_g x_p for the pairs p of group g (offsets [G + 1]).
 
     experts[g]: uint8 [O, row_bytes] (a cached slot, a freshly staged one or a resident expert: any mix);
     x_p is activation row tokens[p] (act_by_pair False: gate / up) or tokens[p] * top_k + slots[p] (down).
     top_k 0 makes slots[p] the output row itself (pairs whose rows are not a [T, K] grid, tokens[p] their input
     rows).
-    max_pairs (the largest group) sizes blockIdx.y; without it, offsets are read back (a device sync)."""
+    max_pairs (the largest group) sizes blockIdx.y; without it, offsets are read back (a device sync).
+    groups (int32, the group indices to run, -1 for none: group_pairs' non-empty ones) sizes blockIdx.z in place of
+    every group: a decode step's few experts launch a few blocks, not a grid of E mostly idle ones."""
     name, _ = _kernel(ggml_type, cols)
-    if len(experts) == 0 or rows == 0:
+    z = len(experts) if groups is None else len(groups)
+    if z == 0 or rows == 0:
         return out
     if max_pairs is None:
         max_pairs = int((offsets[1:] - offsets[:-1]).max())
     tiles = max(1, math.ceil(max_pairs / 8))
-    grid = (math.ceil(rows / GEMM_ROWS), tiles, len(experts))
+    grid = (math.ceil(rows / GEMM_ROWS), tiles, z)
     launch(SOURCE, f"moe_gemm_{name}", grid, (THREADS, 1, 1),
-           [list(experts), offsets, tokens, slots, *acts, out, rows, cols, top_k, int(act_by_pair)], 0)
+           [list(experts), offsets, tokens, slots, *acts, out, rows, cols, top_k, int(act_by_pair),
+            offsets if groups is None else groups, int(groups is not None)], 0)
     return out

@@ -230,14 +230,18 @@ __device__ __forceinline__ void gemv_f(const uint8_t* w, const float* x, float* 
 
 // Where the pairs of this block's group and tile live; false when the block has nothing to do.
 struct Tile {
-  int begin, count, row0;
+  int group, begin, count, row0;
 };
 
-__device__ __forceinline__ bool gemm_tile(const int32_t* offsets, int rows, Tile& t) {
-  t.begin = offsets[blockIdx.z];
-  t.count = offsets[blockIdx.z + 1] - t.begin;
+// The group is blockIdx.z, or groups[blockIdx.z] with has_groups (-1: none).
+__device__ __forceinline__ bool gemm_tile(const int32_t* offsets, const int32_t* groups, int has_groups, int rows,
+                                          Tile& t) {
+  t.group = has_groups ? groups[blockIdx.z] : static_cast<int>(blockIdx.z);
   t.row0 = blockIdx.x * (blockDim.x / WARP) * kTileRows;
-  return t.row0 < rows && t.count > 0;
+  if (t.group < 0 || t.row0 >= rows) return false;
+  t.begin = offsets[t.group];
+  t.count = offsets[t.group + 1] - t.begin;
+  return t.count > 0;
 }
 
 // Activation row of each pair of the tile (-1 past its end), written by the first kTilePairs threads.
@@ -290,7 +294,7 @@ template <class D, class S>
 __device__ __forceinline__ void moe_gemm_q(const uint8_t* const* experts, const int32_t* offsets,
                                            const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                            const float* xd, const S* xs, float* y, int rows, int cols,
-                                           int top_k, int act_by_pair) {
+                                           int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
   constexpr int kA = act_block<D>(), kD = kChunk / kA, kS = kChunk / 16;
   constexpr bool kSums = kA == 256, kBlockS = kA == 32 && D::kMin;
   static_assert((kA == 32) == (sizeof(S) == 4), "xs: float s (Q8_0 rows) or int16 sums");
@@ -300,10 +304,10 @@ __device__ __forceinline__ void moe_gemm_q(const uint8_t* const* experts, const 
   __shared__ float sbs[kBlockS ? kTilePairs * kD : 1];
   __shared__ int srow[kTilePairs];
   Tile tl;
-  if (!gemm_tile(offsets, rows, tl)) return;
+  if (!gemm_tile(offsets, groups, has_groups, rows, tl)) return;
   const int warps = blockDim.x / WARP, warp = threadIdx.x / WARP;
   const int nb = cols / kA;
-  const uint8_t* w = experts[blockIdx.z];
+  const uint8_t* w = experts[tl.group];
   const long long row_bytes = static_cast<long long>(cols / D::kValues) * D::kBytes;
   for (int tile = blockIdx.y; tile * kTilePairs < tl.count; tile += gridDim.y) {
     const int p0 = tl.begin + tile * kTilePairs, np = min(kTilePairs, tl.count - tile * kTilePairs);
@@ -333,13 +337,14 @@ __device__ __forceinline__ void moe_gemm_q(const uint8_t* const* experts, const 
 template <class D>
 __device__ __forceinline__ void moe_gemm_f(const uint8_t* const* experts, const int32_t* offsets,
                                            const int32_t* tokens, const int32_t* slots, const float* x, float* y,
-                                           int rows, int cols, int top_k, int act_by_pair) {
+                                           int rows, int cols, int top_k, int act_by_pair, const int32_t* groups,
+                                           int has_groups) {
   __shared__ float sx[kTilePairs * kFloatChunk];
   __shared__ int srow[kTilePairs];
   Tile tl;
-  if (!gemm_tile(offsets, rows, tl)) return;
+  if (!gemm_tile(offsets, groups, has_groups, rows, tl)) return;
   const int warps = blockDim.x / WARP, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-  const uint8_t* w = experts[blockIdx.z];
+  const uint8_t* w = experts[tl.group];
   const long long row_bytes = static_cast<long long>(cols) * D::kBytes;
   for (int tile = blockIdx.y; tile * kTilePairs < tl.count; tile += gridDim.y) {
     const int p0 = tl.begin + tile * kTilePairs, np = min(kTilePairs, tl.count - tile * kTilePairs);

@@ -21,7 +21,8 @@
 //     (ceil(I / 32 / W) or ceil(I / 256 / W), T); one warp per block; q, d and s / sums contiguous.
 //   gemv_<type>: grid (ceil(O / W), ceil(T / 8)); one warp per output row, up to 8 tokens per blockIdx.y.
 //     y [T, O]; weight [O, row_bytes] contiguous.
-//   moe_gemm_<type>: grid (ceil(O / (4 W)), any n >= 1, G); group g = blockIdx.z reads expert weight
+//   moe_gemm_<type>: grid (ceil(O / (4 W)), any n >= 1, G); group g = blockIdx.z (with has_groups, g =
+//     groups[blockIdx.z], the block exiting where it is -1: the step's non-empty groups only) reads expert weight
 //     experts[g] ([O, row_bytes]) and pairs offsets[g] .. offsets[g + 1] - 1 of tokens[] / slots[], in tiles
 //     of 8 pairs (blockIdx.y, + n, ...); the activation row of pair p is tokens[p] (act_by_pair = 0) or
 //     tokens[p] * top_k + slots[p] (act_by_pair = 1); its output is y[tokens[p] * top_k + slots[p], :O].
@@ -192,185 +193,209 @@ extern "C" __global__ void gemv_bf16(const uint8_t* w, const float* x, float* y,
 extern "C" __global__ void moe_gemm_q4_0(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const float* xs, float* y, int rows, int cols,
-                                        int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::Q4_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                        int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::Q4_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_q4_1(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const float* xs, float* y, int rows, int cols,
-                                        int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::Q4_1>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                        int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::Q4_1>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_q5_0(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const float* xs, float* y, int rows, int cols,
-                                        int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::Q5_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                        int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::Q5_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_q5_1(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const float* xs, float* y, int rows, int cols,
-                                        int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::Q5_1>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                        int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::Q5_1>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_q8_0(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const float* xs, float* y, int rows, int cols,
-                                        int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::Q8_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                        int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::Q8_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_iq4_nl(const uint8_t* const* experts, const int32_t* offsets,
                                           const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                           const float* xd, const float* xs, float* y, int rows, int cols,
-                                          int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::IQ4NL>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                          int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::IQ4NL>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_mxfp4(const uint8_t* const* experts, const int32_t* offsets,
                                          const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                          const float* xd, const float* xs, float* y, int rows, int cols,
-                                         int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::MXFP4>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                         int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::MXFP4>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_nvfp4(const uint8_t* const* experts, const int32_t* offsets,
                                          const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                          const float* xd, const float* xs, float* y, int rows, int cols,
-                                         int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::NVFP4>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                         int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::NVFP4>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_q1_0(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const float* xs, float* y, int rows, int cols,
-                                        int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::Q1_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                        int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::Q1_0>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_q2_k(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                        int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::Q2K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                        int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::Q2K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                           has_groups);
 }
 
 extern "C" __global__ void moe_gemm_q3_k(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                        int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::Q3K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                        int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::Q3K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                           has_groups);
 }
 
 extern "C" __global__ void moe_gemm_q4_k(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                        int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::Q4K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                        int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::Q4K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                           has_groups);
 }
 
 extern "C" __global__ void moe_gemm_q5_k(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                        int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::Q5K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                        int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::Q5K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                           has_groups);
 }
 
 extern "C" __global__ void moe_gemm_q6_k(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                         const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                        int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::Q6K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                        int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::Q6K>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                           has_groups);
 }
 
 extern "C" __global__ void moe_gemm_iq2_xxs(const uint8_t* const* experts, const int32_t* offsets,
                                            const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                            const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                           int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::IQ2XXS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                           int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::IQ2XXS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                              has_groups);
 }
 
 extern "C" __global__ void moe_gemm_iq3_xxs(const uint8_t* const* experts, const int32_t* offsets,
                                            const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                            const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                           int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::IQ3XXS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                           int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::IQ3XXS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                              has_groups);
 }
 
 extern "C" __global__ void moe_gemm_iq1_s(const uint8_t* const* experts, const int32_t* offsets,
                                          const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                          const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                         int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::IQ1S>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                         int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::IQ1S>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_iq2_xs(const uint8_t* const* experts, const int32_t* offsets,
                                            const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                            const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                           int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::IQ2XS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                           int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::IQ2XS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_iq2_s(const uint8_t* const* experts, const int32_t* offsets,
                                           const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                           const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                          int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::IQ2S>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                          int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::IQ2S>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_iq3_s(const uint8_t* const* experts, const int32_t* offsets,
                                           const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                           const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                          int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::IQ3S>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                          int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::IQ3S>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_iq1_m(const uint8_t* const* experts, const int32_t* offsets,
                                          const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                          const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                         int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::IQ1M>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                         int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::IQ1M>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_iq4_xs(const uint8_t* const* experts, const int32_t* offsets,
                                           const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                           const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                          int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::IQ4XS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                          int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::IQ4XS>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_tq2_0(const uint8_t* const* experts, const int32_t* offsets,
                                          const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                          const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                         int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::TQ20>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                         int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::TQ20>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_tq1_0(const uint8_t* const* experts, const int32_t* offsets,
                                          const int32_t* tokens, const int32_t* slots, const int8_t* xq,
                                          const float* xd, const int16_t* xs, float* y, int rows, int cols,
-                                         int top_k, int act_by_pair) {
-  pmq::moe_gemm_q<pmq::TQ10>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair);
+                                         int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_q<pmq::TQ10>(experts, offsets, tokens, slots, xq, xd, xs, y, rows, cols, top_k, act_by_pair, groups,
+                             has_groups);
 }
 
 extern "C" __global__ void moe_gemm_f32(const uint8_t* const* experts, const int32_t* offsets,
                                        const int32_t* tokens, const int32_t* slots, const float* x, float* y, int rows,
-                                       int cols, int top_k, int act_by_pair) {
-  pmq::moe_gemm_f<pmq::F32>(experts, offsets, tokens, slots, x, y, rows, cols, top_k, act_by_pair);
+                                       int cols, int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_f<pmq::F32>(experts, offsets, tokens, slots, x, y, rows, cols, top_k, act_by_pair, groups, has_groups);
 }
 
 extern "C" __global__ void moe_gemm_f16(const uint8_t* const* experts, const int32_t* offsets,
                                        const int32_t* tokens, const int32_t* slots, const float* x, float* y, int rows,
-                                       int cols, int top_k, int act_by_pair) {
-  pmq::moe_gemm_f<pmq::F16>(experts, offsets, tokens, slots, x, y, rows, cols, top_k, act_by_pair);
+                                       int cols, int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_f<pmq::F16>(experts, offsets, tokens, slots, x, y, rows, cols, top_k, act_by_pair, groups, has_groups);
 }
 
 extern "C" __global__ void moe_gemm_bf16(const uint8_t* const* experts, const int32_t* offsets,
                                         const int32_t* tokens, const int32_t* slots, const float* x, float* y, int rows,
-                                        int cols, int top_k, int act_by_pair) {
-  pmq::moe_gemm_f<pmq::BF16>(experts, offsets, tokens, slots, x, y, rows, cols, top_k, act_by_pair);
+                                        int cols, int top_k, int act_by_pair, const int32_t* groups, int has_groups) {
+  pmq::moe_gemm_f<pmq::BF16>(experts, offsets, tokens, slots, x, y, rows, cols, top_k, act_by_pair, groups, has_groups);
 }

@@ -106,17 +106,20 @@ extern "C" __global__ void route_f32(const float* __restrict__ logits, const flo
 // when a step has few of them: one warp (grid 1, blockDim.x = 32), no shared memory. which[P] holds each pair's
 // expert (or slot), in [0, n). offsets[n + 1] gets the start of each expert's group (offsets[n] = P) and order[P]
 // the pair indices grouped by expert, ascending, in pair order within a group: a stable counting sort, the order
-// torch.argsort(which, stable=True) gives. With has_rows, tokens[P] gets rows[order[i]] beside it (the input
-// row each grouped pair reads), which saves a gather launch; with has_used, *used (an int64 counter the
-// statistics read back later) gains the number of non-empty groups, the distinct experts of the step. copies = 2
-// lays the grouping out twice, for one launch over two weights (gate, then up): offsets [2n + 1], order and
-// tokens [2P], the second copy's groups and order entries P further on (the rows of its outputs). Lane l counts
-// experts l, l + 32, ...; a warp scan of the counts places each round of 32 experts after the pairs of the rounds
-// before.
+// torch.argsort(which, stable=True) gives. groups[m] (m = min(n, P): no more can be non-empty) gets the non-empty
+// groups, ascending, then -1s: the grouped GEMM's grid takes those, not all n. With has_rows, tokens[P] gets
+// rows[order[i]] beside it (the input row each grouped pair reads), which saves a gather launch; with has_used,
+// *used (an int64 counter the statistics read back later) gains the number of non-empty groups, the distinct
+// experts of the step. copies = 2 lays the grouping out twice, for one launch over two weights (gate, then up):
+// offsets [2n + 1], order and tokens [2P], the second copy's groups and order entries P further on (the rows of
+// its outputs), and groups [2m], the second copy's (group n + e for expert e) m further on. Lane l counts experts
+// l, l + 32, ...; a warp scan of the counts places each round of 32 experts after the pairs of the rounds before,
+// and one of the non-empty flags places each non-empty group after those of the rounds before.
 extern "C" __global__ void group_pairs(const long long* __restrict__ which, int p, int n,
                                        int32_t* __restrict__ offsets, int32_t* __restrict__ order,
                                        const int32_t* __restrict__ rows, int has_rows, int32_t* __restrict__ tokens,
-                                       long long* __restrict__ used, int has_used, int copies) {
+                                       long long* __restrict__ used, int has_used, int copies,
+                                       int32_t* __restrict__ groups, int m) {
   const int lane = threadIdx.x;
   int base = 0, distinct = 0;
   for (int e0 = 0; e0 < n; e0 += WARP) {
@@ -142,8 +145,17 @@ extern "C" __global__ void group_pairs(const long long* __restrict__ which, int 
         }
     }
     base += __shfl_sync(FULL_MASK, incl, WARP - 1);
-    distinct += warp_sum_int(count > 0 ? 1 : 0);
+    int rank = count > 0 ? 1 : 0;  // inclusive scan of the non-empty flags: this expert's place among them
+    for (int d = 1; d < WARP; d <<= 1) {
+      const int v = __shfl_up_sync(FULL_MASK, rank, d);
+      if (lane >= d) rank += v;
+    }
+    if (count > 0)
+      for (int c = 0; c < copies; ++c) groups[c * m + distinct + rank - 1] = c * n + e;
+    distinct += __shfl_sync(FULL_MASK, rank, WARP - 1);
   }
+  for (int r = distinct + lane; r < m; r += WARP)
+    for (int c = 0; c < copies; ++c) groups[c * m + r] = -1;
   if (lane == 0) {
     offsets[copies * n] = copies * base;
     if (has_used) *used += distinct;
