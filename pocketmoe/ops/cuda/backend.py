@@ -357,7 +357,7 @@ class CudaOps(ReferenceOps):
         """down(silu(gate x) * up x): gate and up as one matmul over their rows stacked (when they are alike), the
         product made as down's activations are quantized (one launch)."""
         w = self.weight(mlp.down)
-        if w is False or len(mlp.down.shape) != 2:
+        if w is False or len(mlp.down.shape) != 2 or mlp.gate.shape != mlp.up.shape:  # gu: two halves of F each
             return super().ffn(mlp, x)
         wgu = self._stacked((mlp.gate, mlp.up)) if _alike(mlp.gate, mlp.up) else False
         if wgu is not False:  # [T, 2F]: a row's gate, then its up
