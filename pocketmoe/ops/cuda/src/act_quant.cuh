@@ -88,28 +88,28 @@ __device__ __forceinline__ void quantize_q8_k_block(Src x, long long row, int b,
   if (lane == 0) d[row * (cols / 256) + b] = zero ? 0.0f : amax / 127.0f;
 }
 
+// Block b of row `row` for BLOCK-value weights: Q8_0 (32) or Q8_K (256).
+template <int BLOCK, class Src, class Sums>
+__device__ __forceinline__ void quantize_block(Src x, long long row, int b, int8_t* q, float* d, Sums* s, int cols) {
+  if constexpr (BLOCK == 32) {
+    quantize_q8_0_block(x, row, b, q, d, s, cols);
+  } else {
+    quantize_q8_k_block(x, row, b, q, d, s, cols);
+  }
+}
+
 // The quantize kernels' geometry: grid (ceil(blocks of a row / warps), rows), one warp per block of a row.
 template <int BLOCK, class Src, class Sums>
 __device__ __forceinline__ void quantize_rows(Src x, int8_t* q, float* d, Sums* s, int cols) {
   const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-  if (b >= cols / BLOCK) return;
-  if constexpr (BLOCK == 32) {
-    quantize_q8_0_block(x, blockIdx.y, b, q, d, s, cols);
-  } else {
-    quantize_q8_k_block(x, blockIdx.y, b, q, d, s, cols);
-  }
+  if (b < cols / BLOCK) quantize_block<BLOCK>(x, blockIdx.y, b, q, d, s, cols);
 }
 
 // Row `row` quantized by the warps of one block, warp w taking blocks w, w + warps, ... of the row.
 template <int BLOCK, class Src, class Sums>
 __device__ __forceinline__ void quantize_row(Src x, long long row, int8_t* q, float* d, Sums* s, int cols) {
-  for (int b = threadIdx.x / WARP; b < cols / BLOCK; b += blockDim.x / WARP) {
-    if constexpr (BLOCK == 32) {
-      quantize_q8_0_block(x, row, b, q, d, s, cols);
-    } else {
-      quantize_q8_k_block(x, row, b, q, d, s, cols);
-    }
-  }
+  for (int b = threadIdx.x / WARP; b < cols / BLOCK; b += blockDim.x / WARP)
+    quantize_block<BLOCK>(x, row, b, q, d, s, cols);
 }
 
 }  // namespace pmq

@@ -50,6 +50,16 @@ __device__ __forceinline__ int warp_sum_int(int v) {
   return v;
 }
 
+// Inclusive prefix sum over the warp's lanes: lane l gets v of lanes 0..l.
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+  const int lane = threadIdx.x % WARP;
+  for (int d = 1; d < WARP; d <<= 1) {
+    const int u = __shfl_up_sync(FULL_MASK, v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));

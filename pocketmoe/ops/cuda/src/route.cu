@@ -127,11 +127,7 @@ extern "C" __global__ void group_pairs(const long long* __restrict__ which, int 
     int count = 0;
     if (e < n)
       for (int i = 0; i < p; ++i) count += which[i] == e;
-    int incl = count;  // inclusive scan of the counts over the warp
-    for (int d = 1; d < WARP; d <<= 1) {
-      const int v = __shfl_up_sync(FULL_MASK, incl, d);
-      if (lane >= d) incl += v;
-    }
+    const int incl = warp_inclusive_sum(count);
     if (e < n) {
       int at = base + incl - count;
       for (int c = 0; c < copies; ++c) offsets[c * n + e] = c * p + at;
@@ -145,11 +141,7 @@ extern "C" __global__ void group_pairs(const long long* __restrict__ which, int 
         }
     }
     base += __shfl_sync(FULL_MASK, incl, WARP - 1);
-    int rank = count > 0 ? 1 : 0;  // inclusive scan of the non-empty flags: this expert's place among them
-    for (int d = 1; d < WARP; d <<= 1) {
-      const int v = __shfl_up_sync(FULL_MASK, rank, d);
-      if (lane >= d) rank += v;
-    }
+    const int rank = warp_inclusive_sum(count > 0 ? 1 : 0);  // this expert's place among the non-empty ones
     if (count > 0)
       for (int c = 0; c < copies; ++c) groups[c * m + distinct + rank - 1] = c * n + e;
     distinct += __shfl_sync(FULL_MASK, rank, WARP - 1);
